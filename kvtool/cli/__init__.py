@@ -1,0 +1,20 @@
+"""The `kvtool` command line: a thin typer layer over library functions."""
+
+from __future__ import annotations
+
+import typer
+
+from kvtool.cli.inspect_layout import inspect_layout
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="kvtool: develop, benchmark and conformance-check KV cache connectors.")
+app.command("inspect-layout")(inspect_layout)
+
+
+@app.callback()
+def _root() -> None:
+    """kvtool: develop, benchmark and conformance-check KV cache connectors."""
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,47 @@
+"""The exception tree. Every error kvtool raises on purpose derives from `KvToolError`.
+
+- `InputError`: bad user input (unknown model, malformed file, impossible size): the CLI exits 2.
+- `OutOfMemoryError` / `OutOfPagesError`: the cache cannot hold what was asked.
+- `LogicError`: a broken contract or invariant inside the manager or the runtime (a bug somewhere).
+- `LayoutError`: a layout query outside what the layout describes.
+- `ConnectorError`: a connector broke the connector API contract or raised from a hook.
+- `IntegrityError`: KV bytes differ from what a full recompute would have written.
+"""
+
+from __future__ import annotations
+
+
+class KvToolError(Exception):
+    """Base of every deliberate kvtool error."""
+
+
+class InputError(KvToolError):
+    """User input that cannot be used; the message says what and why, in one line."""
+
+
+class OutOfMemoryError(KvToolError):
+    """The configured memory cannot hold the requested storage."""
+
+
+class OutOfPagesError(OutOfMemoryError):
+    """No free or evictable slot is left in a pool group."""
+
+
+class LogicError(KvToolError):
+    """A contract or invariant was broken: a bug in the caller or in kvtool."""
+
+
+class LayoutError(KvToolError):
+    """A query outside what a layout describes (unknown layer group, layer, or view)."""
+
+
+class UnsupportedTierError(KvToolError):
+    """A cache tier that the bundled manager or a connector cannot work with."""
+
+
+class ConnectorError(KvToolError):
+    """A connector broke the API contract, or one of its hooks raised."""
+
+
+class IntegrityError(KvToolError):
+    """KV bytes differ from what a full recompute would have written."""

@@ -1,0 +1,55 @@
+"""Chained SHA-256 block keys and the reuse scope that roots them.
+
+key(block) = SHA-256(key(previous block) || the block's tokens as 4-byte little-endian ints);
+the root key is SHA-256 of the reuse scope (LoRA id, salt derived from `cache_salt`). Matches
+compare digests only, which is why the hash stays cryptographic and 256 bits wide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+
+class ReuseScope(NamedTuple):
+    lora_id: int | None = None
+    salt: int | None = None
+
+    @staticmethod
+    def from_cache_salt(cache_salt: str | None, lora_id: int | None = None) -> "ReuseScope":
+        """The scope of a request; requests with different salts never share a block."""
+        if cache_salt is None:
+            return ReuseScope(lora_id, None)
+        digest = hashlib.sha256(cache_salt.encode("utf-8")).digest()
+        return ReuseScope(lora_id, int.from_bytes(digest[:8], "little"))
+
+
+def root_key(scope: ReuseScope) -> bytes:
+    parts = [b"kvtool-reuse-scope"]
+    for value in scope:
+        parts.append(b"\x00" if value is None else b"\x01" + int(value).to_bytes(16, "little", signed=True))
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    array = np.asarray(tokens, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return array.astype("<u4").tobytes()
+
+
+def block_key(previous: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(previous + tokens_bytes(tokens)).digest()
+
+
+def chained_block_keys(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope,
+                       include_partial: bool = False) -> Iterator[tuple[Sequence[int], bytes]]:
+    """(block tokens, key) for each full block, then the trailing partial one if asked."""
+    previous = root_key(scope)
+    end = len(tokens) if include_partial else len(tokens) - len(tokens) % tokens_per_block
+    for start in range(0, end, tokens_per_block):
+        chunk = tokens[start:start + tokens_per_block]
+        previous = block_key(previous, chunk)
+        yield chunk, previous

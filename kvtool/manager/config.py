@@ -1,0 +1,49 @@
+"""Configuration of the bundled manager: model, block size, how many slots, which tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtool.errors import InputError
+from kvtool.models import ModelSpec
+from kvtool.types import CacheTier
+
+DEFAULT_TYPICAL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class KvCacheManagerConfig:
+    model: ModelSpec
+    tokens_per_block: int = 32
+    num_slots: int | None = None
+    """Slots in every pool group; exclusive with `memory_bytes`."""
+    memory_bytes: int | None = None
+    """GPU memory for all pools, shared by pool groups as a typical request needs it."""
+    typical_tokens: int = DEFAULT_TYPICAL_TOKENS
+    device: str | None = None
+    """torch device for the pools; None = CUDA when available, else CPU."""
+    host_cache_bytes: int = 0
+    disk_cache_bytes: int = 0
+    swa_scratch_reuse: bool = True
+
+    def validate(self) -> None:
+        """InputError for values no manager can be built from."""
+        if self.tokens_per_block <= 0:
+            raise InputError(f"tokens per block must be positive, got {self.tokens_per_block}")
+        if (self.num_slots is None) == (self.memory_bytes is None):
+            raise InputError("give exactly one of num_slots and memory_bytes")
+        if self.num_slots is not None and self.num_slots <= 0:
+            raise InputError(f"num_slots must be positive, got {self.num_slots}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise InputError(f"memory must be positive, got {self.memory_bytes} bytes")
+        if self.typical_tokens <= 0:
+            raise InputError(f"typical_tokens must be positive, got {self.typical_tokens}")
+
+    @property
+    def tiers(self) -> tuple[CacheTier, ...]:
+        tiers = [CacheTier.GPU]
+        if self.host_cache_bytes:
+            tiers.append(CacheTier.HOST)
+        if self.disk_cache_bytes:
+            tiers.append(CacheTier.DISK)
+        return tuple(tiers)

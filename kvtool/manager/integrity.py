@@ -1,0 +1,101 @@
+"""`check_integrity()`: the manager's invariants, checked from scratch.
+
+- pages are conserved per pool group: free + cached (droppable) + in use == total;
+- no slot is owned twice, every owned slot has exactly one page object, free slots are not owned;
+- every page's reference counts equal what live caches and holds actually reference;
+- tree and pages agree (a node's page points back at the node), partial blocks are leaves;
+- region invariants of the layout, and each cache's own invariant.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvtool.errors import LogicError
+from kvtool.manager.layout import check_layout
+from kvtool.manager.pages import Page
+from kvtool.types import KvCacheStatus, PageStatus
+
+if TYPE_CHECKING:
+    from kvtool.manager.manager import KvCacheManager
+
+
+def check_manager(manager: KvCacheManager) -> None:
+    expected = {g.layer_group_id: {b for c in g.coalesced for b in c.buffer_ids} for g in manager.layer_groups}
+    check_layout(manager.layout, expected)
+    for cache in manager.caches:
+        cache.check_invariant()
+    active, held = _recount(manager)
+    for pg in manager.pool_groups:
+        _check_pool_group(manager, pg.pool_group_index, active, held)
+    _check_tree(manager)
+
+
+def _recount(manager: KvCacheManager) -> tuple[Counter, Counter]:
+    active: Counter = Counter()
+    held: Counter = Counter()
+    for cache in manager.caches:
+        pages = [p for g in manager.layer_groups for p in cache.pages(g.layer_group_id) if p is not None]
+        pages += cache.scratch_pages()
+        if len({id(p) for p in pages}) != len(pages):
+            raise LogicError(f"cache {cache.id} references one page twice")
+        counter = active if cache.status is KvCacheStatus.ACTIVE else held
+        for page in pages:
+            _require_listed(manager, page, f"cache {cache.id}")
+            counter[id(page)] += 1
+    for hold in manager.holds:
+        for page in hold.pages:
+            _require_listed(manager, page, "an async-save hold")
+            held[id(page)] += 1
+    return active, held
+
+
+def _require_listed(manager: KvCacheManager, page: Page, user: str) -> None:
+    if manager.page_table.pages_of(page.pool_group_index).get(page.slot) is not page:
+        raise LogicError(f"{user} uses {page}, whose slot is not owned by that page")
+
+
+def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: Counter) -> None:
+    allocator = manager.page_table.allocators[pg]
+    pages = manager.page_table.pages_of(pg)
+    free = allocator.free_slots()
+    if len(free) != len(set(free)):
+        raise LogicError(f"pool group {pg}: a slot is in the free list twice")
+    if set(free) & set(pages) or allocator.owned() != set(pages):
+        raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
+    droppable = manager.page_table.droppable_pages(pg)
+    if len({id(p) for p in droppable}) != len(droppable):
+        raise LogicError(f"pool group {pg}: a page is listed for eviction twice")
+    listed = {id(p) for p in droppable}
+    in_use = 0
+    for page in pages.values():
+        if (page.num_active, page.num_held) != (active[id(page)], held[id(page)]):
+            raise LogicError(f"{page}: counts (active {page.num_active}, held {page.num_held}) but caches and "
+                             f"holds reference it (active {active[id(page)]}, held {held[id(page)]})")
+        is_droppable = page.status is PageStatus.DROPPABLE
+        if is_droppable and page.node is None:
+            raise LogicError(f"{page} is referenced by nobody and was not freed")
+        if is_droppable != (id(page) in listed):
+            raise LogicError(f"{page}: eviction list and status disagree")
+        in_use += not is_droppable
+    if len(free) + len(droppable) + in_use != allocator.num_slots:
+        raise LogicError(f"pool group {pg}: free {len(free)} + cached {len(droppable)} + in use {in_use} "
+                         f"!= total {allocator.num_slots}")
+
+
+def _check_tree(manager: KvCacheManager) -> None:
+    for node in manager.tree.nodes():
+        if not node.is_full and node.children:
+            raise LogicError(f"{node}: a partial block has children")
+        for group_id, page in node.pages.items():
+            if page.node is not node or page.layer_group_id != group_id or page.is_scratch:
+                raise LogicError(f"{node} and {page} disagree about each other")
+            _require_listed(manager, page, f"{node}")
+    for pg in manager.pool_groups:
+        for page in manager.page_table.pages_of(pg.pool_group_index).values():
+            if page.node is not None and page.node.pages.get(page.layer_group_id) is not page:
+                raise LogicError(f"{page} points at a node that does not hold it")
+
+
+

@@ -1,0 +1,323 @@
+"""The per-request KV cache: its pages per layer group, history and committed tokens.
+
+Status: SUSPENDED (new, or suspended) -> ACTIVE (after `resume`) -> CLOSED.
+Invariant: num_committed_tokens <= history_length <= capacity; at creation all three equal the
+reused length. Page lists hold one entry per block ordinal in [0, ceil(capacity / tpb)), with
+None (reported as BAD_PAGE_INDEX) where a block has no page: stale blocks of windowed groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from kvtool.errors import LogicError
+from kvtool.manager.block_keys import ReuseScope, block_key
+from kvtool.manager.layer_groups import LayerGroupSpec
+from kvtool.manager.pages import Page
+from kvtool.manager.radix_tree import RadixNode
+from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, KvCacheStatus, LayerGroupId, PageIndex, Priority
+
+if TYPE_CHECKING:
+    from kvtool.manager.manager import KvCacheManager
+
+
+@dataclass
+class Match:
+    """A prefix found in the tree: full blocks reused as they are, then maybe part of one more."""
+
+    nodes: list[RadixNode] = field(default_factory=list)
+    partial: RadixNode | None = None
+    num_partial_tokens: int = 0
+
+    def num_tokens(self, tokens_per_block: int) -> int:
+        return len(self.nodes) * tokens_per_block + self.num_partial_tokens
+
+
+@dataclass
+class _ResizePlan:
+    releases: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
+    allocations: list[tuple[LayerGroupId, int, bool]] = field(default_factory=list)
+    copies: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KvCache:
+    def __init__(self, manager: KvCacheManager, cache_id: object, scope: ReuseScope, match: Match,
+                 tokens: Sequence[int], expected_prompt_length: int | None, priority: Priority) -> None:
+        self._manager = manager
+        self._table = manager.page_table
+        self._groups: tuple[LayerGroupSpec, ...] = manager.layer_groups
+        self.id = cache_id
+        self.reuse_scope = scope
+        self.tokens_per_block = manager.tokens_per_block
+        self.expected_prompt_length = expected_prompt_length
+        self.priority = priority
+        self.enable_swa_scratch_reuse = manager.config.swa_scratch_reuse
+        self._status = KvCacheStatus.SUSPENDED
+        reused = match.num_tokens(self.tokens_per_block)
+        self._committed: list[int] = list(tokens[:reused])
+        self._capacity = self._history = reused
+        self._nodes = list(match.nodes)
+        self._pages: dict[LayerGroupId, list[Page | None]] = {}
+        self._shared_partial: dict[LayerGroupId, Page] = {}
+        self._scratch_idle: dict[LayerGroupId, list[Page]] = {g.layer_group_id: [] for g in self._groups}
+        self._adopt_match(match, reused)
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def status(self) -> KvCacheStatus:
+        return self._status
+
+    @property
+    def is_active(self) -> bool:
+        return self._status is KvCacheStatus.ACTIVE
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def history_length(self) -> int:
+        return self._history
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return len(self._committed)
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        return list(self._committed)
+
+    @property
+    def num_blocks(self) -> int:
+        return _ceil_div(self._capacity, self.tokens_per_block)
+
+    def get_page_indices(self, layer_group_id: int) -> list[PageIndex]:
+        """One entry per block ordinal; BAD_PAGE_INDEX where the block has no page in this group."""
+        self._require_open("get_page_indices")
+        return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[LayerGroupId(layer_group_id)]]
+
+    def pages(self, layer_group_id: int) -> list[Page | None]:
+        return list(self._pages[LayerGroupId(layer_group_id)])
+
+    def scratch_pages(self) -> list[Page]:
+        return [p for pages in self._scratch_idle.values() for p in pages]
+
+    def check_invariant(self) -> None:
+        """Raise LogicError unless committed <= history <= capacity and page lists fit capacity."""
+        if not self.num_committed_tokens <= self._history <= self._capacity:
+            raise LogicError(f"cache {self.id}: need num_committed_tokens ({self.num_committed_tokens}) <= "
+                             f"history_length ({self._history}) <= capacity ({self._capacity})")
+        for group in self._groups:
+            pages = self._pages[group.layer_group_id]
+            if self._status is not KvCacheStatus.CLOSED and len(pages) != self.num_blocks:
+                raise LogicError(f"cache {self.id}: layer group {group.layer_group_id} lists {len(pages)} "
+                                 f"pages for {self.num_blocks} blocks")
+            stale = group.stale_range(self._history, self.tokens_per_block)
+            missing = [j for j, p in enumerate(pages) if p is None and j not in stale]
+            if missing:
+                raise LogicError(f"cache {self.id}: layer group {group.layer_group_id} has no page for "
+                                 f"live block {missing[0]}")
+
+    # ---- life cycle --------------------------------------------------------------------------
+    def resume(self) -> bool:
+        """SUSPENDED -> ACTIVE. Pages never leave the GPU tier here, so this always succeeds."""
+        if self._status is not KvCacheStatus.SUSPENDED:
+            raise LogicError(f"cache {self.id}: resume needs SUSPENDED, status is {self._status.value}")
+        for page in self._all_pages():
+            self._table.set_active(page, True)
+        self._status = KvCacheStatus.ACTIVE
+        return True
+
+    def suspend(self) -> None:
+        """ACTIVE -> SUSPENDED: pages stay, but are HELD instead of LOCKED."""
+        self._require_active("suspend")
+        for page in self._all_pages():
+            self._table.set_active(page, False)
+        self._status = KvCacheStatus.SUSPENDED
+
+    def close(self) -> None:
+        """Release every page (a trailing partial committed block joins the tree as a leaf)."""
+        if self._status is KvCacheStatus.CLOSED:
+            return
+        active = self._status is KvCacheStatus.ACTIVE
+        self._commit_partial_leaf()
+        num = max((len(p) for p in self._pages.values()), default=0)
+        for j in reversed(range(num)):  # later blocks are released first, so they are evicted first
+            for group_id, pages in self._pages.items():
+                if j < len(pages) and pages[j] is not None:
+                    self._table.release(pages[j], active)
+        for pages in self._scratch_idle.values():
+            for page in pages:
+                self._table.release(page, active)
+        self._pages = {g: [] for g in self._pages}
+        self._scratch_idle = {g: [] for g in self._scratch_idle}
+        self._shared_partial.clear()
+        for node in reversed(self._nodes):
+            node.num_users -= 1
+            self._manager.tree.prune(node)
+        self._nodes = []
+        self._status = KvCacheStatus.CLOSED
+        self._manager._forget(self)
+
+    # ---- resize ------------------------------------------------------------------------------
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        """Set capacity (and raise history); False, with nothing changed, when pages run out.
+
+        Refuses (LogicError) to run unless ACTIVE, to decrease history, or to raise history above
+        capacity. Stale blocks at the new history get no page; pages of blocks that became stale
+        are released. With SWA scratch reuse on, blocks that will be stale when the prompt ends
+        take transient scratch slots instead of pages of their own.
+        """
+        self._require_active("resize")
+        history = self._history if history_length is None else history_length
+        if history < self._history:
+            raise LogicError(f"cache {self.id}: resize would decrease history_length "
+                             f"from {self._history} to {history}")
+        if history > capacity:
+            raise LogicError(f"cache {self.id}: history_length {history} above capacity {capacity}")
+        plan = self._plan_resize(capacity, history)
+        if not self._plan_fits(plan):
+            return False
+        self._apply(plan, _ceil_div(capacity, self.tokens_per_block))
+        self._capacity, self._history = capacity, history
+        return True
+
+    def _plan_resize(self, capacity: int, history: int) -> _ResizePlan:
+        plan = _ResizePlan()
+        tpb = self.tokens_per_block
+        num_new = _ceil_div(capacity, tpb)
+        for group in self._groups:
+            gid = group.layer_group_id
+            pages = self._pages[gid]
+            stale = group.stale_range(history, tpb)
+            transient = self._transient_blocks(group)
+            for j in range(max(len(pages), num_new)):
+                page = pages[j] if j < len(pages) else None
+                if j >= num_new or j in stale:
+                    if page is not None:
+                        plan.releases.append((gid, j, page))
+                elif page is None:
+                    plan.allocations.append((gid, j, j in transient))
+                elif self._shared_partial.get(gid) is page and capacity > self._capacity:
+                    plan.copies.append((gid, j, page))
+        return plan
+
+    def _transient_blocks(self, group: LayerGroupSpec) -> range:
+        if not self.enable_swa_scratch_reuse or group.window_size is None or not self.expected_prompt_length:
+            return range(0, 0)
+        return group.stale_range(self.expected_prompt_length, self.tokens_per_block)
+
+    def _plan_fits(self, plan: _ResizePlan) -> bool:
+        needed: dict[int, int] = {}
+        ring = {g: len(p) for g, p in self._scratch_idle.items()}
+        for gid, _, page in plan.releases:
+            if page.is_scratch:
+                ring[gid] += 1
+            elif page.num_active + page.num_held == 1:
+                pg = self._table.pool_group_of(gid)
+                needed[pg] = needed.get(pg, 0) - 1
+        for gid, _, transient in plan.allocations:
+            if transient and ring[gid]:
+                ring[gid] -= 1
+                continue
+            pg = self._table.pool_group_of(gid)
+            needed[pg] = needed.get(pg, 0) + 1
+        for gid, _, _ in plan.copies:
+            pg = self._table.pool_group_of(gid)
+            needed[pg] = needed.get(pg, 0) + 1
+        return all(n <= self._table.num_available(pg) for pg, n in needed.items())
+
+    def _apply(self, plan: _ResizePlan, num_blocks: int) -> None:
+        for gid, j, page in plan.releases:
+            self._pages[gid][j] = None
+            if self._shared_partial.get(gid) is page:
+                del self._shared_partial[gid]
+            if page.is_scratch:
+                self._scratch_idle[gid].append(page)
+            else:
+                self._table.release(page, active=True)
+        for gid, pages in self._pages.items():
+            del pages[num_blocks:]
+            pages.extend([None] * (num_blocks - len(pages)))
+        for gid, j, shared in plan.copies:
+            private = self._table.allocate(gid, active=True)
+            self._manager.copy_page(gid, shared.slot, private.slot)
+            self._pages[gid][j] = private
+            del self._shared_partial[gid]
+            self._table.release(shared, active=True)
+        for gid, j, transient in plan.allocations:
+            if transient and self._scratch_idle[gid]:
+                self._pages[gid][j] = self._scratch_idle[gid].pop()
+            else:
+                self._pages[gid][j] = self._table.allocate(gid, active=True, is_scratch=transient)
+
+    # ---- commit ------------------------------------------------------------------------------
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Append computed tokens; full blocks join the tree and history rises to the committed length."""
+        self._require_active("commit")
+        if self.num_committed_tokens + len(tokens) > self._capacity:
+            raise LogicError(f"cache {self.id}: committing {len(tokens)} tokens past capacity {self._capacity}")
+        self._committed.extend(int(t) for t in tokens)
+        self._history = max(self._history, self.num_committed_tokens)
+        tpb = self.tokens_per_block
+        while len(self._nodes) < self.num_committed_tokens // tpb:
+            j = len(self._nodes)
+            self._insert_block(j, self._committed[j * tpb:(j + 1) * tpb])
+
+    def _insert_block(self, ordinal: int, tokens: Sequence[int]) -> RadixNode:
+        tree = self._manager.tree
+        parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
+        node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
+        for gid, pages in self._pages.items():
+            page = pages[ordinal] if ordinal < len(pages) else None
+            if page is not None and page.node is None and not page.is_scratch and gid not in node.pages:
+                page.priority = self.priority
+                self._table.attach(page, node)
+        if len(tokens) == self.tokens_per_block:
+            node.num_users += 1
+            self._nodes.append(node)
+        else:
+            tree.prune(node)
+        return node
+
+    def _commit_partial_leaf(self) -> None:
+        tpb = self.tokens_per_block
+        num_full = self.num_committed_tokens // tpb
+        if self.num_committed_tokens % tpb and len(self._nodes) == num_full:
+            self._insert_block(num_full, self._committed[num_full * tpb:])
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _adopt_match(self, match: Match, reused: int) -> None:
+        tpb = self.tokens_per_block
+        blocks = list(match.nodes) + ([match.partial] if match.partial is not None else [])
+        for node in match.nodes:
+            node.num_users += 1
+        for group in self._groups:
+            gid = group.layer_group_id
+            stale = group.stale_range(reused, tpb)
+            pages: list[Page | None] = []
+            for j, node in enumerate(blocks):
+                page = None if j in stale else node.pages[gid]
+                if page is not None:
+                    self._table.acquire(page, active=False)
+                pages.append(page)
+            self._pages[gid] = pages
+            if match.partial is not None and pages and pages[-1] is not None:
+                self._shared_partial[gid] = pages[-1]
+
+    def _all_pages(self) -> list[Page]:
+        listed = [p for pages in self._pages.values() for p in pages if p is not None]
+        return listed + self.scratch_pages()
+
+    def _require_active(self, what: str) -> None:
+        if self._status is not KvCacheStatus.ACTIVE:
+            raise LogicError(f"cache {self.id}: {what} needs ACTIVE, status is {self._status.value}")
+
+    def _require_open(self, what: str) -> None:
+        if self._status is KvCacheStatus.CLOSED:
+            raise LogicError(f"cache {self.id}: {what} on a closed cache")

@@ -1,0 +1,172 @@
+"""The bundled V2 KV cache manager: storage, radix tree, pages, and per-request caches.
+
+Bottom-up: model spec -> layer groups -> pool groups -> pools and slots -> layout; the radix
+tree and page table sit on the slots; `KvCache` objects use pages. The GPU tier is the only
+tier modelled: pages never migrate, so a registered address stays valid while a page lives.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtool.errors import UnsupportedTierError
+from kvtool.manager.block_keys import ReuseScope, chained_block_keys
+from kvtool.manager.config import KvCacheManagerConfig
+from kvtool.manager.kv_cache import KvCache, Match
+from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.layout import KvCacheLayout
+from kvtool.manager.pages import Page, PageTable
+from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
+from kvtool.manager.radix_tree import RadixNode, RadixTree
+from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
+from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, Priority
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def plan_num_slots(config: KvCacheManagerConfig) -> list[int]:
+    """Slots per pool group for `config` (validated first)."""
+    config.validate()
+    groups = plan_layer_groups(config.model, config.tokens_per_block)
+    pool_groups = plan_pool_groups(groups)
+    if config.num_slots is not None:
+        return [config.num_slots] * len(pool_groups)
+    assert config.memory_bytes is not None
+    return slots_for_budget(groups, pool_groups, config.memory_bytes, config.tokens_per_block,
+                            config.typical_tokens)
+
+
+def compute_layout(config: KvCacheManagerConfig) -> KvCacheLayout:
+    """The layout a manager built from `config` would have, without allocating (virtual bases)."""
+    groups = plan_layer_groups(config.model, config.tokens_per_block)
+    pool_groups = plan_pool_groups(groups)
+    num_slots = plan_num_slots(config)
+    return build_layout(groups, pool_groups, num_slots, virtual_pools(pool_groups, num_slots),
+                        config.tokens_per_block, config.model.name, config.model.dtype.name)
+
+
+class KvCacheManager:
+    def __init__(self, config: KvCacheManagerConfig) -> None:
+        if config.tiers != (CacheTier.GPU,):
+            raise UnsupportedTierError("the bundled manager models the GPU tier only; set host cache size "
+                                       "and disk cache size to 0")
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.layer_groups = plan_layer_groups(config.model, config.tokens_per_block)
+        self.pool_groups = plan_pool_groups(self.layer_groups)
+        self.num_slots = plan_num_slots(config)
+        self.device = torch.device(config.device) if config.device else default_device()
+        pools = allocated_pools(self.pool_groups, self.num_slots, self.device)
+        self.layout = build_layout(self.layer_groups, self.pool_groups, self.num_slots, pools,
+                                   config.tokens_per_block, config.model.name, config.model.dtype.name)
+        self.tree = RadixTree(config.tokens_per_block)
+        pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
+        self.page_table = PageTable([SlotAllocator(n) for n in self.num_slots], pool_group_of, self.tree)
+        self._caches: dict[int, KvCache] = {}
+        self._holds: dict[int, PageHold] = {}
+
+    @property
+    def model(self):
+        return self.config.model
+
+    # ---- requests ----------------------------------------------------------------------------
+    def create_kv_cache(self, cache_id: object, input_tokens: Sequence[int] = (),
+                        reuse_scope: ReuseScope = ReuseScope(), expected_prompt_length: int | None = None,
+                        priority: Priority = DEFAULT_PRIORITY) -> KvCache:
+        """A SUSPENDED cache holding the longest usable prefix of `input_tokens` found in the tree."""
+        match = self.match(input_tokens, reuse_scope)
+        cache = KvCache(self, cache_id, reuse_scope, match, input_tokens, expected_prompt_length, priority)
+        self._caches[id(cache)] = cache
+        return cache
+
+    def match(self, tokens: Sequence[int], scope: ReuseScope = ReuseScope()) -> Match:
+        """Longest prefix of `tokens` that every layer group can use; no side effect.
+
+        A match of m tokens is usable when every layer group has pages for the blocks it still
+        needs at history m: all blocks for full attention, sink blocks and the trailing window
+        for windowed groups. A match may end inside a block (partial reuse, copied on write).
+        """
+        tpb = self.tokens_per_block
+        node = self.tree.find_root(scope)
+        if node is None:
+            return Match()
+        path: list[RadixNode] = []
+        for chunk, key in chained_block_keys(tokens, tpb, scope):
+            child = node.children.get(key)
+            if child is None or not child.is_full:
+                break
+            path.append(child)
+            node = child
+        rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
+        partial = self.tree.best_partial(node, rest) if rest else None
+        candidates = ([Match(path, partial[0], partial[1])] if partial else []) + \
+            [Match(path[:k]) for k in range(len(path), -1, -1)]
+        return next(m for m in candidates if self._usable(m))
+
+    def _usable(self, match: Match) -> bool:
+        blocks = match.nodes + ([match.partial] if match.partial is not None else [])
+        length = match.num_tokens(self.tokens_per_block)
+        for group in self.layer_groups:
+            stale = group.stale_range(length, self.tokens_per_block)
+            if any(group.layer_group_id not in node.pages for j, node in enumerate(blocks) if j not in stale):
+                return False
+        return True
+
+    def hold_pages(self, cache: KvCache) -> "PageHold":
+        """Keep every page `cache` uses alive (HELD) after it closes, until the hold is released."""
+        hold = PageHold(self, [p for g in self.layer_groups for p in cache.pages(g.layer_group_id)
+                               if p is not None])
+        self._holds[id(hold)] = hold
+        return hold
+
+    def copy_page(self, layer_group_id: LayerGroupId, src: PageIndex, dst: PageIndex) -> None:
+        for region in self.layout.group(layer_group_id).regions:
+            view = region.as_tensor()
+            view[dst].copy_(view[src])
+
+    # ---- introspection -----------------------------------------------------------------------
+    @property
+    def caches(self) -> list[KvCache]:
+        return list(self._caches.values())
+
+    @property
+    def holds(self) -> list["PageHold"]:
+        return list(self._holds.values())
+
+    def num_free_slots(self, pool_group_index: int) -> int:
+        return self.page_table.allocators[pool_group_index].num_free
+
+    def num_droppable(self, pool_group_index: int) -> int:
+        return self.page_table.num_droppable(pool_group_index)
+
+    def check_integrity(self) -> None:
+        """Raise LogicError naming the first broken invariant (see `integrity.check_manager`)."""
+        from kvtool.manager.integrity import check_manager
+        check_manager(self)
+
+    def _forget(self, cache: KvCache) -> None:
+        self._caches.pop(id(cache), None)
+
+    def _forget_hold(self, hold: "PageHold") -> None:
+        self._holds.pop(id(hold), None)
+
+
+class PageHold:
+    """Pages kept alive past their cache's close (an asynchronous save in flight)."""
+
+    def __init__(self, manager: KvCacheManager, pages: list[Page]) -> None:
+        self._manager = manager
+        self.pages = pages
+        for page in pages:
+            manager.page_table.acquire(page, active=False)
+
+    def release(self) -> None:
+        """Let the pages go; idempotent."""
+        for page in self.pages:
+            self._manager.page_table.release(page, active=False)
+        self.pages = []
+        self._manager._forget_hold(self)

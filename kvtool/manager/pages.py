@@ -1,0 +1,161 @@
+"""Pages: who uses a slot, and eviction of pages only the radix tree still references.
+
+A page is one block's slot in one layer group. Its status follows from its users:
+LOCKED (an active cache uses it), HELD (only suspended caches or an async-save hold),
+DROPPABLE (only the tree). A page nobody references is freed at once. Droppable pages are
+evicted LRU within priority buckets, lowest priority first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from kvtool.errors import LogicError, OutOfPagesError
+from kvtool.manager.storage import SlotAllocator
+from kvtool.types import DEFAULT_PRIORITY, LayerGroupId, PageIndex, PageStatus, PoolGroupIndex, Priority
+
+if TYPE_CHECKING:
+    from kvtool.manager.radix_tree import RadixNode, RadixTree
+
+
+class Page:
+    __slots__ = ("layer_group_id", "pool_group_index", "slot", "num_active", "num_held", "node",
+                 "priority", "is_scratch")
+
+    def __init__(self, layer_group_id: LayerGroupId, pool_group_index: PoolGroupIndex, slot: PageIndex,
+                 is_scratch: bool) -> None:
+        self.layer_group_id = layer_group_id
+        self.pool_group_index = pool_group_index
+        self.slot = slot
+        self.num_active = 0
+        self.num_held = 0
+        self.node: RadixNode | None = None
+        self.priority: Priority = DEFAULT_PRIORITY
+        self.is_scratch = is_scratch
+
+    @property
+    def status(self) -> PageStatus:
+        if self.num_active:
+            return PageStatus.LOCKED
+        if self.num_held:
+            return PageStatus.HELD
+        return PageStatus.DROPPABLE
+
+    def __repr__(self) -> str:
+        return f"Page(group={self.layer_group_id}, slot={self.slot}, {self.status.value})"
+
+
+class PageTable:
+    """Allocation, reference counts and eviction for every pool group."""
+
+    def __init__(self, allocators: list[SlotAllocator], pool_group_of: dict[LayerGroupId, PoolGroupIndex],
+                 tree: RadixTree) -> None:
+        self.allocators = allocators
+        self._pool_group_of = pool_group_of
+        self._tree = tree
+        self._pages: list[dict[PageIndex, Page]] = [{} for _ in allocators]
+        self._droppable: list[dict[Priority, OrderedDict[int, Page]]] = [{} for _ in allocators]
+        self.num_evictions = 0
+
+    def pool_group_of(self, layer_group_id: LayerGroupId) -> PoolGroupIndex:
+        return self._pool_group_of[layer_group_id]
+
+    def num_droppable(self, pool_group: PoolGroupIndex) -> int:
+        return sum(len(bucket) for bucket in self._droppable[pool_group].values())
+
+    def num_available(self, pool_group: PoolGroupIndex) -> int:
+        """Slots an allocation could get now: free ones plus evictable ones."""
+        return self.allocators[pool_group].num_free + self.num_droppable(pool_group)
+
+    def allocate(self, layer_group_id: LayerGroupId, active: bool, is_scratch: bool = False) -> Page:
+        """A new page used once (active or held); evicts a droppable page when no slot is free."""
+        pool_group = self._pool_group_of[layer_group_id]
+        allocator = self.allocators[pool_group]
+        if allocator.num_free == 0:
+            self._evict_one(pool_group)
+        page = Page(layer_group_id, pool_group, allocator.allocate(), is_scratch)
+        self._pages[pool_group][page.slot] = page
+        self._add_user(page, active)
+        return page
+
+    def acquire(self, page: Page, active: bool) -> None:
+        """One more user of an existing page (a reuse from the tree, or a hold)."""
+        if page.status is PageStatus.DROPPABLE:
+            self._unlist_droppable(page)
+        self._add_user(page, active)
+
+    def release(self, page: Page, active: bool) -> None:
+        """One user fewer; a page left with no user is freed, or becomes droppable when in the tree."""
+        if active:
+            if page.num_active <= 0:
+                raise LogicError(f"{page} released while not active")
+            page.num_active -= 1
+        else:
+            if page.num_held <= 0:
+                raise LogicError(f"{page} released while not held")
+            page.num_held -= 1
+        if page.num_active or page.num_held:
+            return
+        if page.node is not None:
+            self._droppable[page.pool_group_index].setdefault(page.priority, OrderedDict())[id(page)] = page
+        else:
+            self._free(page)
+
+    def set_active(self, page: Page, active: bool) -> None:
+        """Move one user between suspended (HELD) and active (LOCKED)."""
+        if active:
+            if page.num_held <= 0:
+                raise LogicError(f"{page} resumed while not held")
+            page.num_held -= 1
+            page.num_active += 1
+        else:
+            if page.num_active <= 0:
+                raise LogicError(f"{page} suspended while not active")
+            page.num_active -= 1
+            page.num_held += 1
+
+    def attach(self, page: Page, node: RadixNode) -> None:
+        """Let the tree reference `page` as `node`'s page for its layer group."""
+        if page.node is not None or page.is_scratch:
+            raise LogicError(f"{page} cannot join the tree")
+        page.node = node
+        node.pages[page.layer_group_id] = page
+
+    def pages_of(self, pool_group: PoolGroupIndex) -> dict[PageIndex, Page]:
+        return self._pages[pool_group]
+
+    def droppable_pages(self, pool_group: PoolGroupIndex) -> list[Page]:
+        """Droppable pages in eviction order (lowest priority first, least recently released first)."""
+        buckets = self._droppable[pool_group]
+        return [p for priority in sorted(buckets) for p in buckets[priority].values()]
+
+    def _add_user(self, page: Page, active: bool) -> None:
+        if active:
+            page.num_active += 1
+        else:
+            page.num_held += 1
+
+    def _unlist_droppable(self, page: Page) -> None:
+        bucket = self._droppable[page.pool_group_index][page.priority]
+        del bucket[id(page)]
+        if not bucket:
+            del self._droppable[page.pool_group_index][page.priority]
+
+    def _evict_one(self, pool_group: PoolGroupIndex) -> None:
+        buckets = self._droppable[pool_group]
+        if not buckets:
+            raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
+        page = next(iter(buckets[min(buckets)].values()))
+        self._unlist_droppable(page)
+        node = page.node
+        assert node is not None
+        del node.pages[page.layer_group_id]
+        page.node = None
+        self._free(page)
+        self._tree.prune(node)
+        self.num_evictions += 1
+
+    def _free(self, page: Page) -> None:
+        del self._pages[page.pool_group_index][page.slot]
+        self.allocators[page.pool_group_index].free(page.slot)

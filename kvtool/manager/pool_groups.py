@@ -1,0 +1,74 @@
+"""Pool groups, and how many slots each gets from a memory budget.
+
+Layer groups with identical slot-size lists share one pool group: its slots back pages of any of
+those layer groups, and a page index is a slot id inside the pool group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtool.errors import OutOfMemoryError
+from kvtool.manager.layer_groups import LayerGroupSpec
+from kvtool.types import POOL_ALIGNMENT, LayerGroupId, PoolGroupIndex
+
+
+@dataclass(frozen=True)
+class PoolGroupSpec:
+    pool_group_index: PoolGroupIndex
+    slot_sizes: tuple[int, ...]
+    layer_group_ids: tuple[LayerGroupId, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(self.slot_sizes)
+
+
+def plan_pool_groups(groups: tuple[LayerGroupSpec, ...]) -> tuple[PoolGroupSpec, ...]:
+    """Merge layer groups by identical slot-size lists, in order of first appearance."""
+    order: list[tuple[int, ...]] = []
+    members: dict[tuple[int, ...], list[LayerGroupId]] = {}
+    for group in groups:
+        if group.slot_sizes not in members:
+            order.append(group.slot_sizes)
+            members[group.slot_sizes] = []
+        members[group.slot_sizes].append(group.layer_group_id)
+    return tuple(PoolGroupSpec(PoolGroupIndex(i), sizes, tuple(members[sizes]))
+                 for i, sizes in enumerate(order))
+
+
+def align_up(value: int, alignment: int = POOL_ALIGNMENT) -> int:
+    return -(-value // alignment) * alignment
+
+
+def placed_bytes(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> int:
+    """Bytes the pools take when placed one after another at 2 MiB aligned offsets."""
+    cursor = 0
+    for pool_group, slots in zip(pool_groups, num_slots):
+        for slot_size in pool_group.slot_sizes:
+            cursor = align_up(cursor) + slot_size * slots
+    return cursor
+
+
+def slots_for_budget(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],
+                     memory_bytes: int, tokens_per_block: int, typical_tokens: int) -> list[int]:
+    """Slots per pool group so that the pools fit `memory_bytes`.
+
+    Memory is shared in proportion to what a request of `typical_tokens` tokens needs in each
+    pool group: all its blocks for full attention, only the live window for sliding groups.
+    Raises OutOfMemoryError when some pool group would get no slot at all.
+    """
+    by_id = {g.layer_group_id: g for g in groups}
+    pages = [sum(by_id[g].num_live_blocks(typical_tokens, tokens_per_block) for g in pg.layer_group_ids)
+             for pg in pool_groups]
+    bytes_per_share = sum(p * pg.slot_bytes for p, pg in zip(pages, pool_groups))
+    scale = memory_bytes / bytes_per_share
+    num_slots = [int(p * scale) for p in pages]
+    while num_slots and min(num_slots) > 0 and placed_bytes(pool_groups, num_slots) > memory_bytes:
+        scale *= 0.999
+        num_slots = [int(p * scale) for p in pages]
+    if not num_slots or min(num_slots) < 1:
+        smallest = sum(pg.slot_bytes for pg in pool_groups)
+        raise OutOfMemoryError(f"{memory_bytes} bytes cannot hold one slot per pool group "
+                               f"(at least {smallest} bytes are needed)")
+    return num_slots

@@ -1,0 +1,121 @@
+"""Pools and slots: the memory behind the layout.
+
+One pool per coalesced buffer, one pool list per pool group, pools placed one after another. The
+same code builds the layout for allocated pools (bases are real addresses of torch uint8 tensors,
+on CUDA when available) and for a virtual layout (bases are 2 MiB aligned offsets from 0).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.errors import LogicError, OutOfPagesError
+from kvtool.manager.layer_groups import LayerGroupSpec
+from kvtool.manager.layout import (KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion, PoolGroupLayout,
+                                   PoolLayout)
+from kvtool.manager.pool_groups import PoolGroupSpec, align_up
+from kvtool.types import MemAddress, PageIndex, PoolIndex
+
+
+class SlotAllocator:
+    """Free list of one pool group's slots: allocation takes the head, freeing appends.
+
+    Invariant: every slot is either in the free list or owned, never both, never twice.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: deque[PageIndex] = deque(PageIndex(i) for i in range(num_slots))
+        self._owned: set[PageIndex] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> PageIndex:
+        if not self._free:
+            raise OutOfPagesError("no free slot")
+        slot = self._free.popleft()
+        self._owned.add(slot)
+        return slot
+
+    def free(self, slot: PageIndex) -> None:
+        if slot not in self._owned:
+            raise LogicError(f"slot {slot} freed but not owned")
+        self._owned.remove(slot)
+        self._free.append(slot)
+
+    def owned(self) -> set[PageIndex]:
+        return set(self._owned)
+
+    def free_slots(self) -> list[PageIndex]:
+        return list(self._free)
+
+
+@dataclass(frozen=True)
+class Pools:
+    """Bases and tensors of every pool, indexed [pool group][pool]."""
+
+    bases: tuple[tuple[MemAddress, ...], ...]
+    tensors: tuple[tuple[torch.Tensor, ...], ...] | None
+
+
+def virtual_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> Pools:
+    """Pools placed at 2 MiB aligned offsets from 0, with no memory behind them."""
+    cursor, bases = 0, []
+    for pool_group, slots in zip(pool_groups, num_slots):
+        group_bases = []
+        for slot_size in pool_group.slot_sizes:
+            cursor = align_up(cursor)
+            group_bases.append(MemAddress(cursor))
+            cursor += slot_size * slots
+        bases.append(tuple(group_bases))
+    return Pools(tuple(bases), None)
+
+
+def allocated_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int],
+                    device: torch.device) -> Pools:
+    """One uint8 tensor per pool on `device` (largest pool first inside each group)."""
+    tensors = tuple(
+        tuple(torch.zeros(slot_size * slots, dtype=torch.uint8, device=device) for slot_size in pg.slot_sizes)
+        for pg, slots in zip(pool_groups, num_slots)
+    )
+    bases = tuple(tuple(MemAddress(t.data_ptr()) for t in group) for group in tensors)
+    return Pools(bases, tensors)
+
+
+def build_layout(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],
+                 num_slots: list[int], pools: Pools, tokens_per_block: int,
+                 model_name: str = "", dtype_name: str = "") -> KvCacheLayout:
+    """The layout of `groups` over `pools`: one region per pool of the group's pool group.
+
+    A coalesced buffer fills its pool's slot, so the buffer ranges inside one pool are adjacent
+    and form a single region whose size equals its stride.
+    """
+    pool_group_of = {lg: pg for pg in pool_groups for lg in pg.layer_group_ids}
+    group_layouts = []
+    for group in groups:
+        pg = pool_group_of[group.layer_group_id]
+        regions = tuple(
+            KvCacheRegion(
+                base=pools.bases[pg.pool_group_index][i], size=coalesced.size, stride=pg.slot_sizes[i],
+                num_slots=num_slots[pg.pool_group_index], buffers=coalesced.buffer_ids,
+                buffer_bytes=coalesced.buffer_bytes, buffer_specs=coalesced.specs,
+                pool_group_index=pg.pool_group_index, pool_index=PoolIndex(i),
+                storage=None if pools.tensors is None else pools.tensors[pg.pool_group_index][i],
+            )
+            for i, coalesced in enumerate(group.coalesced)
+        )
+        group_layouts.append(KvCacheLayerGroupLayout(group.layer_group_id, group.layer_ids, group.window_size,
+                                                     regions, pg.pool_group_index, group.num_sink_tokens))
+    pool_group_layouts = tuple(
+        PoolGroupLayout(pg.pool_group_index, num_slots[pg.pool_group_index], pg.layer_group_ids,
+                        tuple(PoolLayout(PoolIndex(i), pools.bases[pg.pool_group_index][i], size)
+                              for i, size in enumerate(pg.slot_sizes)))
+        for pg in pool_groups
+    )
+    return KvCacheLayout(tokens_per_block, tuple(group_layouts), pool_group_layouts, model_name, dtype_name,
+                         is_virtual=pools.tensors is None)

@@ -1,0 +1,1 @@
+"""Rendering of kvtool results: rich tables, JSON documents, CSV rows, plots."""

@@ -1,0 +1,56 @@
+"""Identifier types, sentinels and small enums shared by every layer of kvtool.
+
+Ids are `NewType`s over int so that a layer id is never passed where a page index is expected;
+`BAD_PAGE_INDEX` is the one sentinel for "no page here" and is never written as a bare -1.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final, NewType
+
+LayerId = NewType("LayerId", int)
+LayerGroupId = NewType("LayerGroupId", int)
+PoolGroupIndex = NewType("PoolGroupIndex", int)
+PoolIndex = NewType("PoolIndex", int)
+PageIndex = NewType("PageIndex", int)
+"""A slot id inside one pool group; scoped to that pool group."""
+BlockOrdinal = NewType("BlockOrdinal", int)
+RequestId = NewType("RequestId", int)
+Priority = NewType("Priority", int)
+MemAddress = NewType("MemAddress", int)
+
+BAD_PAGE_INDEX: Final[PageIndex] = PageIndex(-1)
+"""This block has no page in this layer group (a sliding-window stale block); kept in place."""
+
+DEFAULT_PRIORITY: Final[Priority] = Priority(50)
+POOL_ALIGNMENT: Final[int] = 2 * 1024 * 1024
+"""Pools of a virtual layout are placed at offsets aligned to 2 MiB."""
+
+
+class Role(str, enum.Enum):
+    """The part of a layer's KV a buffer holds. MLA models only have `key`."""
+
+    KEY = "key"
+    VALUE = "value"
+
+
+class CacheTier(enum.IntEnum):
+    GPU = 0
+    HOST = 1
+    DISK = 2
+
+
+class PageStatus(enum.Enum):
+    """LOCKED: used by an active cache. HELD: used only by suspended caches or an async-save hold.
+    DROPPABLE: referenced only by the radix tree, so eviction may reclaim its slot."""
+
+    LOCKED = "locked"
+    HELD = "held"
+    DROPPABLE = "droppable"
+
+
+class KvCacheStatus(enum.Enum):
+    SUSPENDED = "suspended"
+    ACTIVE = "active"
+    CLOSED = "closed"
