@@ -101,6 +101,10 @@ class KvCache:
         self._require_open("get_page_indices")
         return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[LayerGroupId(layer_group_id)]]
 
+    def page_indices_by_group(self) -> dict[int, list[PageIndex]]:
+        """`get_page_indices` of every layer group, by group id."""
+        return {int(g): self.get_page_indices(g) for g in self._pages}
+
     def pages(self, layer_group_id: int) -> list[Page | None]:
         return list(self._pages[LayerGroupId(layer_group_id)])
 

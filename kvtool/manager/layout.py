@@ -55,6 +55,11 @@ class KvCacheRegion:
         return typed.as_strided((self.num_slots, self.size // itemsize), (self.stride // itemsize, 1),
                                 typed.storage_offset() + self.offset_in_slot // itemsize)
 
+    def slot_tensor(self, page_index: int) -> torch.Tensor:
+        """The `size` bytes of page `page_index` (IndexError outside [0, num_slots))."""
+        self.address_of(page_index)
+        return self.as_tensor()[page_index]
+
     def buffer_offset(self, buffer: BufferId) -> int:
         """Byte offset of `buffer` inside one page of this region."""
         return self.buffers.index(buffer) * self.buffer_bytes
@@ -124,6 +129,11 @@ class KvCacheLayout:
     @property
     def num_layer_groups(self) -> int:
         return len(self.layer_groups)
+
+    @property
+    def groups(self) -> tuple[KvCacheLayerGroupLayout, ...]:
+        """Alias of `layer_groups`, the name the reference runtime's connectors use."""
+        return self.layer_groups
 
 
 def check_layout(layout: KvCacheLayout, expected: dict[LayerGroupId, set[BufferId]]) -> None:

@@ -1,0 +1,110 @@
+"""`kvtool trace run`: replay a request workload through the bundled manager, scheduler and connector."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtool.cli.common import ExitCode, clean_errors, fail
+from kvtool.cli.inspect_layout import manager_config
+from kvtool.connector.loader import load_connector
+from kvtool.engine.engine import EngineConfig
+from kvtool.engine.request_state import Phase
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.engine.trace import run_trace
+from kvtool.engine.workload import load_workload
+from kvtool.errors import InputError
+
+trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
+DEFAULT_NUM_SLOTS = 1024
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"connector option {pair!r} is not KEY=VALUE")
+        options[key] = value
+    return options
+
+
+@trace_app.command("run")
+@clean_errors
+def trace_run(
+    workload: Annotated[Path, typer.Argument(help="JSON Lines workload (schema: workloads/README.md).")],
+    model: Annotated[str, typer.Option(help="Preset name or path to a Hugging Face config.json.")] = "tiny",
+    tokens_per_block: Annotated[int, typer.Option(help="Tokens per block.")] = 32,
+    num_slots: Annotated[Optional[int], typer.Option(help="Slots per pool group (default 1024).")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(help="Memory for all pools instead of --num-slots.")] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
+    max_num_tokens: Annotated[int, typer.Option(help="Tokens per iteration at most (the token budget).")] = 8192,
+    chunk_size: Annotated[Optional[int], typer.Option(help="Prefill chunk size (default: budget only).")] = None,
+    connector: Annotated[str, typer.Option(help="none, host, host-async, host-layerwise, disk, "
+                                                "MODULE:SCHED:WORKER or file.py:SCHED:WORKER.")] = "none",
+    connector_dir: Annotated[Optional[Path], typer.Option(help="Folder of the disk connector.")] = None,
+    connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
+    no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
+    num_ranks: Annotated[int, typer.Option(help="Worker ranks (each gets its own connector worker).")] = 1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the summary as JSON here.")] = None,
+) -> None:
+    """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
+    for name, value in (("max-batch-size", max_batch_size), ("max-num-tokens", max_num_tokens),
+                        ("chunk-size", chunk_size or 1), ("num-ranks", num_ranks)):
+        if value <= 0:
+            raise InputError(f"--{name} must be positive, got {value}")
+    requests = load_workload(workload)
+    config = EngineConfig(
+        manager_config(model, tokens_per_block, None, gpu_memory,
+                       num_slots if num_slots is not None or gpu_memory else DEFAULT_NUM_SLOTS),
+        SchedulerConfig(max_batch_size, max_num_tokens, chunk_size, local_reuse=not no_local_reuse),
+        seed=seed, num_ranks=num_ranks)
+    spec = None if connector == "none" else load_connector(connector)
+    options = parse_options(connector_opt)
+    if connector_dir is not None:
+        options["dir"] = str(connector_dir)
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]trace"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("trace", total=len(requests), info="")
+
+        def on_iteration(engine) -> None:
+            done = sum(not s.is_live for s in engine.states.values())
+            progress.update(task, completed=done, info=f"iteration {engine.iteration}")
+
+        result = run_trace(requests, config, spec, options, on_iteration)
+    Console().print(_summary_table(result.summary))
+    for line in result.issues:
+        console.print(f"[red]{line}[/red]", highlight=False)
+    if json_out is not None:
+        _write_json(json_out, result.summary)
+    if result.failed_checks:
+        raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
+
+
+def _summary_table(summary: dict) -> Table:
+    table = Table(title=f"trace: {summary['model']} · connector {summary['connector']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if key not in ("model", "connector"):
+            table.add_row(key, "-" if value is None else str(value))
+    return table
+
+
+def _write_json(path: Path, summary: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+__all__ = ["trace_app", "Phase"]

@@ -1,0 +1,87 @@
+"""Finding a connector: a built-in name, `MODULE:SCHED:WORKER`, or `path/to/file.py:SCHED:WORKER`."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from kvtool.errors import InputError
+
+BUILTINS: dict[str, tuple[str, str, str, dict[str, str]]] = {
+    "host": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker", {"mode": "sync"}),
+    "host-async": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker", {"mode": "async"}),
+    "host-layerwise": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker",
+                       {"mode": "layerwise"}),
+    "disk": ("kvtool.connectors.disk", "DiskConnectorScheduler", "DiskConnectorWorker", {"mode": "sync"}),
+}
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    name: str
+    scheduler_class: type
+    worker_class: type
+    module: str
+    options: dict[str, str] = field(default_factory=dict)
+
+
+def load_connector(target: str) -> ConnectorSpec:
+    """Import the connector `target` names; InputError (with the import error) when it cannot be."""
+    if target in BUILTINS:
+        module, sched, worker, options = BUILTINS[target]
+        return _spec(target, _import_module(module, target), module, sched, worker, dict(options))
+    parts = target.rsplit(":", 2)
+    if len(parts) != 3 or not all(parts):
+        raise InputError(f"connector {target!r}: use a built-in ({', '.join(BUILTINS)}), MODULE:SCHED:WORKER "
+                         "or path/to/file.py:SCHED:WORKER")
+    where, sched, worker = parts
+    module = _import_file(where, target) if where.endswith(".py") else _import_module(where, target)
+    return _spec(target, module, module.__name__, sched, worker, {})
+
+
+def _spec(target: str, module, module_name: str, sched: str, worker: str, options: dict[str, str]) -> ConnectorSpec:
+    classes = []
+    for name, base in ((sched, KvCacheConnectorScheduler), (worker, KvCacheConnectorWorker)):
+        cls = getattr(module, name, None)
+        if not isinstance(cls, type):
+            raise InputError(f"connector {target!r}: {module_name} has no class {name}")
+        if not issubclass(cls, base) and not _looks_like(cls, base):
+            raise InputError(f"connector {target!r}: {name} is not a {base.__name__}")
+        classes.append(cls)
+    return ConnectorSpec(target, classes[0], classes[1], module_name, options)
+
+
+def _looks_like(cls: type, base: type) -> bool:
+    """A class written against another runtime's base classes (same method names) is accepted."""
+    names = [n for n in vars(base) if not n.startswith("_") and getattr(getattr(base, n), "__isabstractmethod__", False)]
+    return all(callable(getattr(cls, n, None)) for n in names)
+
+
+def _import_module(name: str, target: str):
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure is the target's, reported in one line
+        raise InputError(f"connector {target!r}: cannot import {name}: {type(exc).__name__}: {exc}") from None
+
+
+def _import_file(path: str, target: str):
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"connector {target!r}: no file {path}")
+    name = f"kvtool_connector_{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        sys.modules.pop(name, None)
+        raise InputError(f"connector {target!r}: cannot import {path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.path.remove(str(file.parent.resolve()))
+    return module

@@ -1,0 +1,208 @@
+"""The runtime side of the connector API: it calls the connector, checks its answers, and keeps
+the asynchronous bookkeeping.
+
+- `ask` is a side-effect-free query as far as the runtime's state goes: it memoises nothing, the
+  scheduler does. `cancel`, `deliver` and `finish` are the separate commits.
+- Asynchronous loads and saves are tracked per request; an id from `get_finished` is acted on only
+  when every rank has reported it, and ids a rank was never given (or reports twice) are recorded
+  as contract violations and ignored.
+- A hook that raises never escapes: the failure is recorded and returned so the caller can fail
+  the request (or the pass) cleanly.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from kvtool.connector.request import Request
+from kvtool.errors import ConnectorError
+
+
+@dataclass(frozen=True)
+class ContractViolation:
+    check: str
+    request_id: int | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class HookFailure:
+    hook: str
+    request_id: int | None
+    error: str
+
+    def describe(self) -> str:
+        who = f" for request {self.request_id}" if self.request_id is not None else ""
+        return f"{self.hook}{who} raised {self.error}"
+
+
+@dataclass(frozen=True)
+class Answer:
+    num_tokens: int
+    is_async: bool
+
+
+@dataclass
+class _RankReports:
+    given: set[int] = field(default_factory=set)
+    reported: set[int] = field(default_factory=set)
+
+
+class ConnectorRuntime:
+    def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker]) -> None:
+        self.scheduler = scheduler
+        self.workers = list(workers)
+        self.violations: list[ContractViolation] = []
+        self.failures: list[HookFailure] = []
+        self.num_cancelled_tokens = 0
+        self.cancels: list[tuple[int, int, int]] = []
+        self._new_loading: list[int] = []
+        self._new_saving: list[int] = []
+        self._loads = [_RankReports() for _ in self.workers]
+        self._saves = [_RankReports() for _ in self.workers]
+        self._load_reports: dict[int, set[int]] = {}
+        self._save_reports: dict[int, set[int]] = {}
+
+    # ---- guarded calls -----------------------------------------------------------------------
+    def call(self, hook: str, fn: Callable[..., Any], *args: Any, request_id: int | None = None) -> tuple[bool, Any]:
+        """Run a connector hook; (False, None) and a recorded failure when it raises."""
+        try:
+            return True, fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a connector's exception must never crash the runtime
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            self.failures.append(HookFailure(hook, request_id, f"{type(exc).__name__}: {exc} "
+                                                               f"({frame.filename}:{frame.lineno})"))
+            return False, None
+
+    def violate(self, check: str, request_id: int | None, detail: str) -> None:
+        self.violations.append(ContractViolation(check, request_id, detail))
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def ask(self, request: Request, num_computed_tokens: int) -> Answer | None:
+        """The connector's answer, checked; None when the hook raised (the request must fail)."""
+        ok, answer = self.call("get_num_new_matched_tokens", self.scheduler.get_num_new_matched_tokens,
+                               request, num_computed_tokens, request_id=request.request_id)
+        if not ok:
+            return None
+        return self._checked_answer(request, num_computed_tokens, answer)
+
+    def _checked_answer(self, request: Request, num_computed: int, answer: Any) -> Answer:
+        rid = request.request_id
+        if (not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], int)
+                or isinstance(answer[0], bool) or not isinstance(answer[1], bool)):
+            self.violate("answer-shape", rid, f"get_num_new_matched_tokens returned {answer!r}, not (int, bool)")
+            return Answer(0, False)
+        num_tokens, is_async = answer
+        if num_tokens < 0:
+            self.violate("negative-count", rid, f"offered {num_tokens} tokens")
+            return Answer(0, False)
+        if num_tokens == 0 and is_async:
+            self.violate("zero-async", rid, "answered (0, True): an asynchronous load of nothing")
+            return Answer(0, False)
+        room = request.prompt_len - num_computed
+        if num_tokens > room:
+            self.violate("beyond-prompt", rid, f"offered {num_tokens} tokens past position {num_computed} of a "
+                                              f"{request.prompt_len}-token prompt")
+            return Answer(0, False)
+        return Answer(num_tokens, is_async)
+
+    def cancel(self, request: Request, start: int, end: int) -> bool:
+        """Hand `[start, end)` back to the connector."""
+        if end <= start:
+            return True
+        self.num_cancelled_tokens += end - start
+        self.cancels.append((request.request_id, start, end))
+        ok, _ = self.call("cancel_load", self.scheduler.cancel_load, request, start, end,
+                          request_id=request.request_id)
+        return ok
+
+    def after_alloc(self, request: Request, pages_by_group: dict[int, list[int]]) -> bool:
+        ok, _ = self.call("update_state_after_alloc", self.scheduler.update_state_after_alloc_by_layer_group,
+                          request, {g: list(p) for g, p in pages_by_group.items()}, request_id=request.request_id)
+        return ok
+
+    def start_async_load(self, request_id: int) -> None:
+        self._new_loading.append(request_id)
+
+    def build_meta(self, output: SchedulerOutput) -> tuple[bool, Any]:
+        return self.call("build_connector_meta", self.scheduler.build_connector_meta, output)
+
+    def finish(self, request: Request, pages_by_group: dict[int, list[int]]) -> tuple[bool, bool]:
+        """(hook ok, saves asynchronously)."""
+        ok, result = self.call("request_finished", self.scheduler.request_finished_by_layer_group, request,
+                               {g: list(p) for g, p in pages_by_group.items()}, request_id=request.request_id)
+        if ok and not isinstance(result, bool):
+            self.violate("finished-shape", request.request_id, f"request_finished returned {result!r}, not a bool")
+            result = bool(result)
+        if ok and result:
+            self._new_saving.append(request.request_id)
+        return ok, bool(ok and result)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def for_each_worker(self, hook: str, *args: Any) -> bool:
+        ok = True
+        for rank, worker in enumerate(self.workers):
+            ok &= self.call(f"{hook} (rank {rank})", getattr(worker, hook), *args)[0]
+        return ok
+
+    def bind(self, metadata: Any) -> None:
+        for worker in self.workers:
+            worker.bind_connector_meta(metadata)
+
+    def collect_finished(self) -> tuple[list[int], list[int], bool]:
+        """Ask every rank; (ids saved on all ranks, ids loaded on all ranks, every call ok)."""
+        saving, loading = self._new_saving, self._new_loading
+        self._new_saving, self._new_loading = [], []
+        ok = True
+        for rank, worker in enumerate(self.workers):
+            self._saves[rank].given.update(saving)
+            self._loads[rank].given.update(loading)
+            good, result = self.call(f"get_finished (rank {rank})", worker.get_finished, list(saving), list(loading))
+            ok &= good
+            if good:
+                saved, loaded = self._checked_finished(rank, result)
+                self._tally(rank, saved, self._saves[rank], self._save_reports, "save")
+                self._tally(rank, loaded, self._loads[rank], self._load_reports, "load")
+        return self._complete(self._save_reports), self._complete(self._load_reports), ok
+
+    def _checked_finished(self, rank: int, result: Any) -> tuple[list[int], list[int]]:
+        if not isinstance(result, tuple) or len(result) != 2:
+            self.violate("finished-shape", None, f"rank {rank}: get_finished returned {result!r}")
+            return [], []
+        return list(result[0] or []), list(result[1] or [])
+
+    def _tally(self, rank: int, ids: list[int], reports: _RankReports, tally: dict[int, set[int]], what: str) -> None:
+        for rid in ids:
+            if rid not in reports.given:
+                self.violate(f"unknown-{what}-id", rid, f"rank {rank} reported {what} of request {rid}, "
+                                                       "which it was never given")
+            elif rid in reports.reported:
+                self.violate(f"repeated-{what}-id", rid, f"rank {rank} reported {what} of request {rid} twice")
+            else:
+                reports.reported.add(rid)
+                tally.setdefault(rid, set()).add(rank)
+
+    def _complete(self, tally: dict[int, set[int]]) -> list[int]:
+        done = [rid for rid, ranks in tally.items() if len(ranks) == len(self.workers)]
+        for rid in done:
+            del tally[rid]
+        return done
+
+    @property
+    def pending_loads(self) -> set[int]:
+        return {rid for r in self._loads for rid in r.given - r.reported} | set(self._new_loading)
+
+    @property
+    def pending_saves(self) -> set[int]:
+        return {rid for r in self._saves for rid in r.given - r.reported} | set(self._new_saving)
+
+
+def require_gpu_tier_only(host_cache_bytes: int, disk_cache_bytes: int) -> None:
+    """A registered address is valid only while its page is pinned to the GPU tier; eviction to a
+    lower tier reassigns the slot. So a connector cannot be attached when such tiers exist."""
+    if host_cache_bytes or disk_cache_bytes:
+        raise ConnectorError("a KV cache connector needs the GPU tier only: set the host cache size "
+                             f"(now {host_cache_bytes}) and the disk cache size (now {disk_cache_bytes}) to 0")

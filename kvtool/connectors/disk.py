@@ -1,0 +1,187 @@
+"""`disk`: blocks persisted as files, found again by a later process.
+
+Each (block, layer group) page is one file named by its chained block key, under a folder named by
+a signature of the model and layout, so different models never read each other's blocks. Files
+are published atomically (write a temporary file, fsync, rename, fsync the folder): a crash mid-save
+never leaves a block that loads as garbage. Each file carries a header with the block key, the
+layer group, the payload size and its SHA-256; a corrupt or truncated file is a miss, with a
+warning, and is moved aside so the block gets saved again.
+Options: `dir` (the folder; default ./kvtool-disk-cache), `mode` (`sync`, `layerwise`, `async`),
+`backend`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvtool.connector.llm_args import LlmArgs
+from kvtool.connectors.metadata import PageTransfer
+from kvtool.connectors.store_scheduler import BlockStoreScheduler
+from kvtool.connectors.store_worker import BlockStoreWorker
+from kvtool.errors import ConnectorError
+from kvtool.manager.layout import KvCacheLayout
+from kvtool.transfer.api import PageSpace
+
+DEFAULT_DIR = "kvtool-disk-cache"
+MAGIC = b"KVTOOLB1"
+_HEADER = struct.Struct("<8sI32sQ32s")   # magic, layer group, block key, payload bytes, payload sha256
+
+
+class CorruptBlock(Exception):
+    """A block file that does not hold what its name promises."""
+
+
+def layout_signature(llm_args: LlmArgs) -> str:
+    parts = [llm_args.model, llm_args.dtype, str(llm_args.kv_cache_config.tokens_per_block)]
+    parts += [f"{g.layer_group_id}:{g.layer_ids}:{g.window_size}:{g.num_sink_tokens}:{g.bytes_per_page}"
+              for g in llm_args.layer_groups]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def block_path(root: Path, key: bytes, layer_group_id: int) -> Path:
+    name = key.hex()
+    return root / name[:2] / f"{name}.g{layer_group_id}.kvb"
+
+
+def read_block(path: Path, key: bytes, layer_group_id: int, payload_bytes: int) -> bytes:
+    """The payload of a block file, verified; CorruptBlock for anything that does not check out."""
+    data = path.read_bytes()
+    if len(data) < _HEADER.size:
+        raise CorruptBlock(f"{path}: truncated header ({len(data)} bytes)")
+    magic, group, stored_key, size, digest = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size:]
+    if magic != MAGIC or group != layer_group_id or stored_key != key:
+        raise CorruptBlock(f"{path}: header does not describe this block")
+    if size != payload_bytes or len(payload) != size:
+        raise CorruptBlock(f"{path}: payload is {len(payload)} bytes, expected {payload_bytes}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CorruptBlock(f"{path}: checksum mismatch")
+    return payload
+
+
+def write_block(path: Path, key: bytes, layer_group_id: int, payload: bytes) -> None:
+    """Publish atomically: a reader sees the whole file or none."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _HEADER.pack(MAGIC, layer_group_id, key, len(payload), hashlib.sha256(payload).digest())
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(header)
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def store_root(llm_args: LlmArgs) -> Path:
+    return Path(llm_args.connector_options.get("dir", DEFAULT_DIR)) / layout_signature(llm_args)
+
+
+class DiskConnectorScheduler(BlockStoreScheduler):
+    def __init__(self, llm_args: LlmArgs) -> None:
+        super().__init__(llm_args)
+        self.root = store_root(llm_args)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in self.groups}
+        self._verified: dict[Path, tuple[int, int]] = {}
+        self.num_corrupt = 0
+
+    def lookup(self, key: bytes, layer_group_id: int) -> Path | None:
+        path = block_path(self.root, key, layer_group_id)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return None
+        if self._verified.get(path) == (stat.st_size, stat.st_mtime_ns):
+            return path
+        try:
+            read_block(path, key, layer_group_id, self._payload_bytes[layer_group_id])
+        except (CorruptBlock, OSError) as exc:
+            self._quarantine(path, exc)
+            return None
+        self._verified[path] = (stat.st_size, stat.st_mtime_ns)
+        return path
+
+    def reserve(self, key: bytes, layer_group_id: int) -> Path | None:
+        path = block_path(self.root, key, layer_group_id)
+        return None if path.exists() else path
+
+    def _quarantine(self, path: Path, reason: Exception) -> None:
+        self.num_corrupt += 1
+        warnings.warn(f"kvtool disk connector: ignoring a corrupt block ({reason}); it will be saved again",
+                      RuntimeWarning, stacklevel=2)
+        try:
+            path.replace(path.with_suffix(".corrupt"))
+        except OSError:
+            pass
+
+
+class DiskConnectorWorker(BlockStoreWorker):
+    def open_store(self, layout: KvCacheLayout) -> None:
+        self.root = store_root(self._llm_args)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
+        self._last_layer = max(l for g in layout.layer_groups for l in g.layer_ids)
+        self._last_read: tuple | None = None
+
+    def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        staging, rows = self._read(transfers)
+        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
+        self.backend.synchronize()
+
+    def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        if layer_id is not None and layer_id != self._last_layer:
+            return   # a file holds every layer of its block: write it once the last layer is done
+        staging, rows = self._staging(transfers)
+        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=True, layer_id=None))
+        self.backend.synchronize()
+        for i, t in enumerate(transfers):
+            group = staging[t.layer_group_id]
+            payload = group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes()
+            write_block(t.location, t.key, t.layer_group_id, payload)
+
+    def _read(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
+        """Files of `transfers` in CPU staging rows, verified; read once per batch (layer by layer
+        loads of one pass reuse it)."""
+        if self._last_read is not None and self._last_read[0] is transfers:
+            return self._last_read[1], self._last_read[2]
+        staging, rows = self._staging(transfers)
+        for i, t in enumerate(transfers):
+            try:
+                payload = read_block(t.location, t.key, t.layer_group_id, self._payload_bytes[t.layer_group_id])
+            except (CorruptBlock, OSError) as exc:
+                raise ConnectorError(f"block file changed after it was offered: {exc}") from None
+            group = staging[t.layer_group_id]
+            group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride] = torch.frombuffer(
+                bytearray(payload), dtype=torch.uint8)
+        self._last_read = (transfers, staging, rows)
+        return staging, rows
+
+    def _staging(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
+        """A CPU row per transfer, one buffer per layer group."""
+        counts: dict[int, int] = {}
+        rows = []
+        for t in transfers:
+            rows.append(counts.get(t.layer_group_id, 0))
+            counts[t.layer_group_id] = rows[-1] + 1
+        staging = {g: PageSpace.contiguous(torch.empty(n * self._payload_bytes[g], dtype=torch.uint8),
+                                           self._payload_bytes[g]) for g, n in counts.items()}
+        return staging, rows

@@ -1,0 +1,118 @@
+"""`host`: a store of full blocks in host memory (pinned when CUDA exists), LRU, fixed capacity.
+
+The scheduler owns the index (which entry sits in which store slot, LRU order, pins), so the
+worker only moves bytes: one batched copy per layer group and region, never a loop per page.
+Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `mode`
+(`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `torch`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from typing import Sequence
+
+import torch
+
+from kvtool.connector.llm_args import LlmArgs
+from kvtool.connectors.metadata import PageTransfer
+from kvtool.connectors.store_scheduler import BlockStoreScheduler
+from kvtool.connectors.store_worker import BlockStoreWorker
+from kvtool.errors import InputError
+from kvtool.manager.layout import KvCacheLayout
+from kvtool.transfer.api import PageSpace
+from kvtool.units import parse_size
+
+DEFAULT_CAPACITY = "256MiB"
+
+
+def entries_per_group(llm_args: LlmArgs) -> int:
+    """Store slots per layer group: every group holds as many blocks as the capacity allows."""
+    capacity = parse_size(llm_args.connector_options.get("capacity", DEFAULT_CAPACITY))
+    per_block = sum(g.bytes_per_page for g in llm_args.layer_groups)
+    if capacity < per_block:
+        raise InputError(f"host store capacity {capacity} bytes is below one block ({per_block} bytes)")
+    return capacity // per_block
+
+
+class SlotIndex:
+    """LRU map from block key to store slot for one layer group; pinned slots are never evicted."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free = deque(range(num_slots))
+        self._entries: OrderedDict[bytes, int] = OrderedDict()
+        self._pins: Counter = Counter()
+        self.num_evictions = 0
+
+    def lookup(self, key: bytes) -> int | None:
+        slot = self._entries.get(key)
+        if slot is not None:
+            self._entries.move_to_end(key)
+        return slot
+
+    def reserve(self, key: bytes) -> int | None:
+        if key in self._entries:
+            return None
+        if self._free:
+            slot = self._free.popleft()
+        else:
+            victim = next((k for k, s in self._entries.items() if not self._pins[s]), None)
+            if victim is None:
+                return None
+            slot = self._entries.pop(victim)
+            self.num_evictions += 1
+        self._entries[key] = slot
+        return slot
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot] <= 0:
+            del self._pins[slot]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class HostConnectorScheduler(BlockStoreScheduler):
+    def __init__(self, llm_args: LlmArgs) -> None:
+        super().__init__(llm_args)
+        size = entries_per_group(llm_args)
+        self.indexes = {g.layer_group_id: SlotIndex(size) for g in self.groups}
+
+    def lookup(self, key: bytes, layer_group_id: int) -> tuple[int, int] | None:
+        slot = self.indexes[layer_group_id].lookup(key)
+        return None if slot is None else (layer_group_id, slot)
+
+    def reserve(self, key: bytes, layer_group_id: int) -> tuple[int, int] | None:
+        slot = self.indexes[layer_group_id].reserve(key)
+        return None if slot is None else (layer_group_id, slot)
+
+    def pin(self, location: tuple[int, int]) -> None:
+        self.indexes[location[0]].pin(location[1])
+
+    def unpin(self, location: tuple[int, int]) -> None:
+        self.indexes[location[0]].unpin(location[1])
+
+
+class HostConnectorWorker(BlockStoreWorker):
+    def open_store(self, layout: KvCacheLayout) -> None:
+        size = entries_per_group(self._llm_args)
+        pin = torch.cuda.is_available()
+        self.store = {
+            g.layer_group_id: PageSpace.contiguous(
+                torch.zeros(size * g.bytes_per_page, dtype=torch.uint8, pin_memory=pin), g.bytes_per_page)
+            for g in layout.layer_groups
+        }
+
+    def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        self._copy(transfers, to_store=False, layer_id=layer_id)
+
+    def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        self._copy(transfers, to_store=True, layer_id=layer_id)
+
+    def _copy(self, transfers: Sequence[PageTransfer], to_store: bool, layer_id: int | None) -> None:
+        slots = [t.location[1] for t in transfers]
+        self.backend.copy(self.page_ops(transfers, self.store, slots, to_store, layer_id))
+        self.backend.synchronize()

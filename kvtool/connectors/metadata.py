@@ -1,0 +1,31 @@
+"""What the block-store scheduler sends its workers each iteration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PageTransfer:
+    """Move one page of one layer group between the cache and the store."""
+
+    request_id: int
+    layer_group_id: int
+    block_ordinal: int
+    page: int
+    location: Any
+    """Where the block lives in the store: a slot (host) or a file path (disk)."""
+    key: bytes
+
+
+@dataclass
+class StoreMetadata:
+    loads: list[PageTransfer] = field(default_factory=list)
+    """Synchronous loads: landed before the layers of this pass read them."""
+    async_loads: dict[int, list[PageTransfer]] = field(default_factory=dict)
+    """Per request: loads reported through get_finished."""
+    saves: list[PageTransfer] = field(default_factory=list)
+    """Blocks completed by this pass, saved before wait_for_save returns."""
+    async_saves: dict[int, list[PageTransfer]] = field(default_factory=dict)
+    """Per finished request: saves reported through get_finished (pages held until then)."""

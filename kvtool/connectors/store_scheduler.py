@@ -1,0 +1,245 @@
+"""The scheduler half shared by the block-store connectors.
+
+A store entry is one page of one layer group, keyed by the block's chained hash (the reuse scope,
+hence `cache_salt`, is part of the chain) and the layer group. A prefix of P tokens can be served
+when every layer group has the entries it needs at that length: every block for full attention,
+sink blocks and the live window for sliding groups (the manager's own usability rule).
+
+Loads: exactly the delivered range (the offer minus what the runtime cancelled), only into real
+pages. Saves: each full block in the pass that completes it, while its pages are surely valid; in
+`async` mode, instead, the blocks whose pages are still valid when the request finishes.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, SchedulerOutput
+from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.request import Request
+from kvtool.connectors.metadata import PageTransfer, StoreMetadata
+from kvtool.manager.block_keys import ReuseScope, block_key, root_key
+from kvtool.types import BAD_PAGE_INDEX
+
+MODES = ("sync", "async", "layerwise")
+
+
+@dataclass
+class _Tracker:
+    request_id: int
+    scope_key: bytes
+    tokens: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    pages: dict[int, list[int]] = field(default_factory=dict)
+    offer: tuple[int, int] | None = None
+    planned: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """(ordinal, group) -> location, pinned until loaded or cancelled."""
+    cancelled: list[tuple[int, int]] = field(default_factory=list)
+    pending_loads: list[PageTransfer] = field(default_factory=list)
+    delivered: tuple[int, int] | None = None
+    delivered_reported: bool = False
+    held_pins: list[Any] = field(default_factory=list)
+    """Pins of emitted loads, released once the load has surely run (a later iteration)."""
+    loads_emitted_at: int = -1
+
+    def extend_keys(self, tokens_per_block: int) -> None:
+        for j in range(len(self.keys), len(self.tokens) // tokens_per_block):
+            previous = self.keys[-1] if self.keys else self.scope_key
+            self.keys.append(block_key(previous, self.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
+
+
+class BlockStoreScheduler(KvCacheConnectorScheduler):
+    def __init__(self, llm_args: LlmArgs) -> None:
+        super().__init__(llm_args)
+        self.tokens_per_block = llm_args.kv_cache_config.tokens_per_block
+        self.groups = llm_args.layer_groups
+        self.mode = llm_args.connector_options.get("mode", "sync")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self._trackers: dict[int, _Tracker] = {}
+        self._finished: dict[int, list[PageTransfer]] = {}
+        self.num_saved_blocks = 0
+        self.num_loaded_blocks = 0
+        self._num_metas = 0
+
+    # ---- the store, per connector ------------------------------------------------------------
+    @abstractmethod
+    def lookup(self, key: bytes, layer_group_id: int) -> Any | None:
+        """Location of a valid entry (and mark it used), or None."""
+
+    @abstractmethod
+    def reserve(self, key: bytes, layer_group_id: int) -> Any | None:
+        """Location to save a new entry into, or None to skip (already stored, or no room)."""
+
+    def pin(self, location: Any) -> None:
+        """Keep an entry from eviction until `unpin` (between offer and load)."""
+
+    def unpin(self, location: Any) -> None:
+        """Undo one `pin`."""
+
+    # ---- the API -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tracker = self._tracker(request.request_id, request.cache_salt)
+        tracker.tokens = request.get_tokens(0)[:request.prompt_len]
+        tracker.extend_keys(self.tokens_per_block)
+        tpb = self.tokens_per_block
+        for num_blocks in range(len(tracker.keys), num_computed_tokens // tpb, -1):
+            length = num_blocks * tpb
+            plan = self._plan(tracker, num_computed_tokens, min(length, request.prompt_len - 1))
+            if plan is not None and length > num_computed_tokens:
+                for location in plan.values():
+                    self.pin(location)
+                tracker.planned, tracker.offer = plan, (num_computed_tokens, length)
+                return length - num_computed_tokens, self.mode == "async"
+        return 0, False
+
+    def _plan(self, tracker: _Tracker, start: int, end: int) -> dict[tuple[int, int], Any] | None:
+        """Locations of every entry needed to serve [start, end), or None if one is missing."""
+        tpb = self.tokens_per_block
+        plan: dict[tuple[int, int], Any] = {}
+        for group in self.groups:
+            stale = group.stale_range(end, tpb)
+            for j in range(start // tpb, -(-end // tpb)):
+                if j in stale:
+                    continue
+                location = self.lookup(tracker.keys[j], group.layer_group_id)
+                if location is None:
+                    return None
+                plan[(j, group.layer_group_id)] = location
+        return plan
+
+    def cancel_load(self, request: Request, start: int, end: int) -> None:
+        tracker = self._trackers.get(request.request_id)
+        if tracker is not None:
+            tracker.cancelled.append((start, end))
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
+        self.update_state_after_alloc_by_layer_group(request, {self.groups[0].layer_group_id: block_ids})
+
+    def update_state_after_alloc_by_layer_group(self, request: Request,
+                                                block_ids_by_layer_group: dict[int, list[int]]) -> None:
+        tracker = self._tracker(request.request_id, request.cache_salt)
+        tracker.pages = {g: list(p) for g, p in block_ids_by_layer_group.items()}
+        if tracker.offer is None:
+            return
+        start, end = self._delivered(tracker)
+        tpb = self.tokens_per_block
+        wanted = {(j, g) for g, pages in tracker.pages.items() for j in range(start // tpb, -(-end // tpb))
+                  if start < end and j < len(pages) and pages[j] != BAD_PAGE_INDEX}
+        for (j, g), location in tracker.planned.items():
+            if (j, g) in wanted:
+                tracker.pending_loads.append(PageTransfer(request.request_id, g, j, tracker.pages[g][j], location,
+                                                          tracker.keys[j]))
+                tracker.held_pins.append(location)
+            else:
+                self.unpin(location)
+        tracker.planned = {}
+        tracker.delivered = (start, end) if start < end else None
+        if tracker.delivered:
+            self.num_loaded_blocks += len({t.block_ordinal for t in tracker.pending_loads})
+
+    def _delivered(self, tracker: _Tracker) -> tuple[int, int]:
+        """The offer minus what was cancelled: cancels always cut its head or its tail."""
+        start, end = tracker.offer
+        for c_start, c_end in sorted(tracker.cancelled):
+            if c_start <= start:
+                start = max(start, c_end)
+            elif c_end >= end:
+                end = min(end, c_start)
+        return start, max(start, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
+        self._num_metas += 1
+        meta = StoreMetadata()
+        for data in scheduler_output.new_requests:
+            self._observe(data, is_new=True, meta=meta)
+        for data in scheduler_output.cached_requests:
+            self._observe(data, is_new=False, meta=meta)
+        for tracker in self._trackers.values():
+            if tracker.pending_loads:
+                target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode == "async" else meta.loads
+                target.extend(tracker.pending_loads)
+                tracker.pending_loads = []
+                tracker.loads_emitted_at = self._num_metas
+        meta.async_saves, self._finished = self._finished, {}
+        return meta
+
+    def _observe(self, data: RequestData, is_new: bool, meta: StoreMetadata) -> None:
+        tracker = self._trackers.get(data.request_id)
+        if tracker is None:
+            return
+        if is_new:
+            tracker.tokens = list(data.new_tokens)
+            tracker.pages = {g: list(p) for g, p in data.new_block_ids_by_layer_group.items()}
+        else:
+            tracker.tokens.extend(data.new_tokens)
+            for g, pages in data.new_block_ids_by_layer_group.items():
+                tracker.pages.setdefault(g, []).extend(pages)
+        tracker.extend_keys(self.tokens_per_block)
+        if tracker.held_pins and 0 <= tracker.loads_emitted_at < self._num_metas:
+            self._release_pins(tracker)
+        start = data.computed_position
+        if tracker.delivered and not tracker.delivered_reported:
+            start = max(start, tracker.delivered[1])
+            tracker.delivered_reported = True
+        if self.mode != "async":
+            meta.saves.extend(self._completed_blocks(tracker, start, start + data.num_scheduled_tokens))
+
+    def _completed_blocks(self, tracker: _Tracker, start: int, end: int) -> list[PageTransfer]:
+        """Saves for the full blocks this pass completes (their pages are written now)."""
+        tpb = self.tokens_per_block
+        saves = []
+        for j in range(start // tpb, min(end // tpb, len(tracker.keys))):
+            saves.extend(self._save_block(tracker, j))
+        return saves
+
+    def _save_block(self, tracker: _Tracker, ordinal: int) -> list[PageTransfer]:
+        saves = []
+        for g, pages in tracker.pages.items():
+            if ordinal < len(pages) and pages[ordinal] != BAD_PAGE_INDEX:
+                location = self.reserve(tracker.keys[ordinal], g)
+                if location is not None:
+                    saves.append(PageTransfer(tracker.request_id, g, ordinal, pages[ordinal], location,
+                                              tracker.keys[ordinal]))
+        self.num_saved_blocks += bool(saves)
+        return saves
+
+    def request_finished(self, request: Request, cache_block_ids: list[int]) -> bool:
+        return self.request_finished_by_layer_group(request, {self.groups[0].layer_group_id: cache_block_ids})
+
+    def request_finished_by_layer_group(self, request: Request,
+                                        cache_block_ids_by_layer_group: dict[int, list[int]]) -> bool:
+        tracker = self._trackers.pop(request.request_id, None)
+        if tracker is None:
+            return False
+        for location in tracker.planned.values():
+            self.unpin(location)
+        self._release_pins(tracker)
+        if self.mode != "async":
+            return False
+        tracker.pages = {g: list(p) for g, p in cache_block_ids_by_layer_group.items()}
+        tracker.tokens = request.get_tokens(0)
+        tracker.extend_keys(self.tokens_per_block)
+        saves = [s for j in range(len(tracker.keys)) for s in self._save_block(tracker, j)]
+        if not saves:
+            return False
+        self._finished[request.request_id] = saves
+        return True
+
+    def _release_pins(self, tracker: _Tracker) -> None:
+        for location in tracker.held_pins:
+            self.unpin(location)
+        tracker.held_pins = []
+
+    # ---- introspection -----------------------------------------------------------------------
+    def kvtool_introspect(self) -> dict[str, Any]:
+        """What this connector holds: requests it tracks, and block counters (for kvtool validate)."""
+        return {"tracked_request_ids": sorted(self._trackers) + sorted(self._finished),
+                "saved_blocks": self.num_saved_blocks, "loaded_blocks": self.num_loaded_blocks}
+
+    def _tracker(self, request_id: int, cache_salt: str | None) -> _Tracker:
+        if request_id not in self._trackers:
+            self._trackers[request_id] = _Tracker(request_id, root_key(ReuseScope.from_cache_salt(cache_salt)))
+        return self._trackers[request_id]

@@ -1,0 +1,137 @@
+"""The worker half shared by the block-store connectors: when copies happen, per mode.
+
+- `sync`: loads in `start_load_kv`, saves in `wait_for_save`.
+- `layerwise`: each layer's share of the loads in `wait_for_layer_load`, of the saves in
+  `save_kv_layer` (sub-slot chunks: one layer's buffers inside each page).
+- `async`: loads on a background thread, saves of finished requests too; `get_finished` reports
+  a request once its copies have landed, and only requests it was given.
+
+Subclasses say how a batch of page transfers moves between the cache and their store.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.llm_args import LlmArgs
+from kvtool.connectors.metadata import PageTransfer, StoreMetadata
+from kvtool.manager.layout import KvCacheLayout
+from kvtool.transfer import TransferBackend, get_backend
+from kvtool.transfer.api import CopyOp, PageSpace
+
+
+class BlockStoreWorker(KvCacheConnectorWorker):
+    def __init__(self, llm_args: LlmArgs) -> None:
+        super().__init__(llm_args)
+        self.mode = llm_args.connector_options.get("mode", "sync")
+        self.backend_name = llm_args.connector_options.get("backend", "torch")
+        self.layout: KvCacheLayout | None = None
+        self.backend: TransferBackend | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loading: dict[int, Future] = {}
+        self._saving: dict[int, Future] = {}
+        self._given_loads: set[int] = set()
+        self._given_saves: set[int] = set()
+
+    def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
+        self.layout = layout
+        self.backend = get_backend(self.backend_name)
+        self.open_store(layout)
+
+    # ---- per store ---------------------------------------------------------------------------
+    @abstractmethod
+    def open_store(self, layout: KvCacheLayout) -> None:
+        """Set up the store for this layout."""
+
+    @abstractmethod
+    def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        """Copy store -> pages (only `layer_id`'s buffers when given); landed on return."""
+
+    @abstractmethod
+    def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        """Copy pages -> store (only `layer_id`'s buffers when given); the pages may be reused on return."""
+
+    # ---- hooks -------------------------------------------------------------------------------
+    @property
+    def meta(self) -> StoreMetadata:
+        return self._metadata if isinstance(self._metadata, StoreMetadata) else StoreMetadata()
+
+    def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
+        meta = self.meta
+        if meta.loads and self.mode != "layerwise":
+            self.load(meta.loads)
+        for request_id, transfers in meta.async_loads.items():
+            self._loading[request_id] = self._background().submit(self.load, transfers)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+        if self.mode == "layerwise" and self.meta.loads:
+            self.load(self.meta.loads, layer_id=layer_idx)
+
+    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+        if self.mode == "layerwise" and self.meta.saves:
+            self.save(self.meta.saves, layer_id=layer_idx)
+
+    def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
+        meta = self.meta
+        if meta.saves and self.mode != "layerwise":
+            self.save(meta.saves)
+        for request_id, transfers in meta.async_saves.items():
+            self._saving[request_id] = self._background().submit(self.save, transfers)
+
+    def get_finished(self, finished_gen_req_ids: list[int],
+                     started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        self._given_saves.update(finished_gen_req_ids)
+        self._given_loads.update(started_loading_req_ids)
+        return self._done(self._saving, self._given_saves), self._done(self._loading, self._given_loads)
+
+    def _done(self, futures: dict[int, Future], given: set[int]) -> list[int]:
+        done = [rid for rid, future in futures.items() if rid in given and future.done()]
+        for rid in done:
+            future = futures.pop(rid)
+            given.discard(rid)
+            future.result()  # a failed copy raises here, in get_finished
+        return done
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-store")
+        return self._executor
+
+    # ---- helpers for subclasses ----------------------------------------------------------------
+    def page_ops(self, transfers: Sequence[PageTransfer], store: dict[int, PageSpace], store_slots: list[int],
+                 to_store: bool, layer_id: int | None) -> list[CopyOp]:
+        """One copy per (layer group, region): pages <-> `store[group]` rows `store_slots[i]`."""
+        ops = []
+        by_group: dict[int, list[int]] = {}
+        for i, transfer in enumerate(transfers):
+            by_group.setdefault(transfer.layer_group_id, []).append(i)
+        for group_id, indices in by_group.items():
+            pages = tuple(transfers[i].page for i in indices)
+            rows = tuple(store_slots[i] for i in indices)
+            entry_offset = 0
+            for region in self.layout.group(group_id).regions:
+                chunk = _layer_chunk(region, layer_id)
+                if chunk is not None:
+                    offset, nbytes = chunk
+                    cache = PageSpace.of_region(region)
+                    if to_store:
+                        ops.append(CopyOp(cache, store[group_id], pages, rows, nbytes, offset, entry_offset + offset))
+                    else:
+                        ops.append(CopyOp(store[group_id], cache, rows, pages, nbytes, entry_offset + offset, offset))
+                entry_offset += region.size
+        return ops
+
+
+def _layer_chunk(region, layer_id: int | None) -> tuple[int, int] | None:
+    """(offset, bytes) of `layer_id`'s buffers inside one page of `region`; the whole page for None."""
+    if layer_id is None:
+        return 0, region.size
+    indices = [i for i, b in enumerate(region.buffers) if b.layer_id == layer_id]
+    if not indices:
+        return None
+    return indices[0] * region.buffer_bytes, len(indices) * region.buffer_bytes

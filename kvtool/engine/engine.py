@@ -1,0 +1,369 @@
+"""The engine loop: schedule -> deliver -> build_connector_meta -> start_load_kv -> per layer
+(wait_for_layer_load, fake forward, save_kv_layer) -> wait_for_save -> get_finished -> commit ->
+generation steps until max_new_tokens, then request_finished with the request's page indices.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
+from kvtool.connector.runtime import ConnectorRuntime, require_gpu_tier_only
+from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.request_state import Phase, RequestState
+from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from kvtool.engine.scheduler_output import build_scheduler_output
+from kvtool.errors import ConnectorError, InputError, OutOfPagesError
+from kvtool.manager.config import KvCacheManagerConfig
+from kvtool.manager.manager import KvCacheManager
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    manager: KvCacheManagerConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int = 0
+    num_ranks: int = 1
+    verify_all_after_iteration: bool = False
+    max_transmission_iterations: int = 64
+    pad_generation_batch_to: int = 0
+    """Pad generation batches with dummy requests up to this size (as CUDA-graph padding does)."""
+    iteration_seconds: float = 0.01
+    check_integrity_every_iteration: bool = False
+
+
+@dataclass
+class EngineStats:
+    iterations: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    num_failed: int = 0
+    num_deferrals: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, connector: ConnectorSpec | None = None,
+                 connector_options: dict[str, str] | None = None) -> None:
+        if connector is not None:
+            require_gpu_tier_only(config.manager.host_cache_bytes, config.manager.disk_cache_bytes)
+        self.config = config
+        self.manager = KvCacheManager(config.manager)
+        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed)
+        self.stats = EngineStats()
+        self.states: dict[int, RequestState] = {}
+        self._order: list[RequestState] = []
+        self.clock = 0.0
+        self.iteration = 0
+        self.connector = self._attach(connector, connector_options or {}) if connector else None
+        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail)
+        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
+        model = self.config.manager.model
+        groups = tuple(LayerGroupInfo(g.layer_group_id, tuple(g.layer_ids), g.window_size, g.num_sink_tokens,
+                                      g.bytes_per_page) for g in self.manager.layer_groups)
+        kv_config = KvCacheConfig(self.manager.tokens_per_block, tuple(l.window_size for l in model.layers),
+                                  max(l.num_sink_tokens for l in model.layers))
+        return LlmArgs(model.name, kv_config, KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__,
+                                                                     spec.worker_class.__name__),
+                       groups, model.dtype.name, None, {**spec.options, **options}, rank, self.config.num_ranks)
+
+    def _attach(self, spec: ConnectorSpec, options: dict[str, str]) -> ConnectorRuntime:
+        try:
+            scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
+            workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self.config.num_ranks)]
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
+            raise InputError(f"connector {spec.name!r} could not be constructed: {type(exc).__name__}: {exc}") from None
+        for worker in workers:
+            self._register(worker)
+        return ConnectorRuntime(scheduler, workers)
+
+    def _register(self, worker: KvCacheConnectorWorker) -> None:
+        """The layout, or the single pool tensor for a worker that only takes one (and a layout that
+        is one layer group with one whole-slot region)."""
+        layout = self.manager.layout
+        cls = type(worker)
+        if getattr(cls, "register_kv_cache_layout", None) is not KvCacheConnectorWorker.register_kv_cache_layout \
+                or not hasattr(cls, "register_kv_caches"):
+            worker.register_kv_cache_layout(layout)
+            return
+        groups = layout.layer_groups
+        if cls.register_kv_caches is KvCacheConnectorWorker.register_kv_caches or len(groups) != 1 \
+                or len(groups[0].regions) != 1:
+            worker.register_kv_cache_layout(layout)   # the actionable error
+            return
+        worker.register_kv_caches(self.pool_tensor())
+
+    def pool_tensor(self) -> torch.Tensor:
+        """The single pool as `[num_slots, num_layers, roles, tokens_per_block, heads, head_dim]`."""
+        region = self.manager.layout.layer_groups[0].regions[0]
+        spec = region.buffer_specs[0]
+        model = self.config.manager.model
+        roles = len(model.layers[0].buffers)
+        return region.as_tensor(model.dtype.torch_dtype).view(
+            region.num_slots, model.num_layers, roles, self.manager.tokens_per_block, spec.num_heads, spec.head_dim)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> RequestState:
+        if request.request_id in self.states:
+            raise InputError(f"request id {request.request_id} is used twice")
+        state = RequestState(request)
+        self.states[request.request_id] = state
+        self._order.append(state)
+        return state
+
+    def abort(self, request_id: int) -> None:
+        """Free a request wherever it is (before delivery, its whole offer is cancelled)."""
+        state = self.states[request_id]
+        if state.is_live:
+            self.fail(state, "aborted")
+
+    @property
+    def live_states(self) -> list[RequestState]:
+        return [s for s in self._order if s.is_live]
+
+    def is_done(self) -> bool:
+        return not self.live_states
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
+        while not self.is_done():
+            if self.iteration >= max_iterations:
+                raise OutOfPagesError(f"requests still unfinished after {max_iterations} iterations")
+            self.step()
+            if on_iteration is not None:
+                on_iteration(self)
+        return self.stats
+
+    def step(self) -> Batch:
+        self.iteration += 1
+        self.stats.iterations = self.iteration
+        self._skip_idle_time()
+        phases_before = [(s.request_id, s.phase) for s in self.live_states]
+        running = [s for s in self._order if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
+        waiting = [s for s in self._order if s.phase is Phase.WAITING and s.request.arrival <= self.clock]
+        deferrals_before = sum(s.num_deferrals for s in waiting)
+        batch = self.scheduler.schedule(running, waiting, self.iteration)
+        self.stats.num_deferrals += sum(s.num_deferrals for s in waiting) - deferrals_before
+        for state in batch.received:
+            self.fake.write_context(PassItem(state.request_id, state.request.get_tokens(),
+                                             state.kv.page_indices_by_group(), 0, state.prompt_len, False))
+            state.kv.commit(state.request.prompt_token_ids)
+        dummies = self._dummies(batch)
+        items = self._pass_items(batch) + [item for _, item in dummies]
+        if self.connector is not None:
+            self._connector_pass(batch, items)
+        elif items:
+            self._forward(items)
+        for dummy, _ in dummies:
+            dummy.close()
+        self._finish_pass(batch, items)
+        self._check_progress(batch, phases_before)
+        self.clock = round(self.clock + self.config.iteration_seconds, 9)
+        return batch
+
+    def _skip_idle_time(self) -> None:
+        if any(s.phase is not Phase.WAITING for s in self.live_states):
+            return
+        pending = [s.request.arrival for s in self.live_states if s.request.arrival > self.clock]
+        if pending and all(s.request.arrival > self.clock for s in self.live_states):
+            self.clock = min(pending)
+
+    def _pass_items(self, batch: Batch) -> list[PassItem]:
+        items = []
+        for state, n in batch.context:
+            samples = state.position + n == state.prompt_len and state.request.max_new_tokens > 0
+            items.append(PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(),
+                                  state.position, state.position + n, samples))
+        for state in batch.generation:
+            length = state.request.get_num_tokens()
+            items.append(PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(),
+                                  length - 1, length, True))
+        return items
+
+    def _dummies(self, batch: Batch) -> list[tuple]:
+        wanted = self.config.pad_generation_batch_to - len(batch.generation)
+        if not batch.generation or wanted <= 0:
+            return []
+        dummies = []
+        for i in range(wanted):
+            request_id = -(self.iteration * 1000 + i + 1)
+            kv = self.manager.create_kv_cache(request_id, [])
+            kv.resume()
+            if not kv.resize(1):
+                kv.close()
+                break
+            dummies.append((kv, PassItem(request_id, [0], kv.page_indices_by_group(), 0, 1, False)))
+        return dummies
+
+    def _forward(self, items: list[PassItem]) -> None:
+        for layer_id in self.fake.layer_ids:
+            self.fake.forward_layer(layer_id, items)
+
+    def _connector_pass(self, batch: Batch, items: list[PassItem]) -> None:
+        runtime = self.connector
+        output = build_scheduler_output(batch, self.iteration)
+        ok, metadata = runtime.build_meta(output)
+        ok = ok and self._worker_pass(metadata, items)
+        saved, loaded, finished_ok = runtime.collect_finished()
+        if not ok or not finished_ok:
+            self._fail_pass(batch, runtime.failures[-1].describe())
+        for request_id in loaded:
+            self._loaded(self.states.get(request_id))
+        for request_id in saved:
+            self._saved(self.states.get(request_id))
+
+    def _worker_pass(self, metadata, items: list[PassItem]) -> bool:
+        runtime = self.connector
+        runtime.bind(metadata)
+        if not runtime.for_each_worker("start_load_kv", self.stream):
+            return False
+        for layer_id in self.fake.layer_ids:
+            if not runtime.for_each_worker("wait_for_layer_load", layer_id, self.stream):
+                return False
+            self.fake.forward_layer(layer_id, items)
+            if not runtime.for_each_worker("save_kv_layer", layer_id, self.stream):
+                return False
+        return runtime.for_each_worker("wait_for_save", self.stream)
+
+    def _fail_pass(self, batch: Batch, reason: str) -> None:
+        for state in [s for s, _ in batch.context] + batch.generation:
+            if state.is_live:
+                self.fail(state, f"connector failed during the pass: {reason}")
+        batch.context, batch.generation = [], []
+
+    # ---- after the pass ----------------------------------------------------------------------
+    def _finish_pass(self, batch: Batch, items: list[PassItem]) -> None:
+        by_id = {item.request_id: item for item in items}
+        for state, n in batch.context:
+            item = by_id[state.request_id]
+            state.kv.commit(state.request.get_tokens()[state.kv.num_committed_tokens:item.end])
+            state.position = item.end
+            state.request._set_context_position(item.end)
+            self.stats.computed_tokens += n
+            if item.end == state.prompt_len:
+                self._produce(state, item)
+        for state in batch.generation:
+            item = by_id[state.request_id]
+            state.kv.commit([state.request.get_tokens()[-1]])
+            self.stats.computed_tokens += 1
+            self._produce(state, item)
+        self._fail_stuck_transmissions()
+        if self.config.verify_all_after_iteration:
+            self.verify_all()
+        if self.config.check_integrity_every_iteration:
+            self.manager.check_integrity()
+
+    def _produce(self, state: RequestState, item: PassItem) -> None:
+        if state.request.max_new_tokens > 0:
+            state.request._append_token(self.fake.sample(item))
+            self.stats.generated_tokens += 1
+        if state.request.is_finished:
+            self._finish(state)
+        else:
+            state.phase = Phase.GENERATION
+
+    def _finish(self, state: RequestState) -> None:
+        pages = state.kv.page_indices_by_group()
+        is_async = False
+        if self.connector is not None and state.seen_by_connector:
+            ok, is_async = self.connector.finish(state.request, pages)
+            if not ok:
+                self._close(state, Phase.FAILED, "request_finished raised")
+                return
+        if is_async:
+            state.hold = self.manager.hold_pages(state.kv)
+            state.kv.close()
+            state.phase = Phase.SAVING
+        else:
+            self._close(state, Phase.DONE)
+
+    def _loaded(self, state: RequestState | None) -> None:
+        if state is not None and state.phase is Phase.TRANSMISSION:
+            state.phase = Phase.CONTEXT
+
+    def _saved(self, state: RequestState | None) -> None:
+        if state is not None and state.phase is Phase.SAVING:
+            state.hold.release()
+            state.hold = None
+            state.phase = Phase.DONE
+
+    def _fail_stuck_transmissions(self) -> None:
+        limit = self.config.max_transmission_iterations
+        for state in self.live_states:
+            if state.phase is Phase.TRANSMISSION and self.iteration - state.transmission_since > limit:
+                self.fail(state, f"stuck in transmission for more than {limit} iterations")
+
+    def _check_progress(self, batch: Batch, phases_before: list) -> None:
+        """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
+        if batch.num_requests or batch.received or phases_before != [(s.request_id, s.phase) for s in self.live_states]:
+            return
+        if any(s.phase in (Phase.TRANSMISSION, Phase.SAVING) for s in self.live_states):
+            time.sleep(0.0005)   # let the connector's background copies run
+            return
+        arrived = [s for s in self.live_states if s.request.arrival <= self.clock]
+        if arrived and not any(s.request.arrival > self.clock for s in self.live_states):
+            stuck = arrived[0]
+            raise OutOfPagesError(f"the KV cache is too small: request {stuck.request_id} "
+                                  f"({stuck.prompt_len} prompt tokens) cannot get pages and nothing else can run")
+
+    # ---- failure -----------------------------------------------------------------------------
+    def fail(self, state: RequestState, reason: str) -> None:
+        """Fail one request cleanly: hand back an undelivered offer, let the connector forget it,
+        release its pages. Other requests are untouched."""
+        if not state.is_live:
+            return
+        if self.connector is not None:
+            offer = state.offer
+            if offer is not None and not offer.closed:
+                offer.closed = True
+                self.connector.cancel(state.request, offer.start, offer.end)
+            if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
+                pages = state.kv.page_indices_by_group() if state.kv is not None and \
+                    state.kv.status.value != "closed" else {g.layer_group_id: [] for g in self.manager.layer_groups}
+                self.connector.finish(state.request, pages)
+        self._close(state, Phase.FAILED, reason)
+
+    def _close(self, state: RequestState, phase: Phase, reason: str | None = None) -> None:
+        if state.kv is not None:
+            state.kv.close()
+        if state.hold is not None:
+            state.hold.release()
+            state.hold = None
+        state.phase = phase
+        state.error = reason
+        self.fake.forget(state.request_id)
+        if phase is Phase.FAILED:
+            self.stats.num_failed += 1
+            self.stats.failures.append(f"request {state.request_id}: {reason}")
+
+    def verify_all(self) -> None:
+        """Check the fingerprints of every live page of every request whose KV is complete."""
+        for state in self.live_states:
+            if state.kv is not None and state.phase in (Phase.CONTEXT, Phase.GENERATION) \
+                    and state.kv.status.value == "active":
+                self.fake.verify_cache(state.request_id, state.request.get_tokens(),
+                                       state.kv.page_indices_by_group(), state.kv.num_committed_tokens)
+
+    @property
+    def integrity_errors(self) -> int:
+        return self.fake.num_integrity_errors
+
+
+def add_requests(engine: Engine, requests: Iterable[Request]) -> None:
+    for request in requests:
+        engine.add_request(request)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "ConnectorError"]

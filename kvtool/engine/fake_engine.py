@@ -1,0 +1,223 @@
+"""The fake engine: writes fingerprints into the real page bytes and verifies every read.
+
+A forward pass over one layer, for each request, writes the fingerprints of the positions it
+computes, then reads every earlier position the layer attends to (all blocks of full attention,
+sink blocks and the live window of sliding groups) and compares with what a full recompute would
+have written. Mismatches are counted and the first ones recorded with their coordinates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
+from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
+from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
+from kvtool.types import BAD_PAGE_INDEX, LayerGroupId
+
+VOCAB_SIZE = 32000
+MAX_RECORDED_ISSUES = 50
+
+
+@dataclass(frozen=True)
+class IntegrityIssue:
+    request_id: int
+    layer_group_id: int
+    block_ordinal: int
+    layer_id: int
+    role: str
+    position: int
+    head: int
+    expected: str
+    found: str
+    what: str = "mismatch"
+
+    def describe(self) -> str:
+        return (f"request {self.request_id}, layer group {self.layer_group_id}, block {self.block_ordinal}, "
+                f"layer {self.layer_id}, {self.role}, position {self.position}, head {self.head}: "
+                f"{self.what} (expected {self.expected}, found {self.found})")
+
+
+@dataclass
+class PassItem:
+    """One request's share of a forward pass: compute positions [start, end) of `tokens`."""
+
+    request_id: int
+    tokens: list[int]
+    pages: dict[LayerGroupId, list[int]]
+    start: int
+    end: int
+    samples: bool
+    checksum: int = 0
+
+
+@dataclass
+class _LayerBuffer:
+    region: KvCacheRegion
+    index: int
+    buffer: BufferId
+    num_heads: int
+    head_bytes: int
+
+
+@dataclass
+class FakeEngine:
+    layout: KvCacheLayout
+    layer_groups: tuple[LayerGroupSpec, ...]
+    seed: int = 0
+    num_integrity_errors: int = 0
+    issues: list[IntegrityIssue] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._hashes: dict[int, PrefixHashes] = {}
+        self._buffers: dict[int, list[_LayerBuffer]] = {}
+        self._group_of: dict[int, LayerGroupSpec] = {}
+        for group in self.layer_groups:
+            group_layout = self.layout.group(group.layer_group_id)
+            for layer_id in group.layer_ids:
+                self._group_of[layer_id] = group
+            for region in group_layout.regions:
+                for index, (buffer, spec) in enumerate(zip(region.buffers, region.buffer_specs)):
+                    head_bytes = region.buffer_bytes // (self.layout.tokens_per_block * spec.num_heads)
+                    self._buffers.setdefault(buffer.layer_id, []).append(
+                        _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes))
+        self.layer_ids = sorted(self._buffers)
+
+    # ---- public ------------------------------------------------------------------------------
+    def forget(self, request_id: int) -> None:
+        self._hashes.pop(request_id, None)
+
+    def forward_layer(self, layer_id: int, items: list[PassItem]) -> None:
+        """Write positions [start, end) of `layer_id` for each item, then verify what it attends to."""
+        group = self._group_of[layer_id]
+        for item in items:
+            hashes = self._prefix_hashes(item)
+            pages = item.pages[group.layer_group_id]
+            self._write(layer_id, group, item, hashes, range(item.start, item.end))
+            readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
+            found = self._verify(layer_id, group, item.request_id, pages, hashes, readable)
+            if item.samples and found is not None:
+                attended = self._positions_in_live_blocks(group, pages, item.end, item.end)
+                keep = np.isin(readable, attended)
+                item.checksum += int(found[torch.from_numpy(keep).to(found.device)].sum(dtype=torch.int64))
+
+    def sample(self, item: PassItem) -> int:
+        return sample_token(int(self._prefix_hashes(item).array()[item.end - 1]), item.checksum, VOCAB_SIZE)
+
+    def verify_cache(self, request_id: int, tokens: list[int], pages: dict[LayerGroupId, list[int]],
+                     history: int) -> None:
+        """Check every position below `history` still backed by a page, in every layer."""
+        item = PassItem(request_id, tokens, pages, history, history, samples=False)
+        hashes = self._prefix_hashes(item)
+        for layer_id in self.layer_ids:
+            group = self._group_of[layer_id]
+            group_pages = pages[group.layer_group_id]
+            self._verify(layer_id, group, request_id, group_pages, hashes,
+                         self._positions_in_live_blocks(group, group_pages, history, history))
+
+    def write_context(self, item: PassItem) -> None:
+        """Write every layer for [start, end) without a pass: KV that arrived from elsewhere."""
+        hashes = self._prefix_hashes(item)
+        for layer_id in self.layer_ids:
+            group = self._group_of[layer_id]
+            self._write(layer_id, group, item, hashes, range(item.start, item.end))
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _prefix_hashes(self, item: PassItem) -> PrefixHashes:
+        hashes = self._hashes.setdefault(item.request_id, PrefixHashes(self.seed))
+        hashes.extend_to(item.tokens[:max(item.end, len(hashes))])
+        return hashes
+
+    def _positions_in_live_blocks(self, group: LayerGroupSpec, pages: list[int], end: int,
+                                  history: int) -> np.ndarray:
+        """Positions below `end` in blocks that are not stale at `history`."""
+        tpb = self.layout.tokens_per_block
+        stale = group.stale_range(history, tpb)
+        blocks = [j for j in range(-(-end // tpb)) if j not in stale]
+        if not blocks:
+            return np.zeros(0, dtype=np.int64)
+        positions = (np.array(blocks, dtype=np.int64)[:, None] * tpb + np.arange(tpb)[None, :]).ravel()
+        return positions[positions < end]
+
+    def _write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
+               positions: range) -> None:
+        if not len(positions):
+            return
+        pages = item.pages[group.layer_group_id]
+        positions_np = np.arange(positions.start, positions.stop, dtype=np.int64)
+        page_ids = self._page_ids(group, item.request_id, pages, positions_np, layer_id, "write")
+        if page_ids is None:
+            return
+        tpb = self.layout.tokens_per_block
+        for lb in self._buffers[layer_id]:
+            view = self._view(lb)
+            expected = expected_tensor(hashes.array()[positions_np], layer_id, lb.buffer.role, lb.num_heads,
+                                       lb.head_bytes, view.device)
+            offsets = torch.from_numpy(positions_np % tpb).to(view.device)
+            view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets] = expected
+
+    def _verify(self, layer_id: int, group: LayerGroupSpec, request_id: int, pages: list[int],
+                hashes: PrefixHashes, positions: np.ndarray) -> torch.Tensor | None:
+        """Compare the bytes at `positions`; return them (all buffers of the layer) for checksums."""
+        if not len(positions):
+            return None
+        page_ids = self._page_ids(group, request_id, pages, positions, layer_id, "read")
+        if page_ids is None:
+            return None
+        tpb = self.layout.tokens_per_block
+        found_all = []
+        for lb in self._buffers[layer_id]:
+            view = self._view(lb)
+            offsets = torch.from_numpy(positions % tpb).to(view.device)
+            found = view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets]
+            expected = expected_tensor(hashes.array()[positions], layer_id, lb.buffer.role, lb.num_heads,
+                                       lb.head_bytes, view.device)
+            bad = (found != expected).any(dim=-1)
+            if bool(bad.any()):
+                self._record(request_id, group, layer_id, lb, positions, bad, expected, found)
+            found_all.append(found.reshape(len(positions), -1))
+        return torch.cat(found_all, dim=1)
+
+    def _page_ids(self, group: LayerGroupSpec, request_id: int, pages: list[int], positions: np.ndarray,
+                  layer_id: int, what: str) -> np.ndarray | None:
+        tpb = self.layout.tokens_per_block
+        ordinals = positions // tpb
+        if len(ordinals) and ordinals.max() >= len(pages):
+            self._issue(request_id, group, int(ordinals.max()), layer_id, "-", int(positions.max()), -1,
+                        f"{what} past the request's pages ({len(pages)} blocks)")
+            return None
+        page_ids = np.asarray(pages, dtype=np.int64)[ordinals]
+        missing = np.nonzero(page_ids == BAD_PAGE_INDEX)[0]
+        if len(missing):
+            p = int(positions[missing[0]])
+            self._issue(request_id, group, p // tpb, layer_id, "-", p, -1, f"{what} of a block with no page")
+            return None
+        return page_ids
+
+    def _view(self, lb: _LayerBuffer) -> torch.Tensor:
+        region = lb.region
+        return region.as_tensor().view(region.num_slots, len(region.buffers), self.layout.tokens_per_block,
+                                       lb.num_heads, lb.head_bytes)
+
+    def _record(self, request_id: int, group: LayerGroupSpec, layer_id: int, lb: _LayerBuffer,
+                positions: np.ndarray, bad: torch.Tensor, expected: torch.Tensor, found: torch.Tensor) -> None:
+        rows, heads = torch.nonzero(bad, as_tuple=True)
+        self.num_integrity_errors += int(rows.numel())
+        tpb = self.layout.tokens_per_block
+        for row, head in zip(rows.tolist(), heads.tolist()):
+            if len(self.issues) >= MAX_RECORDED_ISSUES:
+                break
+            p = int(positions[row])
+            self.issues.append(IntegrityIssue(
+                request_id, group.layer_group_id, p // tpb, layer_id, lb.buffer.role.value, p, head,
+                bytes(expected[row, head, :8].cpu().tolist()).hex(), bytes(found[row, head, :8].cpu().tolist()).hex()))
+
+    def _issue(self, request_id: int, group: LayerGroupSpec, ordinal: int, layer_id: int, role: str,
+               position: int, head: int, what: str) -> None:
+        self.num_integrity_errors += 1
+        if len(self.issues) < MAX_RECORDED_ISSUES:
+            self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
+                                              position, head, "-", "-", what))

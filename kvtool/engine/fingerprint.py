@@ -1,0 +1,83 @@
+"""Fingerprints: what a full recompute would have written at each KV coordinate.
+
+The prefix hash of position p chains the tokens [0, p]; the fingerprint of (position, layer, role,
+head) mixes that hash with the coordinates, and fills the head's bytes with distinct 8-byte words.
+A block in the wrong slot, a swapped layer, role or head, or bytes shifted inside a head all read
+back as a mismatch, and the coordinates say where.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtool.types import Role
+
+_MASK = (1 << 64) - 1
+_GOLD = 0x9E3779B97F4A7C15
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_ROLE_INDEX = {Role.KEY: 1, Role.VALUE: 2}
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class PrefixHashes:
+    """h[p] = mix(h[p-1] xor (token_p + gold)), extended as a request's tokens grow."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._state = _mix_int(seed & _MASK)
+        self._hashes: list[int] = []
+        self._array = np.zeros(0, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def extend_to(self, tokens: list[int]) -> None:
+        for token in tokens[len(self._hashes):]:
+            self._state = _mix_int(self._state ^ ((token + _GOLD) & _MASK))
+            self._hashes.append(self._state)
+
+    def array(self) -> np.ndarray:
+        if len(self._array) != len(self._hashes):
+            self._array = np.array(self._hashes, dtype=np.uint64)
+        return self._array
+
+
+def coordinate_keys(layer_id: int, role: Role, num_heads: int) -> np.ndarray:
+    base = (int(layer_id) << 24) | (_ROLE_INDEX[role] << 16)
+    return mix64(np.arange(num_heads, dtype=np.uint64) | np.uint64(base))
+
+
+def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int,
+                   head_bytes: int) -> np.ndarray:
+    """uint8 [positions, heads, head_bytes]: the fingerprint bytes of those positions."""
+    fingerprints = mix64(prefix_hashes[:, None] ^ coordinate_keys(layer_id, role, num_heads)[None, :])
+    num_words = -(-head_bytes // 8)
+    with np.errstate(over="ignore"):
+        words = fingerprints[:, :, None] ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))[None, None, :]
+    raw = words.view(np.uint8).reshape(len(prefix_hashes), num_heads, num_words * 8)
+    return raw[:, :, :head_bytes]
+
+
+def expected_tensor(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int, head_bytes: int,
+                    device: torch.device) -> torch.Tensor:
+    array = np.ascontiguousarray(expected_bytes(prefix_hashes, layer_id, role, num_heads, head_bytes))
+    return torch.from_numpy(array).to(device)
+
+
+def sample_token(last_prefix_hash: int, checksum: int, vocab_size: int) -> int:
+    """The next token: a function of the prefix and of the KV bytes the last position attended to."""
+    return _mix_int((last_prefix_hash ^ (checksum & _MASK)) & _MASK) % vocab_size

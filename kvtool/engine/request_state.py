@@ -1,0 +1,65 @@
+"""What the runtime knows about one request while it runs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvtool.connector.request import Request
+from kvtool.manager.kv_cache import KvCache
+from kvtool.manager.manager import PageHold
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"            # not admitted yet, or deferred
+    CONTEXT = "context"            # prefill chunks running
+    TRANSMISSION = "transmission"  # asynchronous load in flight: kept out of the batch
+    GENERATION = "generation"
+    SAVING = "saving"              # finished; asynchronous save in flight, pages held
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Offer:
+    """The connector's memoised answer, as absolute prompt positions [start, end)."""
+
+    start: int
+    end: int
+    is_async: bool
+    closed: bool = False
+    """Delivered or cancelled: nothing of it is left to hand out."""
+
+
+@dataclass
+class RequestState:
+    request: Request
+    phase: Phase = Phase.WAITING
+    kv: KvCache | None = None
+    asked: bool = False
+    offer: Offer | None = None
+    position: int = 0
+    """Tokens whose KV is in the cache (or lands in it before this pass's layers read it)."""
+    num_external: int = 0
+    num_local_hit: int = 0
+    delivered_at: int = -1
+    seen_by_connector: bool = False
+    reported_tokens: int = -1
+    """Tokens reported in SchedulerOutput so far; -1 before the first report."""
+    reported_blocks: dict[int, int] = field(default_factory=dict)
+    transmission_since: int = -1
+    hold: PageHold | None = None
+    error: str | None = None
+    num_deferrals: int = 0
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def is_live(self) -> bool:
+        return self.phase not in (Phase.DONE, Phase.FAILED)

@@ -1,0 +1,204 @@
+"""The scheduler: token budget, batch size, chunked prefill, deferral, and the three phases.
+
+Generation requests go first (one token each), then running prefills, then new requests in
+arrival order. For a new request, on the manager's own seam:
+
+1. Ask (cache still suspended): once per request, memoising the absolute offer end. The offer is
+   clamped to `prompt_len - 1` (the first generation step needs the last prompt position's
+   activations) and the dropped tail is cancelled.
+2. Reserve (after `resume`, since resize needs ACTIVE): when the offer reaches past the local
+   match, SWA scratch reuse goes off and capacity and history move together to the offer end. On
+   failure the offer is cancelled and the request computes locally.
+3. Deliver (on the final batch, before the forward pass): the head the local match overtook is
+   cancelled, the rest recorded as external tokens (0 <= recorded <= position), the connector told
+   which pages back the request.
+
+A request whose first chunk cannot get pages is deferred: its cache is closed and it is prepared
+again next iteration (its local match may have grown); the connector is not asked again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtool.connector.runtime import ConnectorRuntime
+from kvtool.engine.request_state import Offer, Phase, RequestState
+from kvtool.errors import LogicError
+from kvtool.manager.block_keys import ReuseScope
+from kvtool.manager.manager import KvCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    chunk_size: int | None = None
+    local_reuse: bool = True
+
+
+@dataclass
+class Batch:
+    context: list[tuple[RequestState, int]] = field(default_factory=list)
+    generation: list[RequestState] = field(default_factory=list)
+    first_chunks: list[RequestState] = field(default_factory=list)
+    received: list[RequestState] = field(default_factory=list)
+    """Generation-only requests admitted this iteration: their context arrives from elsewhere."""
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context) + len(self.generation)
+
+    def drop(self, state: RequestState) -> None:
+        self.context = [(s, n) for s, n in self.context if s is not state]
+        self.generation = [s for s in self.generation if s is not state]
+        self.first_chunks = [s for s in self.first_chunks if s is not state]
+
+
+class Scheduler:
+    def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
+                 fail: Callable[[RequestState, str], None]) -> None:
+        self.manager = manager
+        self.config = config
+        self.connector = connector
+        self._fail = fail
+        self.iteration = 0
+
+    def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int) -> Batch:
+        self.iteration = iteration
+        batch = Batch()
+        budget = [self.config.max_num_tokens]
+        for state in running:
+            if state.phase is Phase.GENERATION and self._room(batch, budget, 1):
+                if state.kv.resize(state.request.get_num_tokens()):
+                    batch.generation.append(state)
+                    budget[0] -= 1
+        for state in running:
+            if state.phase is Phase.CONTEXT:
+                n = self._chunk(state.position, state.prompt_len, budget)
+                if n and self._room(batch, budget, n) and state.kv.resize(state.position + n):
+                    batch.context.append((state, n))
+                    budget[0] -= n
+        for state in waiting:
+            if state.request.is_generation_only_request:
+                if self._admit_generation_only(state):
+                    batch.received.append(state)
+                continue
+            if not self._room(batch, budget, 1):
+                break
+            n = self._prepare(state, budget)
+            if n:
+                batch.context.append((state, n))
+                batch.first_chunks.append(state)
+                budget[0] -= n
+        for state in list(batch.first_chunks):
+            self._deliver(state, batch)
+        return batch
+
+    # ---- phases ------------------------------------------------------------------------------
+    def _prepare(self, state: RequestState, budget: list[int]) -> int:
+        """Create, ask, resume, reserve and size the first chunk; 0 when deferred or failed."""
+        request = state.request
+        prompt = request.prompt_token_ids
+        scope = ReuseScope.from_cache_salt(request.cache_salt)
+        kv = self.manager.create_kv_cache(request.request_id, prompt[:-1] if self.config.local_reuse else [],
+                                          scope, expected_prompt_length=request.prompt_len)
+        state.kv = kv
+        local_end = kv.num_committed_tokens
+        if not state.asked and not self._ask(state, local_end):
+            return 0
+        kv.resume()
+        position = self._reserve(state, local_end)
+        if state.phase is Phase.FAILED:
+            return 0
+        n = self._chunk(position, request.prompt_len, budget)
+        if not n or not kv.resize(position + n):
+            kv.close()
+            state.kv = None
+            state.num_deferrals += 1
+            return 0
+        state.position = position
+        state.num_local_hit = local_end
+        state.phase = Phase.CONTEXT
+        request._set_context_position(position)
+        return n
+
+    def _admit_generation_only(self, state: RequestState) -> bool:
+        """Pages for the whole prompt, whose KV a context server sent; the connector is never asked."""
+        kv = self.manager.create_kv_cache(state.request_id, [], expected_prompt_length=state.prompt_len)
+        kv.resume()
+        if not kv.resize(state.prompt_len):
+            kv.close()
+            state.num_deferrals += 1
+            return False
+        state.kv = kv
+        state.position = state.prompt_len
+        state.phase = Phase.GENERATION
+        return True
+
+    def _ask(self, state: RequestState, local_end: int) -> bool:
+        """Ask the connector once; memoise the absolute, clamped offer. False: the request failed."""
+        state.asked = True
+        if self.connector is None or state.request.is_generation_only_request or state.request.is_dummy_request:
+            return True
+        answer = self.connector.ask(state.request, local_end)
+        if answer is None:
+            self._fail(state, "get_num_new_matched_tokens raised")
+            return False
+        if answer.num_tokens == 0:
+            return True
+        end = local_end + answer.num_tokens
+        clamped = min(end, state.prompt_len - 1)
+        state.offer = Offer(local_end, clamped, answer.is_async)
+        if end > clamped:
+            self.connector.cancel(state.request, clamped, end)
+        if clamped <= local_end:
+            state.offer.closed = True
+        return True
+
+    def _reserve(self, state: RequestState, local_end: int) -> int:
+        offer, kv = state.offer, state.kv
+        if offer is None or offer.closed or offer.end <= local_end:
+            return local_end
+        kv.enable_swa_scratch_reuse = False
+        if kv.resize(max(kv.capacity, offer.end), offer.end):
+            return offer.end
+        offer.closed = True
+        self.connector.cancel(state.request, offer.start, offer.end)
+        return local_end
+
+    def _deliver(self, state: RequestState, batch: Batch) -> None:
+        offer, kv = state.offer, state.kv
+        if offer is not None and not offer.closed:
+            committed = min(kv.num_committed_tokens, offer.end)
+            self.connector.cancel(state.request, offer.start, committed)
+            recorded = offer.end - committed
+            if not 0 <= recorded <= state.position:
+                raise LogicError(f"request {state.request_id}: recorded {recorded} external tokens at "
+                                 f"position {state.position}")
+            offer.closed = True
+            state.num_external = recorded
+            state.num_local_hit = committed
+            state.delivered_at = self.iteration
+        if self.connector is None:
+            return
+        state.seen_by_connector = True
+        if not self.connector.after_alloc(state.request, kv.page_indices_by_group()):
+            batch.drop(state)
+            self._fail(state, "update_state_after_alloc raised")
+            return
+        if state.num_external and offer.is_async:
+            batch.drop(state)
+            state.phase = Phase.TRANSMISSION
+            state.transmission_since = self.iteration
+            self.connector.start_async_load(state.request_id)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _chunk(self, position: int, prompt_len: int, budget: list[int]) -> int:
+        n = min(prompt_len - position, budget[0])
+        if self.config.chunk_size:
+            n = min(n, self.config.chunk_size)
+        return max(n, 0)
+
+    def _room(self, batch: Batch, budget: list[int], tokens: int) -> bool:
+        return batch.num_requests < self.config.max_batch_size and budget[0] >= min(tokens, 1)

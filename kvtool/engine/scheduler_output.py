@@ -1,0 +1,39 @@
+"""Building `SchedulerOutput`: each scheduled request as the connector sees it, as append-deltas."""
+
+from __future__ import annotations
+
+from kvtool.connector.api import RequestData, SchedulerOutput, flat_block_ids
+from kvtool.engine.request_state import RequestState
+from kvtool.engine.scheduler import Batch
+
+
+def build_scheduler_output(batch: Batch, iteration: int) -> SchedulerOutput:
+    """New requests the first time they are reported (everything), cached ones after (deltas).
+
+    Requests loading asynchronously are not in the batch, and dummy requests never are.
+    """
+    output = SchedulerOutput()
+    for state, n in batch.context:
+        data = _request_data(state, computed=state.position, scheduled=n, iteration=iteration)
+        (output.new_requests if data[1] else output.cached_requests).append(data[0])
+    for state in batch.generation:
+        tokens = state.request.get_num_tokens()
+        output.cached_requests.append(_request_data(state, computed=tokens - 1, scheduled=1,
+                                                    iteration=iteration)[0])
+    return output
+
+
+def _request_data(state: RequestState, computed: int, scheduled: int, iteration: int) -> tuple[RequestData, bool]:
+    is_new = state.reported_tokens < 0
+    tokens = state.request.get_tokens()
+    pages = state.kv.page_indices_by_group()
+    start_tokens = 0 if is_new else state.reported_tokens
+    by_group = {g: p[(0 if is_new else state.reported_blocks.get(g, 0)):] for g, p in pages.items()}
+    if is_new and state.delivered_at == iteration:
+        computed -= state.num_external   # the local match: what the connector loads comes on top
+    state.reported_tokens = len(tokens)
+    state.reported_blocks = {g: len(p) for g, p in pages.items()}
+    data = RequestData(request_id=state.request_id, new_tokens=tokens[start_tokens:],
+                       new_block_ids=flat_block_ids(by_group), computed_position=computed,
+                       num_scheduled_tokens=scheduled, new_block_ids_by_layer_group=by_group)
+    return data, is_new

@@ -1,0 +1,98 @@
+"""The transfer interface: page spaces, copy operations, and the backend protocol.
+
+A `PageSpace` is a set of equal-stride slots inside one uint8 tensor: a region of the KV cache
+(GPU or CPU) or a host/staging store. A `CopyOp` copies, for each pair (src slot, dst slot), the
+`nbytes` at `src_offset` inside the source slot to `dst_offset` inside the destination slot:
+whole slots, or sub-slot chunks such as one layer's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import torch
+
+from kvtool.errors import LogicError
+
+if TYPE_CHECKING:
+    from kvtool.manager.layout import KvCacheRegion
+
+
+@dataclass(frozen=True)
+class PageSpace:
+    tensor: torch.Tensor = field(repr=False)
+    """1-D uint8 tensor holding the slots."""
+    stride: int
+    size: int
+    num_slots: int
+    offset: int = 0
+    """Byte offset of slot 0 inside `tensor`."""
+
+    def __post_init__(self) -> None:
+        if self.tensor.dtype != torch.uint8 or self.tensor.dim() != 1:
+            raise LogicError("a page space needs a 1-D uint8 tensor")
+        if self.num_slots and self.offset + self.stride * (self.num_slots - 1) + self.size > self.tensor.numel():
+            raise LogicError("page space slots run past the end of its tensor")
+
+    @staticmethod
+    def of_region(region: KvCacheRegion) -> "PageSpace":
+        if region.storage is None:
+            raise LogicError("a virtual layout has no memory to copy")
+        return PageSpace(region.storage, region.stride, region.size, region.num_slots, region.offset_in_slot)
+
+    @staticmethod
+    def contiguous(tensor: torch.Tensor, slot_bytes: int) -> "PageSpace":
+        """Back-to-back slots of `slot_bytes` over all of `tensor`."""
+        return PageSpace(tensor, slot_bytes, slot_bytes, tensor.numel() // slot_bytes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def address(self, slot: int, offset: int = 0) -> int:
+        return self.tensor.data_ptr() + self.offset + self.stride * slot + offset
+
+    def rows(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """A strided [num_slots, nbytes] view of the bytes at `offset` in every slot."""
+        nbytes = self.size - offset if nbytes is None else nbytes
+        base = self.tensor.storage_offset()
+        return self.tensor.as_strided((self.num_slots, nbytes), (self.stride, 1), base + self.offset + offset)
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    src: PageSpace
+    dst: PageSpace
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+    nbytes: int
+    src_offset: int = 0
+    dst_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.src_slots) != len(self.dst_slots):
+            raise LogicError("a copy needs as many source as destination slots")
+        if self.src_offset + self.nbytes > self.src.size or self.dst_offset + self.nbytes > self.dst.size:
+            raise LogicError("a copy chunk leaves its slot")
+        for slots, space in ((self.src_slots, self.src), (self.dst_slots, self.dst)):
+            if slots and (min(slots) < 0 or max(slots) >= space.num_slots):
+                raise LogicError(f"slot outside [0, {space.num_slots}) in a copy")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.nbytes * len(self.src_slots)
+
+
+class TransferBackend(Protocol):
+    """Moves batches of page copies. All backends must produce identical bytes.
+
+    `copy` enqueues every op of the batch on `stream` (None: the current stream) and returns;
+    `synchronize` waits until they have landed. Destination slots within one op are distinct.
+    """
+
+    name: str
+
+    def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None: ...
+
+    def synchronize(self, stream: torch.cuda.Stream | None = None) -> None: ...

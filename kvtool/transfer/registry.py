@@ -1,0 +1,56 @@
+"""Backends by name. CUDA backends are imported lazily so the CPU path never touches PyCUDA."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from kvtool.errors import InputError
+from kvtool.transfer.api import TransferBackend
+
+_BACKENDS: dict[str, str] = {
+    "torch": "kvtool.transfer.torch_backend:TorchBackend",
+    "kernel": "kvtool.transfer.kernel_backend:KernelBackend",
+    "staged": "kvtool.transfer.staged_backend:StagedBackend",
+    "memcpy": "kvtool.transfer.memcpy_backend:MemcpyBackend",
+    "batch": "kvtool.transfer.batch_backend:BatchBackend",
+}
+_CUDA_ONLY = {"kernel", "staged", "memcpy", "batch"}
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def _factory(name: str) -> Callable[[], TransferBackend]:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_backend(name: str) -> TransferBackend:
+    """A backend instance; InputError for an unknown name or one this machine cannot run."""
+    if name not in _BACKENDS:
+        raise InputError(f"unknown transfer backend {name!r}; known: {', '.join(_BACKENDS)}")
+    if name in _CUDA_ONLY and not torch.cuda.is_available():
+        raise InputError(f"transfer backend {name!r} needs a CUDA GPU")
+    try:
+        return _factory(name)()
+    except ImportError as exc:
+        raise InputError(f"transfer backend {name!r} is not available here: {exc}") from None
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine (torch first)."""
+    names = ["torch"]
+    if not torch.cuda.is_available():
+        return names
+    for name in backend_names()[1:]:
+        try:
+            backend = _factory(name)()
+        except (ImportError, InputError, RuntimeError):
+            continue
+        if getattr(backend, "is_supported", lambda: True)():
+            names.append(name)
+    return names

@@ -1,0 +1,31 @@
+"""The `torch` backend: `index_select` / `index_copy_` on strided views, one call pair per op.
+
+It runs everywhere (CPU or CUDA tensors, any mix) and is the reference the other backends are
+checked against.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtool.transfer.api import CopyOp
+
+
+class TorchBackend:
+    name = "torch"
+
+    def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
+        for op in ops:
+            if not op.src_slots:
+                continue
+            src_index = torch.tensor(op.src_slots, dtype=torch.long, device=op.src.device)
+            dst_index = torch.tensor(op.dst_slots, dtype=torch.long, device=op.dst.device)
+            gathered = op.src.rows(op.src_offset, op.nbytes).index_select(0, src_index)
+            gathered = gathered.to(op.dst.device, non_blocking=op.dst.device.type == "cuda")
+            op.dst.rows(op.dst_offset, op.nbytes).index_copy_(0, dst_index, gathered)
+
+    def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            (stream or torch.cuda.current_stream()).synchronize()
