@@ -57,8 +57,8 @@ def trace_run(
 ) -> None:
     """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
     for name, value in (("max-batch-size", max_batch_size), ("max-num-tokens", max_num_tokens),
-                        ("chunk-size", chunk_size or 1), ("num-ranks", num_ranks)):
-        if value <= 0:
+                        ("chunk-size", chunk_size), ("num-ranks", num_ranks)):
+        if value is not None and value <= 0:
             raise InputError(f"--{name} must be positive, got {value}")
     requests = load_workload(workload)
     config = EngineConfig(

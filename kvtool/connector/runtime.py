@@ -106,6 +106,7 @@ class ConnectorRuntime:
         if num_tokens > room:
             self.violate("beyond-prompt", rid, f"offered {num_tokens} tokens past position {num_computed} of a "
                                               f"{request.prompt_len}-token prompt")
+            self.cancel(request, num_computed, num_computed + num_tokens)
             return Answer(0, False)
         return Answer(num_tokens, is_async)
 

@@ -86,7 +86,13 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
             raise InputError(f"connector {spec.name!r} could not be constructed: {type(exc).__name__}: {exc}") from None
         for worker in workers:
-            self._register(worker)
+            try:
+                self._register(worker)
+            except ConnectorError as exc:
+                raise InputError(f"connector {spec.name!r}: {exc}") from None
+            except Exception as exc:  # noqa: BLE001
+                raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
+                                 f"{type(exc).__name__}: {exc}") from None
         return ConnectorRuntime(scheduler, workers)
 
     def _register(self, worker: KvCacheConnectorWorker) -> None:
@@ -158,8 +164,8 @@ class Engine:
         self.stats.num_deferrals += sum(s.num_deferrals for s in waiting) - deferrals_before
         for state in batch.received:
             self.fake.write_context(PassItem(state.request_id, state.request.get_tokens(),
-                                             state.kv.page_indices_by_group(), 0, state.prompt_len, False))
-            state.kv.commit(state.request.prompt_token_ids)
+                                             state.kv.page_indices_by_group(), 0, state.position, False))
+            state.kv.commit(state.request.prompt_token_ids[:state.position])
         dummies = self._dummies(batch)
         items = self._pass_items(batch) + [item for _, item in dummies]
         if self.connector is not None:

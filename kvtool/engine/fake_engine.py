@@ -100,9 +100,17 @@ class FakeEngine:
             readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
             found = self._verify(layer_id, group, item.request_id, pages, hashes, readable)
             if item.samples and found is not None:
-                attended = self._positions_in_live_blocks(group, pages, item.end, item.end)
-                keep = np.isin(readable, attended)
-                item.checksum += int(found[torch.from_numpy(keep).to(found.device)].sum(dtype=torch.int64))
+                item.checksum += self._checksum(found, readable, self._positions_in_live_blocks(
+                    group, pages, item.end, item.end), layer_id)
+
+    @staticmethod
+    def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
+        """Order-sensitive digest of the bytes the last position attends to: a block moved to another
+        position changes it, as it would change a real model's output."""
+        keep = torch.from_numpy(np.isin(positions, attended)).to(found.device)
+        rows = found[keep].to(torch.int64).sum(dim=1)
+        weights = torch.from_numpy(positions[np.isin(positions, attended)] * 2654435761 + 2 * layer_id + 1).to(found.device)
+        return int((rows * weights).sum()) & ((1 << 63) - 1)
 
     def sample(self, item: PassItem) -> int:
         return sample_token(int(self._prefix_hashes(item).array()[item.end - 1]), item.checksum, VOCAB_SIZE)
@@ -119,11 +127,17 @@ class FakeEngine:
                          self._positions_in_live_blocks(group, group_pages, history, history))
 
     def write_context(self, item: PassItem) -> None:
-        """Write every layer for [start, end) without a pass: KV that arrived from elsewhere."""
+        """Write every layer for [start, end) without a pass: KV that arrived from elsewhere (a
+        context server, or a test's oracle connector). Blocks with no page are skipped."""
         hashes = self._prefix_hashes(item)
+        tpb = self.layout.tokens_per_block
         for layer_id in self.layer_ids:
             group = self._group_of[layer_id]
-            self._write(layer_id, group, item, hashes, range(item.start, item.end))
+            pages = item.pages[group.layer_group_id]
+            for j in range(item.start // tpb, -(-item.end // tpb)):
+                if j < len(pages) and pages[j] != BAD_PAGE_INDEX:
+                    block = range(max(item.start, j * tpb), min(item.end, (j + 1) * tpb))
+                    self._write(layer_id, group, item, hashes, block)
 
     # ---- internals ---------------------------------------------------------------------------
     def _prefix_hashes(self, item: PassItem) -> PrefixHashes:

@@ -81,8 +81,10 @@ class Scheduler:
                     budget[0] -= n
         for state in waiting:
             if state.request.is_generation_only_request:
-                if self._admit_generation_only(state):
+                if self._room(batch, budget, 1) and self._admit_generation_only(state):
                     batch.received.append(state)
+                    batch.context.append((state, 1))
+                    budget[0] -= 1
                 continue
             if not self._room(batch, budget, 1):
                 break
@@ -124,7 +126,8 @@ class Scheduler:
         return n
 
     def _admit_generation_only(self, state: RequestState) -> bool:
-        """Pages for the whole prompt, whose KV a context server sent; the connector is never asked."""
+        """Pages for the whole prompt, whose KV a context server sent (all but the last position,
+        which the first pass computes to sample the first token). The connector is never asked."""
         kv = self.manager.create_kv_cache(state.request_id, [], expected_prompt_length=state.prompt_len)
         kv.resume()
         if not kv.resize(state.prompt_len):
@@ -132,8 +135,9 @@ class Scheduler:
             state.num_deferrals += 1
             return False
         state.kv = kv
-        state.position = state.prompt_len
-        state.phase = Phase.GENERATION
+        state.position = state.prompt_len - 1
+        state.phase = Phase.CONTEXT
+        state.request._set_context_position(state.position)
         return True
 
     def _ask(self, state: RequestState, local_end: int) -> bool:
