@@ -87,12 +87,18 @@ class CopyOp:
 class TransferBackend(Protocol):
     """Moves batches of page copies. All backends must produce identical bytes.
 
-    `copy` enqueues every op of the batch on `stream` (None: the current stream) and returns;
-    `synchronize` waits until they have landed. Destination slots within one op are distinct.
+    `copy(ops)` = `launch(prepare(ops))`: the work is ordered after what `stream` (None: the current
+    stream) already holds, and `stream`'s later work is ordered after it; `synchronize` waits until
+    it has landed. Destination slots within one op are distinct.
     """
 
     name: str
 
     def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None: ...
+
+    def prepare(self, ops: Sequence[CopyOp]) -> object:
+        """Host-side work (descriptor tables), so that `launch` can be timed or repeated alone."""
+
+    def launch(self, prepared: object, stream: torch.cuda.Stream | None = None) -> None: ...
 
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None: ...

@@ -29,14 +29,15 @@ def _factory(name: str) -> Callable[[], TransferBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str) -> TransferBackend:
-    """A backend instance; InputError for an unknown name or one this machine cannot run."""
+def get_backend(name: str, **options) -> TransferBackend:
+    """A backend instance (`options` go to its constructor, e.g. `priority`); InputError for an
+    unknown name or one this machine cannot run."""
     if name not in _BACKENDS:
         raise InputError(f"unknown transfer backend {name!r}; known: {', '.join(_BACKENDS)}")
     if name in _CUDA_ONLY and not torch.cuda.is_available():
         raise InputError(f"transfer backend {name!r} needs a CUDA GPU")
     try:
-        return _factory(name)()
+        return _factory(name)(**options)
     except ImportError as exc:
         raise InputError(f"transfer backend {name!r} is not available here: {exc}") from None
 

@@ -16,10 +16,17 @@ from kvtool.transfer.api import CopyOp
 class TorchBackend:
     name = "torch"
 
+    def __init__(self, priority: int | None = None) -> None:
+        self.priority = priority
+
     def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
-        for op in ops:
-            if not op.src_slots:
-                continue
+        self.launch(self.prepare(ops), stream)
+
+    def prepare(self, ops: Sequence[CopyOp]) -> list[CopyOp]:
+        return [op for op in ops if op.src_slots]
+
+    def launch(self, prepared: list[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
+        for op in prepared:
             src_index = torch.tensor(op.src_slots, dtype=torch.long, device=op.src.device)
             dst_index = torch.tensor(op.dst_slots, dtype=torch.long, device=op.dst.device)
             gathered = op.src.rows(op.src_offset, op.nbytes).index_select(0, src_index)

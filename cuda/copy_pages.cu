@@ -1,0 +1,54 @@
+// Batched page copies in one launch. Each warp takes work chunks of KVTOOL_CHUNK_BYTES: every lane
+// issues KVTOOL_UNROLL independent 16-byte streaming loads before its stores, so enough bytes are
+// in flight to cover PCIe latency with few SMs. Grid size is chosen by the host from the bytes it
+// wants in flight, not from the number of pages.
+#include "copy_pages.cuh"
+
+extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
+                                            const uint64_t* __restrict__ chunk_start,
+                                            int num_descs, uint64_t num_chunks) {
+    const uint64_t lane = threadIdx.x % KVTOOL_WARP;
+    const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
+    const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
+    for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
+        const int d = kvtool_find_desc(chunk_start, num_descs, chunk);
+        const CopyDesc desc = descs[d];
+        const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
+        const uint64_t remaining = desc.nbytes - offset;
+        const uint64_t bytes = remaining < KVTOOL_CHUNK_BYTES ? remaining : KVTOOL_CHUNK_BYTES;
+        const uint4* src = reinterpret_cast<const uint4*>(desc.src + offset);
+        uint4* dst = reinterpret_cast<uint4*>(desc.dst + offset);
+        const uint64_t n16 = bytes / 16;
+        uint4 regs[KVTOOL_UNROLL];
+#pragma unroll
+        for (int k = 0; k < KVTOOL_UNROLL; ++k) {
+            const uint64_t i = k * KVTOOL_WARP + lane;
+            if (i < n16) regs[k] = __ldcs(src + i);
+        }
+#pragma unroll
+        for (int k = 0; k < KVTOOL_UNROLL; ++k) {
+            const uint64_t i = k * KVTOOL_WARP + lane;
+            if (i < n16) __stcs(dst + i, regs[k]);
+        }
+    }
+}
+
+// Fallback for descriptors whose addresses or size are not 16-byte aligned: byte copies, with the
+// lanes of a warp on consecutive bytes so the accesses stay coalesced.
+extern "C" __global__ void copy_pages_bytes(const CopyDesc* __restrict__ descs,
+                                            const uint64_t* __restrict__ chunk_start,
+                                            int num_descs, uint64_t num_chunks) {
+    const uint64_t lane = threadIdx.x % KVTOOL_WARP;
+    const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
+    const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
+    for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
+        const int d = kvtool_find_desc(chunk_start, num_descs, chunk);
+        const CopyDesc desc = descs[d];
+        const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
+        const uint64_t remaining = desc.nbytes - offset;
+        const uint64_t bytes = remaining < KVTOOL_CHUNK_BYTES ? remaining : KVTOOL_CHUNK_BYTES;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(desc.src + offset);
+        unsigned char* dst = reinterpret_cast<unsigned char*>(desc.dst + offset);
+        for (uint64_t i = lane; i < bytes; i += KVTOOL_WARP) dst[i] = src[i];
+    }
+}

@@ -1,0 +1,93 @@
+"""`--with-compute`: what a serving engine feels when a connector saves during prefill.
+
+A bf16 matrix product loop runs on its own stream, first alone, then while the backend saves on a
+high-priority stream for as long as the products run. Reported: the products' slowdown against
+running alone, and the transfer rate under load against the same run's contiguous pinned copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvtool.bench.workspace import geometry, make_workspace
+from kvtool.transfer import get_backend
+
+MATMUL_SIZE = 8192
+HIGH_PRIORITY = -5
+
+
+@dataclass
+class ComputeRow:
+    backend: str
+    direction: str
+    model: str
+    tokens_per_block: int
+    chunk_bytes: int
+    batch_bytes: int
+    matmul_tflops_alone: float
+    matmul_tflops_with_transfer: float
+    matmul_slowdown: float
+    transfer_gbps: float
+    peak_gbps: float
+    ratio: float
+    transfer_sms: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure(backend_name: str, model: str, tokens_per_block: int, granularity: str, batch_bytes: int,
+            peak_gbps: float, num_matmuls: int = 60) -> ComputeRow:
+    ws = make_workspace(geometry(model, tokens_per_block, granularity), batch_bytes, torch.device("cuda"))
+    backend = get_backend(backend_name, priority=HIGH_PRIORITY)
+    prepared = backend.prepare(ws.ops("save"))
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    compute_stream, transfer_caller = torch.cuda.Stream(), torch.cuda.Stream()
+    flops = 2 * MATMUL_SIZE ** 3 * num_matmuls
+    _matmuls(compute_stream, a, b, 5)
+    torch.cuda.synchronize()
+    alone = _matmuls(compute_stream, a, b, num_matmuls)
+    torch.cuda.synchronize()
+    per_batch = _transfers(transfer_caller, backend, prepared, 5)
+    torch.cuda.synchronize()
+    repeats = max(1, int(alone.elapsed() / per_batch.elapsed() * 5 * 1.1))
+    with_matmul = _matmuls(compute_stream, a, b, num_matmuls)
+    under_load = _transfers(transfer_caller, backend, prepared, repeats)
+    torch.cuda.synchronize()
+    gbps = ws.batch_bytes * repeats / under_load.elapsed() / 1e9
+    return ComputeRow(backend_name, "save", model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
+                      round(flops / alone.elapsed() / 1e12, 1), round(flops / with_matmul.elapsed() / 1e12, 1),
+                      round(with_matmul.elapsed() / alone.elapsed() - 1, 4), round(gbps, 3), round(peak_gbps, 3),
+                      round(gbps / peak_gbps, 4), getattr(backend, "max_sms", 0))
+
+
+class _Span:
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def elapsed(self) -> float:
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def _matmuls(stream: torch.cuda.Stream, a: torch.Tensor, b: torch.Tensor, count: int) -> _Span:
+    span = _Span()
+    with torch.cuda.stream(stream):
+        span.start.record()
+        for _ in range(count):
+            torch.mm(a, b)
+        span.end.record()
+    return span
+
+
+def _transfers(caller: torch.cuda.Stream, backend, prepared, count: int) -> _Span:
+    span = _Span()
+    with torch.cuda.stream(caller):
+        span.start.record()
+        for _ in range(count):
+            backend.launch(prepared)
+        span.end.record()
+    return span

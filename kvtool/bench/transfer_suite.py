@@ -1,0 +1,154 @@
+"""The transfer sweep: every case timed against the link peak measured in the same run.
+
+Peak: one contiguous pinned copy of the same batch size in the same direction (both directions at
+once on two streams for `both`; a contiguous device copy for `gather`); on a CPU, a contiguous
+memory copy. `verified`: the bytes moved by a poisoned warm-up run equal the source, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from kvtool.bench.timing import Timing, time_repeats
+from kvtool.bench.workspace import Geometry, Workspace, geometry, make_workspace
+from kvtool.transfer import get_backend
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tokens_per_block: int
+    granularity: str
+    direction: str
+    backend: str
+    batch_bytes: int
+
+
+@dataclass
+class Row:
+    backend: str
+    direction: str
+    granularity: str
+    model: str
+    tokens_per_block: int
+    chunk_bytes: int
+    batch_bytes: int
+    gbps: float
+    p50_us: float
+    p99_us: float
+    peak_gbps: float
+    ratio: float
+    verified: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TransferSuite:
+    def __init__(self, device: torch.device, repeats: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.repeats = repeats
+        self._workspaces: dict[tuple, Workspace] = {}
+        self._peaks: dict[tuple, float] = {}
+        self._backends: dict[tuple[str, int], object] = {}
+
+    def run(self, cases: Iterable[Case], on_row: Callable[[Row], None] | None = None) -> list[Row]:
+        rows = []
+        for case in cases:
+            row = self.measure(case)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+        return rows
+
+    def measure(self, case: Case) -> Row:
+        g = geometry(case.model, case.tokens_per_block, case.granularity)
+        ws = self._workspace(g, case.batch_bytes)
+        directions = ("save", "load") if case.direction == "both" else (case.direction,)
+        runs = [self._runner(ws, d, case.backend, i) for i, d in enumerate(directions)]
+        verified = True
+        for direction, run in zip(directions, runs):
+            ws.poison(direction)
+            run()
+            self._sync()
+            verified &= ws.verify(direction)
+        timing = time_repeats(_all(runs), self.repeats, self.cuda)
+        moved = ws.batch_bytes * len(directions)
+        peak = self._peak(ws, case.direction)
+        gbps = moved / timing.median / 1e9
+        return Row(case.backend, case.direction, case.granularity, case.model, case.tokens_per_block, g.nbytes,
+                   moved, round(gbps, 3), round(timing.percentile_us(50), 1), round(timing.percentile_us(99), 1),
+                   round(peak, 3), round(gbps / peak, 4), verified)
+
+    def _runner(self, ws: Workspace, direction: str, backend_name: str, lane: int) -> Callable[[], None]:
+        backend = self._backend(backend_name, lane)
+        prepared = backend.prepare(ws.ops(direction))
+        if self.cuda:
+            return lambda: backend.launch(prepared)
+        return lambda: (backend.launch(prepared), backend.synchronize())
+
+    def _backend(self, name: str, lane: int):
+        """One instance per (name, lane): `both` runs saves and loads on two streams at once."""
+        if (name, lane) not in self._backends:
+            self._backends[(name, lane)] = get_backend(name)
+        return self._backends[(name, lane)]
+
+    def _workspace(self, g: Geometry, batch_bytes: int) -> Workspace:
+        key = (g, batch_bytes)
+        if key not in self._workspaces:
+            self._workspaces.clear()    # one at a time: they can be gigabytes
+            if self.cuda:
+                torch.cuda.empty_cache()
+            self._workspaces[key] = make_workspace(g, batch_bytes, self.device)
+        return self._workspaces[key]
+
+    def _peak(self, ws: Workspace, direction: str) -> float:
+        key = (direction, ws.batch_bytes)
+        if key not in self._peaks:
+            self._peaks[key] = self._measure_peak(ws, direction)
+        return self._peaks[key]
+
+    def _measure_peak(self, ws: Workspace, direction: str) -> float:
+        size = ws.batch_bytes
+        if not self.cuda:
+            src, dst = torch.empty(size, dtype=torch.uint8).random_(0, 256), torch.empty(size, dtype=torch.uint8)
+            copies = [lambda: dst.copy_(src)]
+        else:
+            device_buf = ws.region.tensor[:size]
+            host = torch.empty(size, dtype=torch.uint8).pin_memory()
+            host_in = ws.store.tensor[:size]
+            device_out = ws.staging.tensor[:size]
+            streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+            plans = {"save": [(host, device_buf)], "load": [(device_out, host_in)],
+                     "both": [(host, device_buf), (device_out, host_in)], "gather": [(device_out, device_buf)]}
+            copies = [self._stream_copy(stream, dst, src) for stream, (dst, src) in zip(streams, plans[direction])]
+        for copy in copies:
+            copy()
+        self._sync()
+        timing: Timing = time_repeats(_all(copies), self.repeats, self.cuda)
+        return size * len(copies) / timing.median / 1e9
+
+    @staticmethod
+    def _stream_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        def copy() -> None:
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            current.wait_stream(stream)
+        return copy
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _all(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+    return run

@@ -1,0 +1,102 @@
+"""Memory for one transfer case: a KV region laid out as the model's layout says, a host store, and
+the page copies a connector would issue for a batch (random pages, consecutive store slots)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.errors import InputError
+from kvtool.manager import KvCacheManagerConfig, compute_layout
+from kvtool.models import load_model
+from kvtool.transfer.api import CopyOp, PageSpace
+
+GRANULARITIES = ("slot", "layer")
+DIRECTIONS = ("save", "load", "both", "gather")
+MAX_REGION_BYTES = 8 << 30
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where one chunk of a page lives: `nbytes` at `offset` inside slots of `stride` bytes."""
+
+    model: str
+    tokens_per_block: int
+    granularity: str
+    stride: int
+    offset: int
+    nbytes: int
+
+
+def geometry(model: str, tokens_per_block: int, granularity: str) -> Geometry:
+    """Layer group 0's first region: the whole page (`slot`) or layer 0's buffers in it (`layer`)."""
+    if granularity not in GRANULARITIES:
+        raise InputError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    layout = compute_layout(KvCacheManagerConfig(load_model(model), tokens_per_block, num_slots=1))
+    region = layout.group(0).regions[0]
+    if granularity == "slot":
+        return Geometry(model, tokens_per_block, granularity, region.stride, 0, region.size)
+    first = region.buffers[0].layer_id
+    count = sum(b.layer_id == first for b in region.buffers)
+    return Geometry(model, tokens_per_block, granularity, region.stride, 0, count * region.buffer_bytes)
+
+
+@dataclass
+class Workspace:
+    geometry: Geometry
+    region: PageSpace
+    store: PageSpace
+    staging: PageSpace
+    num_pages: int
+    pages: tuple[int, ...]
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.num_pages * self.geometry.nbytes
+
+    def ops(self, direction: str) -> list[CopyOp]:
+        g = self.geometry
+        rows = tuple(range(self.num_pages))
+        if direction == "save":
+            return [CopyOp(self.region, self.store, self.pages, rows, g.nbytes, g.offset, 0)]
+        if direction == "load":
+            return [CopyOp(self.store, self.region, rows, self.pages, g.nbytes, 0, g.offset)]
+        if direction == "gather":
+            return [CopyOp(self.region, self.staging, self.pages, rows, g.nbytes, g.offset, 0)]
+        raise InputError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+
+    def poison(self, direction: str) -> None:
+        target = {"save": self.store, "load": self.region, "gather": self.staging}[direction]
+        target.tensor.fill_(0xA5)
+
+    def verify(self, direction: str) -> bool:
+        """The destination holds exactly the source's bytes, for every page of the batch."""
+        (op,) = self.ops(direction)
+        index_src = torch.tensor(op.src_slots, device=op.src.device)
+        index_dst = torch.tensor(op.dst_slots, device=op.dst.device)
+        moved = op.src.rows(op.src_offset, op.nbytes).index_select(0, index_src).cpu()
+        landed = op.dst.rows(op.dst_offset, op.nbytes).index_select(0, index_dst).cpu()
+        return bool(torch.equal(moved, landed))
+
+
+def make_workspace(g: Geometry, batch_bytes: int, device: torch.device, seed: int = 0) -> Workspace:
+    num_pages = max(1, batch_bytes // g.nbytes)
+    num_slots = max(2 * num_pages, num_pages + 16)
+    if num_slots * g.stride > MAX_REGION_BYTES:
+        num_slots = max(num_pages, MAX_REGION_BYTES // g.stride)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    region = _random(num_slots * g.stride, device, seed)
+    pin = device.type == "cuda"
+    store = torch.randint(0, 256, (num_pages * g.nbytes,), dtype=torch.uint8, generator=gen)
+    store = store.pin_memory() if pin else store
+    staging = torch.empty(num_pages * g.nbytes, dtype=torch.uint8, device=device)
+    pages = tuple(torch.randperm(num_slots, generator=gen)[:num_pages].tolist())
+    return Workspace(g, PageSpace(region, g.stride, g.stride, num_slots), PageSpace.contiguous(store, g.nbytes),
+                     PageSpace.contiguous(staging, g.nbytes), num_pages, pages)
+
+
+def _random(num_bytes: int, device: torch.device, seed: int) -> torch.Tensor:
+    """Random bytes (never measure on zeros), generated where they live."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=device, generator=gen)

@@ -1,0 +1,141 @@
+"""`kvtool bench`: connector transfers against the physical link, or the manager's own cost."""
+
+from __future__ import annotations
+
+import io
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import pandas as pd
+import typer
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtool.bench import compute, manager_suite
+from kvtool.bench.sweep import SweepChoice, plan
+from kvtool.bench.transfer_suite import TransferSuite
+from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, geometry
+from kvtool.cli.common import ExitCode, clean_errors, fail
+from kvtool.errors import InputError
+from kvtool.models import load_model
+from kvtool.report.bench_report import default_output_dir, rows_table, write_run
+from kvtool.transfer import available_backends
+from kvtool.transfer.registry import backend_names
+from kvtool.units import parse_size
+
+
+class Suite(str, Enum):
+    transfer = "transfer"
+    manager = "manager"
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what: str) -> tuple[str, ...]:
+    for value in values:
+        if value not in allowed:
+            raise InputError(f"unknown {what} {value!r}; choose from {', '.join(allowed)}")
+    return tuple(dict.fromkeys(values))
+
+
+@clean_errors
+def bench(
+    model: Annotated[list[str], typer.Option(help="Model preset (repeatable; default: the built-in sweep).")] = [],
+    tokens_per_block: Annotated[list[int], typer.Option(help="Tokens per block (repeatable).")] = [],
+    granularity: Annotated[list[str], typer.Option(help="slot (whole pages) or layer (one layer's buffers).")] = [],
+    direction: Annotated[list[str], typer.Option(help="save, load, both or gather (repeatable).")] = [],
+    backend: Annotated[list[str], typer.Option(help="Transfer backend (repeatable; default: all available).")] = [],
+    batch_bytes: Annotated[Optional[str], typer.Option(help="Bytes per batch, e.g. 64MiB.")] = None,
+    repeats: Annotated[Optional[int], typer.Option(help="Timed repeats per case (median reported).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A small sweep, for a smoke test.")] = False,
+    format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
+    output: Annotated[Optional[Path], typer.Option(help="Results folder (default results/<timestamp>/).")] = None,
+    suite: Annotated[Suite, typer.Option(help="transfer (the link) or manager (CPU cost per block).")] = Suite.transfer,
+    with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
+                                                                      "while saving.")] = False,
+) -> None:
+    """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
+    link peak measured in the same run, or the manager's cost with --suite manager. Writes
+    meta.json, results.csv, results.json and a plot under --output."""
+    out_dir = output or default_output_dir()
+    console = Console(stderr=True)
+    if suite is Suite.manager:
+        rows = [r.as_dict() for r in manager_suite.run()]
+        write_run(out_dir, rows, {}, "manager")
+        _print(rows, format, "manager cost per block (µs) at 1x, 10x, 100x cached blocks")
+        console.print(f"results in {out_dir}")
+        return
+    cuda = torch.cuda.is_available()
+    if with_compute and not cuda:
+        raise InputError("--with-compute needs a CUDA GPU")
+    if repeats is not None and repeats <= 0:
+        raise InputError(f"--repeats must be positive, got {repeats}")
+    for tpb in tokens_per_block:
+        if tpb <= 0:
+            raise InputError(f"tokens per block must be positive, got {tpb}")
+    for name in model:
+        load_model(name)
+    backends = _check_choices(backend, backend_names(), "backend") if backend else tuple(available_backends())
+    missing = [b for b in backends if b not in available_backends()]
+    if missing:
+        raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available_backends())})")
+    choice = SweepChoice(tuple(model) or None, tuple(tokens_per_block) or None,
+                         _check_choices(granularity, GRANULARITIES, "granularity") or GRANULARITIES,
+                         _check_choices(direction, DIRECTIONS, "direction") or DIRECTIONS, backends,
+                         parse_size(batch_bytes) if batch_bytes else None, repeats, quick)
+    cases, num_repeats = plan(choice, cuda)
+    for case in {(c.model, c.tokens_per_block, c.granularity) for c in cases}:
+        geometry(*case)
+    transfer = TransferSuite(torch.device("cuda" if cuda else "cpu"), num_repeats)
+    rows = _run_cases(transfer, cases, console)
+    extra = {"compute": _compute_rows(transfer, cases, backends, console)} if with_compute else {}
+    device = write_run(out_dir, rows, extra, "transfer")
+    _print(rows, format, f"kvtool bench · {device.get('name')} · GB/s (median of {num_repeats})")
+    if extra:
+        _print(extra["compute"], format, "with a bf16 matmul running")
+    console.print(f"results in {out_dir}")
+    if not all(r["verified"] for r in rows):
+        raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
+
+
+def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:
+    rows: list[dict] = []
+    with Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=len(cases), info="")
+        for case in cases:
+            progress.update(task, info=f"{case.backend} {case.direction} {case.model}/{case.tokens_per_block} "
+                                       f"{case.granularity}")
+            rows.append(transfer.measure(case).as_dict())
+            progress.advance(task)
+    return rows
+
+
+def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) -> list[dict]:
+    rows = []
+    shapes = list(dict.fromkeys((c.model, c.tokens_per_block, c.granularity, c.batch_bytes) for c in cases))[:2]
+    for name in [b for b in backends if b in ("kernel", "staged")]:
+        for model, tpb, gran, batch in shapes:
+            ws = transfer._workspace(geometry(model, tpb, gran), batch)
+            peak = transfer._peak(ws, "save")
+            console.print(f"with compute: {name} {model}/{tpb} {gran}")
+            rows.append(compute.measure(name, model, tpb, gran, batch, peak).as_dict())
+    return rows
+
+
+def _print(rows: list[dict], format: Format, title: str) -> None:
+    if format is Format.json:
+        print(json.dumps(rows, indent=2))
+    elif format is Format.csv:
+        buffer = io.StringIO()
+        pd.DataFrame(rows).to_csv(buffer, index=False)
+        print(buffer.getvalue(), end="")
+    else:
+        Console(width=max(150, Console().width)).print(rows_table(rows, title))

@@ -1,0 +1,58 @@
+"""What the CUDA backends share: their own stream, ordered against the caller's stream both ways."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtool.errors import LogicError
+from kvtool.transfer import cuda_runtime as rt
+from kvtool.transfer.api import CopyOp
+
+
+class CudaBackendBase:
+    name = "cuda"
+
+    def __init__(self, priority: int | None = None) -> None:
+        self.stream, self.torch_stream = rt.new_stream(priority)
+
+    def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue on the backend's stream after the caller's work; the caller's later work waits."""
+        ops = [op for op in ops if op.src_slots]
+        if ops:
+            self.launch(self.prepare(ops), stream)
+
+    def launch(self, prepared, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue prepared work: after the caller's stream, and before the caller's later work."""
+        caller = stream or torch.cuda.current_stream()
+        self.torch_stream.wait_stream(caller)
+        self.enqueue(prepared)
+        caller.wait_stream(self.torch_stream)
+
+    def prepare(self, ops: Sequence[CopyOp]):
+        """Host-side work before the launch (descriptor tables); checks host memory is pinned."""
+        for op in ops:
+            _require_reachable(op)
+        return self.build(ops)
+
+    def build(self, ops: Sequence[CopyOp]):
+        return list(ops)
+
+    def enqueue(self, prepared) -> None:
+        raise NotImplementedError
+
+    def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
+        self.torch_stream.synchronize()
+        (stream or torch.cuda.current_stream()).synchronize()
+
+
+def _require_reachable(op: CopyOp) -> None:
+    """Host memory must be pinned: the GPU reaches it through unified addressing."""
+    for space in (op.src, op.dst):
+        if space.device.type == "cpu" and not space.tensor.is_pinned():
+            raise LogicError("CUDA transfer backends need pinned host memory (pin_memory=True)")
+
+
+def is_host(op: CopyOp) -> bool:
+    return op.src.device.type == "cpu" or op.dst.device.type == "cpu"

@@ -1,0 +1,138 @@
+"""PyCUDA, lazily: PyTorch's primary context, kernels compiled from cuda/ once per specialization,
+streams, and a few driver entry points PyCUDA does not wrap (through ctypes on libcuda).
+
+Importing this module imports PyCUDA; only the CUDA backends do, and only when asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pycuda.driver as cuda  # noqa: E402  (the optional dependency; ImportError means "not available")
+from pycuda.compiler import SourceModule
+
+CUDA_DIR = Path(os.environ.get("KVTOOL_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
+CU_STREAM_ATTRIBUTE_PRIORITY = 8
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+
+
+@functools.lru_cache(maxsize=1)
+def context() -> "cuda.Context":
+    """PyTorch's primary context, current for PyCUDA from now on (never a new context)."""
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")   # make sure the runtime has created the primary context
+    cuda.init()
+    ctx = cuda.Device(torch.cuda.current_device()).retain_primary_context()
+    ctx.push()
+    atexit.register(_pop, ctx)
+    return ctx
+
+
+def _pop(ctx) -> None:
+    try:
+        ctx.pop()
+    except cuda.Error:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
+    """`name` from cuda/`source`, compiled for this device with `defines`; cached per specialization."""
+    context()
+    major, minor = torch.cuda.get_device_capability()
+    options = ["-O3", f"-I{CUDA_DIR}"] + [f"-D{k}={v}" for k, v in defines]
+    module = SourceModule((CUDA_DIR / source).read_text(), options=options, no_extern_c=True,
+                          arch=f"sm_{major}{minor}", include_dirs=[str(CUDA_DIR)])
+    return module.get_function(name)
+
+
+def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:
+    """A PyCUDA stream (optionally with a launch priority) and the same stream as seen by PyTorch."""
+    context()
+    stream = cuda.Stream()
+    handle = int(stream.handle)
+    if priority is not None:
+        set_stream_priority(handle, priority)
+    return stream, torch.cuda.ExternalStream(handle)
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+# ---- libcuda through ctypes --------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUresult {result}")
+
+
+def set_stream_priority(handle: int, priority: int) -> None:
+    low, high = ctypes.c_int(), ctypes.c_int()
+    _check(libcuda().cuCtxGetStreamPriorityRange(ctypes.byref(low), ctypes.byref(high)), "cuCtxGetStreamPriorityRange")
+    value = (ctypes.c_byte * 64)()
+    ctypes.c_int.from_buffer(value).value = max(high.value, min(low.value, priority))
+    _check(libcuda().cuStreamSetAttribute(ctypes.c_void_p(handle), CU_STREAM_ATTRIBUTE_PRIORITY, value),
+           "cuStreamSetAttribute(priority)")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
+    """cuMemcpyAsync: memory types inferred from unified addresses (pinned host or device)."""
+    _check(libcuda().cuMemcpyAsync(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes),
+                                   ctypes.c_void_p(stream_handle)), "cuMemcpyAsync")
+
+
+class _Memcpy2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
+CU_MEMORYTYPE_UNIFIED = 4
+
+
+def memcpy_2d_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                    stream_handle: int) -> None:
+    """`height` rows of `width` bytes, each at its pitch: one copy-engine call for a strided run."""
+    desc = _Memcpy2D(srcMemoryType=CU_MEMORYTYPE_UNIFIED, srcDevice=src, srcPitch=src_pitch,
+                     dstMemoryType=CU_MEMORYTYPE_UNIFIED, dstDevice=dst, dstPitch=dst_pitch,
+                     WidthInBytes=width, Height=height)
+    _check(libcuda().cuMemcpy2DAsync_v2(ctypes.byref(desc), ctypes.c_void_p(stream_handle)), "cuMemcpy2DAsync")
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+def has_memcpy_batch() -> bool:
+    return hasattr(libcuda(), "cuMemcpyBatchAsync_v2")
+
+
+def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream_handle: int) -> None:
+    """cuMemcpyBatchAsync (CUDA 13 form): one driver call for the whole batch."""
+    count = len(dsts)
+    attrs = _MemcpyAttributes(srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+    index = ctypes.c_size_t(0)
+    _check(libcuda().cuMemcpyBatchAsync_v2(
+        dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
+        sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(count), ctypes.byref(attrs), ctypes.byref(index),
+        ctypes.c_size_t(1), ctypes.c_void_p(stream_handle)), "cuMemcpyBatchAsync")

@@ -1,0 +1,98 @@
+"""Descriptor tables for the CUDA backends, built on the CPU (no CUDA needed, so it is tested in CI).
+
+A descriptor is (src address, dst address, bytes) for one page copy or sub-slot chunk. The kernel
+splits each into work chunks of `chunk_bytes`; `chunk_start[d]` is descriptor d's first chunk.
+Descriptors whose addresses and size are all 16-byte aligned go to the vector kernel, the others
+to the byte kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvtool.transfer.api import CopyOp
+
+VECTOR_BYTES = 16
+WARP = 32
+DEFAULT_UNROLL = 8
+DESC_DTYPE = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
+
+
+def chunk_bytes(unroll: int = DEFAULT_UNROLL) -> int:
+    """Bytes one warp moves per task: 32 lanes x 16 bytes x `unroll` loads in flight."""
+    return WARP * VECTOR_BYTES * unroll
+
+
+@dataclass(frozen=True)
+class DescriptorTable:
+    descs: np.ndarray
+    chunk_start: np.ndarray
+    num_chunks: int
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.descs["nbytes"].sum())
+
+    def __len__(self) -> int:
+        return len(self.descs)
+
+
+def op_descriptors(op: CopyOp) -> np.ndarray:
+    """One descriptor per (src slot, dst slot) pair of `op`."""
+    descs = np.empty(len(op.src_slots), dtype=DESC_DTYPE)
+    src_base = op.src.address(0, op.src_offset)
+    dst_base = op.dst.address(0, op.dst_offset)
+    descs["src"] = src_base + np.asarray(op.src_slots, dtype=np.uint64) * np.uint64(op.src.stride)
+    descs["dst"] = dst_base + np.asarray(op.dst_slots, dtype=np.uint64) * np.uint64(op.dst.stride)
+    descs["nbytes"] = op.nbytes
+    return descs
+
+
+def split_by_alignment(descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(aligned to 16 bytes in src, dst and size; the rest)."""
+    mask = np.uint64(VECTOR_BYTES - 1)
+    aligned = ((descs["src"] | descs["dst"] | descs["nbytes"]) & mask) == 0
+    return descs[aligned], descs[~aligned]
+
+
+def build_table(descs: np.ndarray, unroll: int = DEFAULT_UNROLL) -> DescriptorTable:
+    size = chunk_bytes(unroll)
+    descs = descs[descs["nbytes"] > 0]
+    chunks = (descs["nbytes"] + np.uint64(size - 1)) // np.uint64(size)
+    chunk_start = np.zeros(len(descs), dtype=np.uint64)
+    if len(descs):
+        chunk_start[1:] = np.cumsum(chunks)[:-1]
+    return DescriptorTable(np.ascontiguousarray(descs), chunk_start, int(chunks.sum()))
+
+
+def tables_for(ops: Sequence[CopyOp], unroll: int = DEFAULT_UNROLL) -> tuple[DescriptorTable, DescriptorTable]:
+    """(vector table, byte-fallback table) for a batch."""
+    descs = np.concatenate([op_descriptors(op) for op in ops]) if ops else np.empty(0, dtype=DESC_DTYPE)
+    aligned, unaligned = split_by_alignment(descs)
+    return build_table(aligned, unroll), build_table(unaligned, unroll)
+
+
+def grid_blocks(num_chunks: int, threads: int, max_blocks: int) -> int:
+    """Blocks for a launch: enough warps for every chunk, capped at `max_blocks` (bytes in flight =
+    blocks x warps per block x chunk bytes; the cap is what keeps host transfers on few SMs)."""
+    warps_per_block = threads // WARP
+    return max(1, min(max_blocks, -(-num_chunks // warps_per_block)))
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """(start index, length) of runs of consecutive values in `slots` (already in the wanted order)."""
+    if not len(slots):
+        return []
+    breaks = np.nonzero(np.diff(slots) != 1)[0] + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(slots)]])
+    return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def reference_copy(memory: np.ndarray, table: DescriptorTable, base: int) -> None:
+    """What the kernels do, on one flat byte array whose address 0 is `base` (tests use it)."""
+    for src, dst, nbytes in table.descs.tolist():
+        memory[dst - base:dst - base + nbytes] = memory[src - base:src - base + nbytes].copy()

@@ -1,0 +1,66 @@
+"""`kernel`: zero-copy SM kernels over unified addresses; one launch per batch.
+
+Host transfers run on few SMs (`max_sms` blocks of 1024 threads, about 1 MiB in flight), GPU-to-GPU
+gathers on the whole GPU. Descriptors not 16-byte aligned go to a byte-copy fallback launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtool.transfer import cuda_runtime as rt
+from kvtool.transfer.api import CopyOp
+from kvtool.transfer.cuda_base import CudaBackendBase, is_host
+from kvtool.transfer.descriptors import DEFAULT_UNROLL, DescriptorTable, grid_blocks, tables_for
+
+HOST_THREADS = 1024
+DEVICE_THREADS = 512
+
+
+@dataclass
+class Launch:
+    function: object
+    descs: torch.Tensor
+    chunk_start: torch.Tensor
+    num_descs: int
+    num_chunks: int
+    blocks: int
+    threads: int
+
+
+class KernelBackend(CudaBackendBase):
+    name = "kernel"
+
+    def __init__(self, max_sms: int = 8, unroll: int = DEFAULT_UNROLL, priority: int | None = None) -> None:
+        super().__init__(priority)
+        self.max_sms = max_sms
+        self.unroll = unroll
+        defines = (("KVTOOL_UNROLL", unroll),)
+        self._vector = rt.kernel("copy_pages.cu", "copy_pages_vec16", defines)
+        self._bytes = rt.kernel("copy_pages.cu", "copy_pages_bytes", defines)
+
+    def build(self, ops: Sequence[CopyOp]) -> list[Launch]:
+        host = any(is_host(op) for op in ops)
+        threads = HOST_THREADS if host else DEVICE_THREADS
+        cap = self.max_sms if host else 2 * rt.num_sms()
+        vector, fallback = tables_for(ops, self.unroll)
+        return [self._upload(fn, table, threads, cap) for fn, table in ((self._vector, vector), (self._bytes, fallback))
+                if len(table)]
+
+    def _upload(self, function, table: DescriptorTable, threads: int, cap: int) -> Launch:
+        descs = torch.from_numpy(table.descs.view(np.uint64).copy()).cuda()
+        starts = torch.from_numpy(table.chunk_start.copy()).cuda()
+        return Launch(function, descs, starts, len(table), table.num_chunks,
+                      grid_blocks(table.num_chunks, threads, cap), threads)
+
+    def enqueue(self, prepared: list[Launch]) -> None:
+        for launch in prepared:
+            launch.descs.record_stream(self.torch_stream)
+            launch.chunk_start.record_stream(self.torch_stream)
+            launch.function(np.uintp(launch.descs.data_ptr()), np.uintp(launch.chunk_start.data_ptr()),
+                            np.int32(launch.num_descs), np.uint64(launch.num_chunks),
+                            block=(launch.threads, 1, 1), grid=(launch.blocks, 1), stream=self.stream)

@@ -1,0 +1,86 @@
+"""kvtool bench on the CPU: output files and schema, verification, bad options; the manager suite."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.bench.sweep import SweepChoice, plan
+from kvtool.bench.workspace import geometry, make_workspace
+from kvtool.cli import app
+from kvtool.report.bench_report import ROW_KEYS
+
+runner = CliRunner()
+
+
+def test_quick_run_writes_every_output(tmp_path):
+    result = runner.invoke(app, ["bench", "--quick", "--output", str(tmp_path), "--direction", "save",
+                                 "--direction", "both", "--granularity", "layer", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert set(doc) >= {"device", "rows"} and len(doc["rows"]) == 2
+    for row in doc["rows"]:
+        assert set(ROW_KEYS) <= set(row)
+        assert row["verified"] is True and row["gbps"] > 0 and row["peak_gbps"] > 0
+        assert row["chunk_bytes"] == 16384 and row["ratio"] == pytest.approx(row["gbps"] / row["peak_gbps"], rel=1e-2)
+    assert doc["rows"][1]["batch_bytes"] == 2 * doc["rows"][0]["batch_bytes"]   # both directions at once
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert set(meta) >= {"device", "commit", "command", "date"} and meta["device"]["kind"] in ("cpu", "cuda")
+    assert len(pd.read_csv(tmp_path / "results.csv")) == 2
+    assert (tmp_path / "gbps_vs_chunk.png").stat().st_size > 1000
+    assert json.loads(result.stdout)[0]["backend"] == "torch"
+
+
+def test_geometry_follows_the_layout():
+    slot = geometry("llama-3.1-8b", 4, "slot")
+    layer = geometry("llama-3.1-8b", 4, "layer")
+    assert (slot.stride, slot.nbytes) == (4 * 131072, 4 * 131072)
+    assert (layer.stride, layer.offset, layer.nbytes) == (4 * 131072, 0, 16384)
+    assert geometry("deepseek-v3", 64, "layer").nbytes == 73728
+
+
+def test_workspace_verification_catches_a_wrong_copy():
+    import torch
+    ws = make_workspace(geometry("tiny", 4, "slot"), 64 * 1024, torch.device("cpu"))
+    (op,) = ws.ops("save")
+    ws.poison("save")
+    assert not ws.verify("save")
+    from kvtool.transfer import get_backend
+    get_backend("torch").copy([op])
+    assert ws.verify("save")
+
+
+def test_plan_uses_the_defaults_and_the_options():
+    choice = SweepChoice(None, None, ("slot",), ("save",), ("torch",), None, None, quick=False)
+    cases, repeats = plan(choice, cuda=False)
+    assert repeats == 5 and {c.model for c in cases} == {"llama-3.1-8b", "gpt-oss-20b"}
+    chosen = SweepChoice(("tiny",), (8, 16), ("layer",), ("load",), ("torch",), 1 << 20, 2, quick=False)
+    cases, repeats = plan(chosen, cuda=True)
+    assert [(c.model, c.tokens_per_block, c.batch_bytes) for c in cases] == [("tiny", 8, 1 << 20), ("tiny", 16, 1 << 20)]
+    assert repeats == 2
+
+
+def test_manager_suite(tmp_path, monkeypatch):
+    from kvtool.bench import manager_suite
+    original = manager_suite.run
+    monkeypatch.setattr(manager_suite, "run", lambda: original(base_blocks=64, scales=(1, 10), samples=2))
+    result = runner.invoke(app, ["bench", "--suite", "manager", "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["operation"] for r in rows} == {"allocate (evicting)", "commit", "free", "match"}
+    assert {r["cached_blocks"] for r in rows} == {64, 640}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "warp"], "unknown backend"),
+    (["--direction", "sideways"], "unknown direction"),
+    (["--granularity", "page"], "unknown granularity"),
+    (["--model", "llama-9"], "unknown model"),
+    (["--tokens-per-block", "0"], "tokens per block must be positive"),
+    (["--repeats", "0"], "--repeats must be positive"),
+    (["--batch-bytes", "lots"], "cannot read size"),
+])
+def test_bad_options_exit_2_with_one_line(args, message, tmp_path):
+    result = runner.invoke(app, ["bench", "--output", str(tmp_path), *args])
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
