@@ -55,6 +55,11 @@ class TransferSuite:
         self._workspaces: dict[tuple, Workspace] = {}
         self._peaks: dict[tuple, float] = {}
         self._backends: dict[tuple[str, int], object] = {}
+        self._factories: dict[str, Callable[[], object]] = {}
+
+    def register(self, name: str, factory: Callable[[], object]) -> None:
+        """Measure a backend configuration under its own name (e.g. a kernel variant)."""
+        self._factories[name] = factory
 
     def run(self, cases: Iterable[Case], on_row: Callable[[Row], None] | None = None) -> list[Row]:
         rows = []
@@ -94,7 +99,7 @@ class TransferSuite:
     def _backend(self, name: str, lane: int):
         """One instance per (name, lane): `both` runs saves and loads on two streams at once."""
         if (name, lane) not in self._backends:
-            self._backends[(name, lane)] = get_backend(name)
+            self._backends[(name, lane)] = self._factories.get(name, lambda: get_backend(name))()
         return self._backends[(name, lane)]
 
     def _workspace(self, g: Geometry, batch_bytes: int) -> Workspace:
