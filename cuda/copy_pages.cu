@@ -23,7 +23,7 @@ extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
 #pragma unroll
         for (int k = 0; k < KVTOOL_UNROLL; ++k) {
             const uint64_t i = k * KVTOOL_WARP + lane;
-            if (i < n16) regs[k] = __ldcs(src + i);
+            if (i < n16) regs[k] = kvtool_load16(src + i);
         }
 #pragma unroll
         for (int k = 0; k < KVTOOL_UNROLL; ++k) {

@@ -12,6 +12,9 @@ struct CopyDesc {
 #ifndef KVTOOL_UNROLL
 #define KVTOOL_UNROLL 8            // independent 16-byte loads in flight per lane
 #endif
+#ifndef KVTOOL_LOAD_HINT
+#define KVTOOL_LOAD_HINT 0         // 0: streaming (ld.global.cs); 1: non-coherent, L2 prefetch of 256 B
+#endif
 #define KVTOOL_WARP 32
 #define KVTOOL_CHUNK_BYTES (KVTOOL_WARP * 16 * KVTOOL_UNROLL)   // bytes one warp moves per task
 
@@ -23,4 +26,17 @@ __device__ __forceinline__ int kvtool_find_desc(const uint64_t* chunk_start, int
         if (chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
     }
     return lo;
+}
+
+// One 16-byte load. The 256-byte L2 prefetch variant makes each miss fetch a larger span, which
+// matters when the source is host memory read over PCIe.
+__device__ __forceinline__ uint4 kvtool_load16(const uint4* p) {
+#if KVTOOL_LOAD_HINT == 1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldcs(p);
+#endif
 }

@@ -16,7 +16,8 @@ runner = CliRunner()
 
 def test_quick_run_writes_every_output(tmp_path):
     result = runner.invoke(app, ["bench", "--quick", "--output", str(tmp_path), "--direction", "save",
-                                 "--direction", "both", "--granularity", "layer", "--format", "json"])
+                                 "--direction", "both", "--granularity", "layer", "--format", "json",
+                                 "--backend", "torch"])
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "results.json").read_text())
     assert set(doc) >= {"device", "rows"} and len(doc["rows"]) == 2

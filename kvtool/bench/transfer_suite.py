@@ -56,6 +56,7 @@ class TransferSuite:
         self._peaks: dict[tuple, float] = {}
         self._backends: dict[tuple[str, int], object] = {}
         self._factories: dict[str, Callable[[], object]] = {}
+        self._sides: list[torch.cuda.Stream] = []
 
     def register(self, name: str, factory: Callable[[], object]) -> None:
         """Measure a backend configuration under its own name (e.g. a kernel variant)."""
@@ -81,7 +82,7 @@ class TransferSuite:
             run()
             self._sync()
             verified &= ws.verify(direction)
-        timing = time_repeats(_all(runs), self.repeats, self.cuda)
+        timing = time_repeats(self._together(runs), self.repeats, self.cuda)
         moved = ws.batch_bytes * len(directions)
         peak = self._peak(ws, case.direction)
         gbps = moved / timing.median / 1e9
@@ -130,22 +131,38 @@ class TransferSuite:
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
             plans = {"save": [(host, device_buf)], "load": [(device_out, host_in)],
                      "both": [(host, device_buf), (device_out, host_in)], "gather": [(device_out, device_buf)]}
-            copies = [self._stream_copy(stream, dst, src) for stream, (dst, src) in zip(streams, plans[direction])]
+            copies = [self._copy(dst, src) for dst, src in plans[direction]]
         for copy in copies:
             copy()
         self._sync()
-        timing: Timing = time_repeats(_all(copies), self.repeats, self.cuda)
+        timing: Timing = time_repeats(self._together(copies), self.repeats, self.cuda)
         return size * len(copies) / timing.median / 1e9
 
     @staticmethod
-    def _stream_copy(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-        def copy() -> None:
-            current = torch.cuda.current_stream()
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            current.wait_stream(stream)
-        return copy
+    def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        return lambda: dst.copy_(src, non_blocking=True)
+
+    def _together(self, calls: list[Callable[[], None]]) -> Callable[[], None]:
+        """Run `calls` concurrently: each on its own side stream forked from, and joined back
+        into, the current stream (joining inside a call would serialise the next one)."""
+        if not self.cuda or len(calls) == 1:
+            return _all(calls)
+        sides = self._side_streams(len(calls))
+
+        def run() -> None:
+            main = torch.cuda.current_stream()
+            for side, call in zip(sides, calls):
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    call()
+            for side in sides:
+                main.wait_stream(side)
+        return run
+
+    def _side_streams(self, count: int) -> list[torch.cuda.Stream]:
+        while len(self._sides) < count:
+            self._sides.append(torch.cuda.Stream())
+        return self._sides[:count]
 
     def _sync(self) -> None:
         if self.cuda:

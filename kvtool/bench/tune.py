@@ -16,7 +16,8 @@ import torch
 from kvtool.bench.transfer_suite import Case, TransferSuite
 from kvtool.units import parse_size
 
-VARIANTS = [(sms, unroll) for sms in (2, 4, 8, 16) for unroll in (4, 8)]
+VARIANTS = [(sms, unroll, hint, threads) for sms in (4, 8, 16) for unroll in (8, 16) for hint in (0, 1)
+            for threads in ((1024,) if unroll == 8 else (512,))]
 SHAPES = [("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 16, "layer"), ("llama-3.1-8b", 4, "slot")]
 
 
@@ -27,13 +28,16 @@ def main() -> None:
     args = parser.parse_args()
     from kvtool.transfer.kernel_backend import KernelBackend
     suite = TransferSuite(torch.device("cuda"), args.repeats)
-    for sms, unroll in VARIANTS:
-        suite.register(f"kernel-{sms}sm-u{unroll}", lambda s=sms, u=unroll: KernelBackend(max_sms=s, unroll=u))
+    names = []
+    for sms, unroll, hint, threads in VARIANTS:
+        name = f"kernel-{sms}sm-u{unroll}-h{hint}-t{threads}"
+        names.append(name)
+        suite.register(name, lambda s=sms, u=unroll, h=hint, t=threads: KernelBackend(
+            max_sms=s, unroll=u, load_hint=h, host_threads=t))
     for model, tpb, granularity in SHAPES:
-        for direction in ("save", "load", "both"):
-            for sms, unroll in VARIANTS:
-                row = suite.measure(Case(model, tpb, granularity, direction, f"kernel-{sms}sm-u{unroll}",
-                                         parse_size(args.batch_bytes)))
+        for direction in ("load", "save"):
+            for name in names:
+                row = suite.measure(Case(model, tpb, granularity, direction, name, parse_size(args.batch_bytes)))
                 print(json.dumps(row.as_dict()), flush=True)
 
 

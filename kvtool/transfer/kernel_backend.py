@@ -23,6 +23,8 @@ DEVICE_THREADS = 512
 
 @dataclass
 class Launch:
+    owner: "KernelBackend"
+    """Keeps the backend (its stream) alive as long as tensors recorded on that stream."""
     function: object
     descs: torch.Tensor
     chunk_start: torch.Tensor
@@ -35,17 +37,19 @@ class Launch:
 class KernelBackend(CudaBackendBase):
     name = "kernel"
 
-    def __init__(self, max_sms: int = 8, unroll: int = DEFAULT_UNROLL, priority: int | None = None) -> None:
+    def __init__(self, max_sms: int = 8, unroll: int = DEFAULT_UNROLL, priority: int | None = None,
+                 load_hint: int = 0, host_threads: int = HOST_THREADS) -> None:
         super().__init__(priority)
         self.max_sms = max_sms
         self.unroll = unroll
-        defines = (("KVTOOL_UNROLL", unroll),)
+        self.host_threads = host_threads
+        defines = (("KVTOOL_UNROLL", unroll), ("KVTOOL_LOAD_HINT", load_hint))
         self._vector = rt.kernel("copy_pages.cu", "copy_pages_vec16", defines)
         self._bytes = rt.kernel("copy_pages.cu", "copy_pages_bytes", defines)
 
     def build(self, ops: Sequence[CopyOp]) -> list[Launch]:
         host = any(is_host(op) for op in ops)
-        threads = HOST_THREADS if host else DEVICE_THREADS
+        threads = self.host_threads if host else DEVICE_THREADS
         cap = self.max_sms if host else 2 * rt.num_sms()
         vector, fallback = tables_for(ops, self.unroll)
         return [self._upload(fn, table, threads, cap) for fn, table in ((self._vector, vector), (self._bytes, fallback))
@@ -54,7 +58,7 @@ class KernelBackend(CudaBackendBase):
     def _upload(self, function, table: DescriptorTable, threads: int, cap: int) -> Launch:
         descs = torch.from_numpy(table.descs.view(np.uint64).copy()).cuda()
         starts = torch.from_numpy(table.chunk_start.copy()).cuda()
-        return Launch(function, descs, starts, len(table), table.num_chunks,
+        return Launch(self, function, descs, starts, len(table), table.num_chunks,
                       grid_blocks(table.num_chunks, threads, cap), threads)
 
     def enqueue(self, prepared: list[Launch]) -> None:
