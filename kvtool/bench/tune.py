@@ -16,8 +16,7 @@ import torch
 from kvtool.bench.transfer_suite import Case, TransferSuite
 from kvtool.units import parse_size
 
-VARIANTS = [(sms, unroll, hint, threads) for sms in (4, 8, 16) for unroll in (8, 16) for hint in (0, 1)
-            for threads in ((1024,) if unroll == 8 else (512,))]
+VARIANTS = [(sms, unroll, hint, 1024) for sms in (2, 4, 8, 16) for unroll in (4, 8) for hint in (0, 1)]
 SHAPES = [("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 16, "layer"), ("llama-3.1-8b", 4, "slot")]
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import deque
+from typing import Any, Sequence
 
 import torch
 
@@ -16,6 +17,7 @@ class CudaBackendBase:
 
     def __init__(self, priority: int | None = None) -> None:
         self.stream, self.torch_stream = rt.new_stream(priority)
+        self._in_flight: deque[tuple[torch.cuda.Event, Any]] = deque()
 
     def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on the backend's stream after the caller's work; the caller's later work waits."""
@@ -28,7 +30,18 @@ class CudaBackendBase:
         caller = stream or torch.cuda.current_stream()
         self.torch_stream.wait_stream(caller)
         self.enqueue(prepared)
+        self.keep_until_done(prepared)
         caller.wait_stream(self.torch_stream)
+
+    def keep_until_done(self, objects: Any) -> None:
+        """Hold `objects` (tensors the enqueued work reads) until the backend's stream has passed
+        this point: the caching allocator must not hand their memory out while a copy still reads
+        it. (record_stream is not used: it would outlive the backend's stream.)"""
+        event = torch.cuda.Event()
+        event.record(self.torch_stream)
+        self._in_flight.append((event, objects))
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
 
     def prepare(self, ops: Sequence[CopyOp]):
         """Host-side work before the launch (descriptor tables); checks host memory is pinned."""
@@ -45,6 +58,7 @@ class CudaBackendBase:
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
         self.torch_stream.synchronize()
         (stream or torch.cuda.current_stream()).synchronize()
+        self._in_flight.clear()
 
 
 def _require_reachable(op: CopyOp) -> None:

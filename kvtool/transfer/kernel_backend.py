@@ -23,8 +23,6 @@ DEVICE_THREADS = 512
 
 @dataclass
 class Launch:
-    owner: "KernelBackend"
-    """Keeps the backend (its stream) alive as long as tensors recorded on that stream."""
     function: object
     descs: torch.Tensor
     chunk_start: torch.Tensor
@@ -58,13 +56,12 @@ class KernelBackend(CudaBackendBase):
     def _upload(self, function, table: DescriptorTable, threads: int, cap: int) -> Launch:
         descs = torch.from_numpy(table.descs.view(np.uint64).copy()).cuda()
         starts = torch.from_numpy(table.chunk_start.copy()).cuda()
-        return Launch(self, function, descs, starts, len(table), table.num_chunks,
+        threads = min(threads, function.get_attribute(rt.cuda.function_attribute.MAX_THREADS_PER_BLOCK))
+        return Launch(function, descs, starts, len(table), table.num_chunks,
                       grid_blocks(table.num_chunks, threads, cap), threads)
 
     def enqueue(self, prepared: list[Launch]) -> None:
         for launch in prepared:
-            launch.descs.record_stream(self.torch_stream)
-            launch.chunk_start.record_stream(self.torch_stream)
             launch.function(np.uintp(launch.descs.data_ptr()), np.uintp(launch.chunk_start.data_ptr()),
                             np.int32(launch.num_descs), np.uint64(launch.num_chunks),
                             block=(launch.threads, 1, 1), grid=(launch.blocks, 1), stream=self.stream)

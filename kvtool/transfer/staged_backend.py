@@ -7,6 +7,7 @@ per run), so it is fast when a connector gives a batch consecutive store slots.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +21,16 @@ from kvtool.transfer.descriptors import slot_runs
 from kvtool.transfer.kernel_backend import KernelBackend
 
 
+@dataclass
+class _Plan:
+    kind: str                       # "device", "save" or "load"
+    kernel: list                    # the prepared gather / scatter launch
+    staging: PageSpace | None = None
+    runs: list[tuple[int, int, int, int]] | None = None
+    """(host address, host pitch, staging address, rows) of each run of consecutive host slots."""
+    row_bytes: int = 0
+
+
 class StagedBackend(CudaBackendBase):
     name = "staged"
 
@@ -28,53 +39,46 @@ class StagedBackend(CudaBackendBase):
         self._gather = KernelBackend(max_sms=rt.num_sms())
         self._copy_stream, self._copy_torch_stream = rt.new_stream(priority)
 
-    def enqueue(self, prepared: Sequence[CopyOp]) -> None:
-        for op in prepared:
-            src_host, dst_host = op.src.device.type == "cpu", op.dst.device.type == "cpu"
-            if src_host and dst_host:
-                raise LogicError("the staged backend moves data to or from the GPU")
-            if not src_host and not dst_host:
-                self._on(self.torch_stream, self._gather, [op])
-            elif dst_host:
-                self._save(op)
+    def build(self, ops: Sequence[CopyOp]) -> list[_Plan]:
+        return [self._plan(op) for op in ops]
+
+    def _plan(self, op: CopyOp) -> _Plan:
+        src_host, dst_host = op.src.device.type == "cpu", op.dst.device.type == "cpu"
+        if src_host and dst_host:
+            raise LogicError("the staged backend moves data to or from the GPU")
+        if not src_host and not dst_host:
+            return _Plan("device", self._gather.build([op]))
+        host_slots = np.asarray(op.dst_slots if dst_host else op.src_slots)
+        order = np.argsort(host_slots, kind="stable")
+        staging = PageSpace.contiguous(torch.empty(len(order) * op.nbytes, dtype=torch.uint8, device="cuda"),
+                                       op.nbytes)
+        rows = tuple(range(len(order)))
+        host, host_offset = (op.dst, op.dst_offset) if dst_host else (op.src, op.src_offset)
+        runs = [(host.address(int(host_slots[order[start]]), host_offset), host.stride, staging.address(start), length)
+                for start, length in slot_runs(host_slots[order])]
+        if dst_host:
+            gather = CopyOp(op.src, staging, tuple(np.asarray(op.src_slots)[order].tolist()), rows, op.nbytes,
+                            op.src_offset, 0)
+            return _Plan("save", self._gather.build([gather]), staging, runs, op.nbytes)
+        scatter = CopyOp(staging, op.dst, rows, tuple(np.asarray(op.dst_slots)[order].tolist()), op.nbytes,
+                         0, op.dst_offset)
+        return _Plan("load", self._gather.build([scatter]), staging, runs, op.nbytes)
+
+    def enqueue(self, prepared: list[_Plan]) -> None:
+        for plan in prepared:
+            if plan.kind == "load":
+                self._host_copies(plan, to_host=False)
+            self._gather.launch(plan.kernel, self.torch_stream)
+            if plan.kind == "save":
+                self._host_copies(plan, to_host=True)
+
+    def _host_copies(self, plan: _Plan, to_host: bool) -> None:
+        """Copy-engine copies of every run, on the copy stream, between two waits."""
+        self._copy_torch_stream.wait_stream(self.torch_stream)
+        handle = int(self._copy_stream.handle)
+        for host, pitch, staging, rows in plan.runs:
+            if to_host:
+                rt.memcpy_2d_async(host, pitch, staging, plan.row_bytes, plan.row_bytes, rows, handle)
             else:
-                self._load(op)
-
-    def _save(self, op: CopyOp) -> None:
-        order = np.argsort(np.asarray(op.dst_slots), kind="stable")
-        staging = self._staging(len(order), op.nbytes)
-        gather = CopyOp(op.src, staging, tuple(np.asarray(op.src_slots)[order].tolist()),
-                        tuple(range(len(order))), op.nbytes, op.src_offset, 0)
-        self._on(self.torch_stream, self._gather, [gather])
-        self._copy_torch_stream.wait_stream(self.torch_stream)
-        dst_slots = np.asarray(op.dst_slots)[order]
-        for start, length in slot_runs(dst_slots):
-            rt.memcpy_2d_async(op.dst.address(int(dst_slots[start]), op.dst_offset), op.dst.stride,
-                               staging.address(start), op.nbytes, op.nbytes, length, int(self._copy_stream.handle))
+                rt.memcpy_2d_async(staging, plan.row_bytes, host, pitch, plan.row_bytes, rows, handle)
         self.torch_stream.wait_stream(self._copy_torch_stream)
-
-    def _load(self, op: CopyOp) -> None:
-        order = np.argsort(np.asarray(op.src_slots), kind="stable")
-        staging = self._staging(len(order), op.nbytes)
-        src_slots = np.asarray(op.src_slots)[order]
-        self._copy_torch_stream.wait_stream(self.torch_stream)
-        for start, length in slot_runs(src_slots):
-            rt.memcpy_2d_async(staging.address(start), op.nbytes, op.src.address(int(src_slots[start]), op.src_offset),
-                               op.src.stride, op.nbytes, length, int(self._copy_stream.handle))
-        self.torch_stream.wait_stream(self._copy_torch_stream)
-        scatter = CopyOp(staging, op.dst, tuple(range(len(order))),
-                         tuple(np.asarray(op.dst_slots)[order].tolist()), op.nbytes, 0, op.dst_offset)
-        self._on(self.torch_stream, self._gather, [scatter])
-
-    def _staging(self, rows: int, row_bytes: int) -> PageSpace:
-        tensor = torch.empty(rows * row_bytes, dtype=torch.uint8, device="cuda")
-        tensor.record_stream(self.torch_stream)
-        tensor.record_stream(self._copy_torch_stream)
-        return PageSpace.contiguous(tensor, row_bytes)
-
-    def _on(self, stream: torch.cuda.ExternalStream, backend: KernelBackend, ops: list[CopyOp]) -> None:
-        """Run the gather kernel on `stream` (the gather backend's own stream, bracketed by waits)."""
-        prepared = backend.prepare(ops)
-        backend.torch_stream.wait_stream(stream)
-        backend.enqueue(prepared)
-        stream.wait_stream(backend.torch_stream)
