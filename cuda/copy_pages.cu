@@ -4,14 +4,16 @@
 // wants in flight, not from the number of pages.
 #include "copy_pages.cuh"
 
+// chunks_per_desc != 0: every descriptor has that many chunks, so the owner of a chunk is one
+// division away (a dependent binary search per 4 KB task is what limits GPU-to-GPU gathers).
 extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
                                             const uint64_t* __restrict__ chunk_start,
-                                            int num_descs, uint64_t num_chunks) {
+                                            int num_descs, uint64_t num_chunks, uint64_t chunks_per_desc) {
     const uint64_t lane = threadIdx.x % KVTOOL_WARP;
     const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
     const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
     for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
-        const int d = kvtool_find_desc(chunk_start, num_descs, chunk);
+        const int d = kvtool_owner(chunk_start, num_descs, chunk, chunks_per_desc);
         const CopyDesc desc = descs[d];
         const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
         const uint64_t remaining = desc.nbytes - offset;
@@ -37,12 +39,12 @@ extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
 // lanes of a warp on consecutive bytes so the accesses stay coalesced.
 extern "C" __global__ void copy_pages_bytes(const CopyDesc* __restrict__ descs,
                                             const uint64_t* __restrict__ chunk_start,
-                                            int num_descs, uint64_t num_chunks) {
+                                            int num_descs, uint64_t num_chunks, uint64_t chunks_per_desc) {
     const uint64_t lane = threadIdx.x % KVTOOL_WARP;
     const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
     const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
     for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
-        const int d = kvtool_find_desc(chunk_start, num_descs, chunk);
+        const int d = kvtool_owner(chunk_start, num_descs, chunk, chunks_per_desc);
         const CopyDesc desc = descs[d];
         const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
         const uint64_t remaining = desc.nbytes - offset;

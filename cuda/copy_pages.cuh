@@ -28,6 +28,11 @@ __device__ __forceinline__ int kvtool_find_desc(const uint64_t* chunk_start, int
     return lo;
 }
 
+__device__ __forceinline__ int kvtool_owner(const uint64_t* chunk_start, int num_descs, uint64_t chunk,
+                                            uint64_t chunks_per_desc) {
+    return chunks_per_desc ? (int)(chunk / chunks_per_desc) : kvtool_find_desc(chunk_start, num_descs, chunk);
+}
+
 // One 16-byte load. The 256-byte L2 prefetch variant makes each miss fetch a larger span, which
 // matters when the source is host memory read over PCIe.
 __device__ __forceinline__ uint4 kvtool_load16(const uint4* p) {

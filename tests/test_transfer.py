@@ -44,6 +44,9 @@ def test_chunks_and_their_starts():
     descs["nbytes"] = [4096, 10000, 1]
     table = build_table(descs)
     assert table.chunk_start.tolist() == [0, 1, 4] and table.num_chunks == 5
+    assert table.chunks_per_desc == 0          # unlike sizes: the kernel searches
+    descs["nbytes"] = 10000
+    assert build_table(descs).chunks_per_desc == 3 and build_table(descs).chunk_start.tolist() == [0, 3, 6]
     assert build_table(descs[:0]).num_chunks == 0
 
 

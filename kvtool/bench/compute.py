@@ -18,8 +18,25 @@ MATMUL_SIZE = 8192
 HIGH_PRIORITY = -5
 
 
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    backend: str
+    options: tuple[tuple[str, object], ...] = ()
+
+
+VARIANTS = (
+    Variant("kernel 8 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY),)),
+    Variant("kernel 2 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY), ("max_sms", 2))),
+    Variant("kernel 8 SMs, default priority", "kernel", ()),
+    Variant("staged, high priority", "staged", (("priority", HIGH_PRIORITY),)),
+    Variant("batch, high priority", "batch", (("priority", HIGH_PRIORITY),)),
+)
+
+
 @dataclass
 class ComputeRow:
+    variant: str
     backend: str
     direction: str
     model: str
@@ -38,10 +55,10 @@ class ComputeRow:
         return asdict(self)
 
 
-def measure(backend_name: str, model: str, tokens_per_block: int, granularity: str, batch_bytes: int,
+def measure(variant: Variant, model: str, tokens_per_block: int, granularity: str, batch_bytes: int,
             peak_gbps: float, num_matmuls: int = 60) -> ComputeRow:
     ws = make_workspace(geometry(model, tokens_per_block, granularity), batch_bytes, torch.device("cuda"))
-    backend = get_backend(backend_name, priority=HIGH_PRIORITY)
+    backend = get_backend(variant.backend, **dict(variant.options))
     prepared = backend.prepare(ws.ops("save"))
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
@@ -58,7 +75,7 @@ def measure(backend_name: str, model: str, tokens_per_block: int, granularity: s
     under_load = _transfers(transfer_caller, backend, prepared, repeats)
     torch.cuda.synchronize()
     gbps = ws.batch_bytes * repeats / under_load.elapsed() / 1e9
-    return ComputeRow(backend_name, "save", model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
+    return ComputeRow(variant.label, variant.backend, "save", model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
                       round(flops / alone.elapsed() / 1e12, 1), round(flops / with_matmul.elapsed() / 1e12, 1),
                       round(with_matmul.elapsed() / alone.elapsed() - 1, 4), round(gbps, 3), round(peak_gbps, 3),
                       round(gbps / peak_gbps, 4), getattr(backend, "max_sms", 0))

@@ -121,12 +121,12 @@ def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:
 def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) -> list[dict]:
     rows = []
     shapes = list(dict.fromkeys((c.model, c.tokens_per_block, c.granularity, c.batch_bytes) for c in cases))[:2]
-    for name in [b for b in backends if b in ("kernel", "staged")]:
+    for variant in [v for v in compute.VARIANTS if v.backend in backends]:
         for model, tpb, gran, batch in shapes:
             ws = transfer._workspace(geometry(model, tpb, gran), batch)
             peak = transfer._peak(ws, "save")
-            console.print(f"with compute: {name} {model}/{tpb} {gran}")
-            rows.append(compute.measure(name, model, tpb, gran, batch, peak).as_dict())
+            console.print(f"with compute: {variant.label} {model}/{tpb} {gran}")
+            rows.append(compute.measure(variant, model, tpb, gran, batch, peak).as_dict())
     return rows
 
 

@@ -20,6 +20,7 @@ from pycuda.compiler import SourceModule
 
 CUDA_DIR = Path(os.environ.get("KVTOOL_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
 CU_STREAM_ATTRIBUTE_PRIORITY = 8
+CU_STREAM_NON_BLOCKING = 1
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 
@@ -56,7 +57,7 @@ def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) ->
 def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:
     """A PyCUDA stream (optionally with a launch priority) and the same stream as seen by PyTorch."""
     context()
-    stream = cuda.Stream()
+    stream = cuda.Stream(CU_STREAM_NON_BLOCKING)   # a blocking stream would serialise with torch's default stream
     handle = int(stream.handle)
     if priority is not None:
         set_stream_priority(handle, priority)

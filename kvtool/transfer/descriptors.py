@@ -31,6 +31,8 @@ class DescriptorTable:
     descs: np.ndarray
     chunk_start: np.ndarray
     num_chunks: int
+    chunks_per_desc: int = 0
+    """Chunks of every descriptor when they are all alike (the kernel's fast path); 0 otherwise."""
 
     @property
     def num_bytes(self) -> int:
@@ -65,7 +67,8 @@ def build_table(descs: np.ndarray, unroll: int = DEFAULT_UNROLL) -> DescriptorTa
     chunk_start = np.zeros(len(descs), dtype=np.uint64)
     if len(descs):
         chunk_start[1:] = np.cumsum(chunks)[:-1]
-    return DescriptorTable(np.ascontiguousarray(descs), chunk_start, int(chunks.sum()))
+    uniform = int(chunks[0]) if len(chunks) and bool((chunks == chunks[0]).all()) else 0
+    return DescriptorTable(np.ascontiguousarray(descs), chunk_start, int(chunks.sum()), uniform)
 
 
 def tables_for(ops: Sequence[CopyOp], unroll: int = DEFAULT_UNROLL) -> tuple[DescriptorTable, DescriptorTable]:

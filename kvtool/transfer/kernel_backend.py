@@ -28,6 +28,7 @@ class Launch:
     chunk_start: torch.Tensor
     num_descs: int
     num_chunks: int
+    chunks_per_desc: int
     blocks: int
     threads: int
 
@@ -57,11 +58,12 @@ class KernelBackend(CudaBackendBase):
         descs = torch.from_numpy(table.descs.view(np.uint64).copy()).cuda()
         starts = torch.from_numpy(table.chunk_start.copy()).cuda()
         threads = min(threads, function.get_attribute(rt.cuda.function_attribute.MAX_THREADS_PER_BLOCK))
-        return Launch(function, descs, starts, len(table), table.num_chunks,
+        return Launch(function, descs, starts, len(table), table.num_chunks, table.chunks_per_desc,
                       grid_blocks(table.num_chunks, threads, cap), threads)
 
     def enqueue(self, prepared: list[Launch]) -> None:
         for launch in prepared:
             launch.function(np.uintp(launch.descs.data_ptr()), np.uintp(launch.chunk_start.data_ptr()),
                             np.int32(launch.num_descs), np.uint64(launch.num_chunks),
+                            np.uint64(launch.chunks_per_desc),
                             block=(launch.threads, 1, 1), grid=(launch.blocks, 1), stream=self.stream)
