@@ -30,7 +30,7 @@ extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
 #pragma unroll
         for (int k = 0; k < KVTOOL_UNROLL; ++k) {
             const uint64_t i = k * KVTOOL_WARP + lane;
-            if (i < n16) __stcs(dst + i, regs[k]);
+            if (i < n16) kvtool_store16(dst + i, regs[k]);
         }
     }
 }

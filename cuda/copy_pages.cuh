@@ -13,7 +13,10 @@ struct CopyDesc {
 #define KVTOOL_UNROLL 8            // independent 16-byte loads in flight per lane
 #endif
 #ifndef KVTOOL_LOAD_HINT
-#define KVTOOL_LOAD_HINT 0         // 0: streaming (ld.global.cs); 1: non-coherent, L2 prefetch of 256 B
+#define KVTOOL_LOAD_HINT 0         // 0: streaming (ld.global.cs); 1: non-coherent with a 256 B L2 prefetch;
+#endif                             // 2: non-coherent (ld.global.nc); 3: plain ld.global
+#ifndef KVTOOL_STORE_HINT
+#define KVTOOL_STORE_HINT 0        // 0: streaming (st.global.cs); 1: plain st.global
 #endif
 #define KVTOOL_WARP 32
 #define KVTOOL_CHUNK_BYTES (KVTOOL_WARP * 16 * KVTOOL_UNROLL)   // bytes one warp moves per task
@@ -41,7 +44,19 @@ __device__ __forceinline__ uint4 kvtool_load16(const uint4* p) {
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+#elif KVTOOL_LOAD_HINT == 2
+    return __ldg(p);
+#elif KVTOOL_LOAD_HINT == 3
+    return *p;
 #else
     return __ldcs(p);
+#endif
+}
+
+__device__ __forceinline__ void kvtool_store16(uint4* p, uint4 v) {
+#if KVTOOL_STORE_HINT == 1
+    *p = v;
+#else
+    __stcs(p, v);
 #endif
 }

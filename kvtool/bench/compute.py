@@ -7,6 +7,7 @@ running alone, and the transfer rate under load against the same run's contiguou
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -23,12 +24,18 @@ class Variant:
     label: str
     backend: str
     options: tuple[tuple[str, object], ...] = ()
+    sm_carveout: int = 0
+    """SMs cuBLAS leaves free while transfers run (PyTorch's experimental carve-out), so a
+    persistent matrix product is not sized for SMs the copy kernel occupies."""
 
 
 VARIANTS = (
     Variant("kernel 8 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY),)),
     Variant("kernel 2 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY), ("max_sms", 2))),
     Variant("kernel 8 SMs, default priority", "kernel", ()),
+    Variant("kernel 8 SMs, high priority, cuBLAS carve-out 8", "kernel", (("priority", HIGH_PRIORITY),), 8),
+    Variant("kernel 2 SMs, high priority, cuBLAS carve-out 2", "kernel", (("priority", HIGH_PRIORITY),
+                                                                         ("max_sms", 2)), 2),
     Variant("staged, high priority", "staged", (("priority", HIGH_PRIORITY),)),
     Variant("batch, high priority", "batch", (("priority", HIGH_PRIORITY),)),
 )
@@ -71,14 +78,31 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
     per_batch = _transfers(transfer_caller, backend, prepared, 5)
     torch.cuda.synchronize()
     repeats = max(1, int(alone.elapsed() / per_batch.elapsed() * 5 * 1.1))
-    with_matmul = _matmuls(compute_stream, a, b, num_matmuls)
-    under_load = _transfers(transfer_caller, backend, prepared, repeats)
-    torch.cuda.synchronize()
+    with _carveout(variant.sm_carveout):
+        _matmuls(compute_stream, a, b, 3)      # cuBLAS picks its kernels for the carve-out
+        torch.cuda.synchronize()
+        with_matmul = _matmuls(compute_stream, a, b, num_matmuls)
+        under_load = _transfers(transfer_caller, backend, prepared, repeats)
+        torch.cuda.synchronize()
     gbps = ws.batch_bytes * repeats / under_load.elapsed() / 1e9
     return ComputeRow(variant.label, variant.backend, "save", model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
                       round(flops / alone.elapsed() / 1e12, 1), round(flops / with_matmul.elapsed() / 1e12, 1),
                       round(with_matmul.elapsed() / alone.elapsed() - 1, 4), round(gbps, 3), round(peak_gbps, 3),
                       round(gbps / peak_gbps, 4), getattr(backend, "max_sms", 0))
+
+
+@contextlib.contextmanager
+def _carveout(num_sms: int):
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if not num_sms or setter is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    setter(num_sms)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 class _Span:

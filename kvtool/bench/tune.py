@@ -18,13 +18,20 @@ from kvtool.units import parse_size
 
 VARIANTS = [(sms, unroll, hint, 1024) for sms in (2, 4, 8, 16) for unroll in (4, 8) for hint in (0, 1)]
 SHAPES = [("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 16, "layer"), ("llama-3.1-8b", 4, "slot")]
+GATHER_VARIANTS = [(threads, per_sm, unroll, load, store) for threads in (256, 512, 1024) for per_sm in (2, 4, 8)
+                   for unroll in (4, 8) for load in (0, 3) for store in (0, 1)
+                   if threads * per_sm <= 4096]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-bytes", default="64MiB")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--gather", action="store_true", help="Sweep GPU-to-GPU gather variants instead.")
     args = parser.parse_args()
+    if args.gather:
+        gather_sweep(parse_size(args.batch_bytes), args.repeats)
+        return
     from kvtool.transfer.kernel_backend import KernelBackend
     suite = TransferSuite(torch.device("cuda"), args.repeats)
     names = []
@@ -38,6 +45,22 @@ def main() -> None:
             for name in names:
                 row = suite.measure(Case(model, tpb, granularity, direction, name, parse_size(args.batch_bytes)))
                 print(json.dumps(row.as_dict()), flush=True)
+
+
+def gather_sweep(batch_bytes: int, repeats: int) -> None:
+    """GPU-to-GPU gathers of 16 KB and 512 KB pages: block shape, loads in flight, cache hints."""
+    from kvtool.transfer.kernel_backend import KernelBackend
+    suite = TransferSuite(torch.device("cuda"), repeats)
+    names = []
+    for threads, per_sm, unroll, load, store in GATHER_VARIANTS:
+        name = f"kernel-t{threads}-b{per_sm}-u{unroll}-l{load}-s{store}"
+        names.append(name)
+        suite.register(name, lambda t=threads, b=per_sm, u=unroll, l=load, s=store: KernelBackend(
+            unroll=u, load_hint=l, store_hint=s, device_threads=t, device_blocks_per_sm=b))
+    for model, tpb, granularity in (("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 4, "slot")):
+        for name in names:
+            row = suite.measure(Case(model, tpb, granularity, "gather", name, batch_bytes))
+            print(json.dumps(row.as_dict()), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -51,6 +52,9 @@ def _pycuda_version() -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD (with -dirty), or $KVTOOL_COMMIT where the checkout has no .git (the GPU machine)."""
+    if os.environ.get("KVTOOL_COMMIT"):
+        return os.environ["KVTOOL_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                               cwd=Path(__file__).resolve().parent)

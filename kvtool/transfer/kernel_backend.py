@@ -37,19 +37,22 @@ class KernelBackend(CudaBackendBase):
     name = "kernel"
 
     def __init__(self, max_sms: int = 8, unroll: int = DEFAULT_UNROLL, priority: int | None = None,
-                 load_hint: int = 0, host_threads: int = HOST_THREADS) -> None:
+                 load_hint: int = 0, store_hint: int = 0, host_threads: int = HOST_THREADS,
+                 device_threads: int = DEVICE_THREADS, device_blocks_per_sm: int = 2) -> None:
         super().__init__(priority)
         self.max_sms = max_sms
         self.unroll = unroll
         self.host_threads = host_threads
-        defines = (("KVTOOL_UNROLL", unroll), ("KVTOOL_LOAD_HINT", load_hint))
+        self.device_threads = device_threads
+        self.device_blocks_per_sm = device_blocks_per_sm
+        defines = (("KVTOOL_UNROLL", unroll), ("KVTOOL_LOAD_HINT", load_hint), ("KVTOOL_STORE_HINT", store_hint))
         self._vector = rt.kernel("copy_pages.cu", "copy_pages_vec16", defines)
         self._bytes = rt.kernel("copy_pages.cu", "copy_pages_bytes", defines)
 
     def build(self, ops: Sequence[CopyOp]) -> list[Launch]:
         host = any(is_host(op) for op in ops)
-        threads = self.host_threads if host else DEVICE_THREADS
-        cap = self.max_sms if host else 2 * rt.num_sms()
+        threads = self.host_threads if host else self.device_threads
+        cap = self.max_sms if host else self.device_blocks_per_sm * rt.num_sms()
         vector, fallback = tables_for(ops, self.unroll)
         return [self._upload(fn, table, threads, cap) for fn, table in ((self._vector, vector), (self._bytes, fallback))
                 if len(table)]
