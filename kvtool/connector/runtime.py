@@ -61,6 +61,8 @@ class ConnectorRuntime:
         self.cancels: list[tuple[int, int, int]] = []
         self._new_loading: list[int] = []
         self._new_saving: list[int] = []
+        self.num_async_loads = 0
+        self.num_async_saves = 0
         self._loads = [_RankReports() for _ in self.workers]
         self._saves = [_RankReports() for _ in self.workers]
         self._load_reports: dict[int, set[int]] = {}
@@ -127,6 +129,7 @@ class ConnectorRuntime:
 
     def start_async_load(self, request_id: int) -> None:
         self._new_loading.append(request_id)
+        self.num_async_loads += 1
 
     def build_meta(self, output: SchedulerOutput) -> tuple[bool, Any]:
         return self.call("build_connector_meta", self.scheduler.build_connector_meta, output)
@@ -140,6 +143,7 @@ class ConnectorRuntime:
             result = bool(result)
         if ok and result:
             self._new_saving.append(request.request_id)
+            self.num_async_saves += 1
         return ok, bool(ok and result)
 
     # ---- worker side -------------------------------------------------------------------------

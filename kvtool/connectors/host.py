@@ -74,6 +74,10 @@ class SlotIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_pinned(self) -> int:
+        return sum(self._pins.values())
+
 
 class HostConnectorScheduler(BlockStoreScheduler):
     def __init__(self, llm_args: LlmArgs) -> None:
@@ -94,6 +98,9 @@ class HostConnectorScheduler(BlockStoreScheduler):
 
     def unpin(self, location: tuple[int, int]) -> None:
         self.indexes[location[0]].unpin(location[1])
+
+    def kvtool_introspect(self) -> dict:
+        return {**super().kvtool_introspect(), "pinned_entries": sum(i.num_pinned for i in self.indexes.values())}
 
 
 class HostConnectorWorker(BlockStoreWorker):

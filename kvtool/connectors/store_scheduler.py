@@ -6,8 +6,9 @@ when every layer group has the entries it needs at that length: every block for 
 sink blocks and the live window for sliding groups (the manager's own usability rule).
 
 Loads: exactly the delivered range (the offer minus what the runtime cancelled), only into real
-pages. Saves: each full block in the pass that completes it, while its pages are surely valid; in
-`async` mode, instead, the blocks whose pages are still valid when the request finishes.
+pages. Saves: each full block in the pass that completes it, while its pages are surely valid. In
+`async` mode only sliding-window groups save that way (their pages go as the window moves on);
+full-attention pages are saved in the background once the request finishes, held until then.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         self._trackers: dict[int, _Tracker] = {}
         self._finished: dict[int, list[PageTransfer]] = {}
+        self._window_of = {g.layer_group_id: g.window_size for g in self.groups}
         self.num_saved_blocks = 0
         self.num_loaded_blocks = 0
         self._num_metas = 0
@@ -184,20 +186,21 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         if tracker.delivered and not tracker.delivered_reported:
             start = max(start, tracker.delivered[1])
             tracker.delivered_reported = True
-        if self.mode != "async":
-            meta.saves.extend(self._completed_blocks(tracker, start, start + data.num_scheduled_tokens))
+        meta.saves.extend(self._completed_blocks(tracker, start, start + data.num_scheduled_tokens))
 
     def _completed_blocks(self, tracker: _Tracker, start: int, end: int) -> list[PageTransfer]:
         """Saves for the full blocks this pass completes (their pages are written now)."""
         tpb = self.tokens_per_block
         saves = []
         for j in range(start // tpb, min(end // tpb, len(tracker.keys))):
-            saves.extend(self._save_block(tracker, j))
+            saves.extend(self._save_block(tracker, j, windowed_only=self.mode == "async"))
         return saves
 
-    def _save_block(self, tracker: _Tracker, ordinal: int) -> list[PageTransfer]:
+    def _save_block(self, tracker: _Tracker, ordinal: int, windowed_only: bool = False) -> list[PageTransfer]:
         saves = []
         for g, pages in tracker.pages.items():
+            if windowed_only and self._window_of[g] is None:
+                continue
             if ordinal < len(pages) and pages[ordinal] != BAD_PAGE_INDEX:
                 location = self.reserve(tracker.keys[ordinal], g)
                 if location is not None:
@@ -235,7 +238,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
 
     # ---- introspection -----------------------------------------------------------------------
     def kvtool_introspect(self) -> dict[str, Any]:
-        """What this connector holds: requests it tracks, and block counters (for kvtool validate)."""
+        """The optional introspection hook `kvtool validate` asks: ids of requests the connector still
+        holds state for, entries pinned for pending loads (`pinned_entries`), and block counters."""
         return {"tracked_request_ids": sorted(self._trackers) + sorted(self._finished),
                 "saved_blocks": self.num_saved_blocks, "loaded_blocks": self.num_loaded_blocks}
 

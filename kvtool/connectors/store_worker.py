@@ -3,8 +3,9 @@
 - `sync`: loads in `start_load_kv`, saves in `wait_for_save`.
 - `layerwise`: each layer's share of the loads in `wait_for_layer_load`, of the saves in
   `save_kv_layer` (sub-slot chunks: one layer's buffers inside each page).
-- `async`: loads on a background thread, saves of finished requests too; `get_finished` reports
-  a request once its copies have landed, and only requests it was given.
+- `async`: loads on a background thread, and saves of finished requests too (queued before the
+  loads of the same pass, on one thread, so a load never reads an entry before it is written);
+  `get_finished` reports a request once its copies have landed, and only requests it was given.
 
 Subclasses say how a batch of page transfers moves between the cache and their store.
 """
@@ -63,25 +64,33 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
         meta = self.meta
+        # Saves of finished requests go first: a load this pass may read the entries they fill, and
+        # the background thread runs in order. Their pages stay held until the save is reported.
+        for request_id, transfers in meta.async_saves.items():
+            self._saving[request_id] = self._background().submit(self.save, transfers)
         if meta.loads and self.mode != "layerwise":
+            self._wait_for_background_saves()
             self.load(meta.loads)
         for request_id, transfers in meta.async_loads.items():
             self._loading[request_id] = self._background().submit(self.load, transfers)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
         if self.mode == "layerwise" and self.meta.loads:
+            self._wait_for_background_saves()
             self.load(self.meta.loads, layer_id=layer_idx)
+
+    def _wait_for_background_saves(self) -> None:
+        """A synchronous load must not overtake a background save of the entries it reads."""
+        for future in list(self._saving.values()):
+            future.exception()
 
     def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
         if self.mode == "layerwise" and self.meta.saves:
             self.save(self.meta.saves, layer_id=layer_idx)
 
     def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
-        meta = self.meta
-        if meta.saves and self.mode != "layerwise":
-            self.save(meta.saves)
-        for request_id, transfers in meta.async_saves.items():
-            self._saving[request_id] = self._background().submit(self.save, transfers)
+        if self.meta.saves and self.mode != "layerwise":
+            self.save(self.meta.saves)
 
     def get_finished(self, finished_gen_req_ids: list[int],
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:

@@ -25,6 +25,26 @@ from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 
 
+class HostStream:
+    """What connectors get as `stream` on a CPU: the calls they make on a CUDA stream, as no-ops
+    (work on the CPU is done when the call returns)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def query(self) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     manager: KvCacheManagerConfig
@@ -64,7 +84,7 @@ class Engine:
         self.iteration = 0
         self.connector = self._attach(connector, connector_options or {}) if connector else None
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail)
-        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else None
+        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else HostStream()
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
@@ -360,7 +380,7 @@ class Engine:
             if state.kv is not None and state.phase in (Phase.CONTEXT, Phase.GENERATION) \
                     and state.kv.status.value == "active":
                 self.fake.verify_cache(state.request_id, state.request.get_tokens(),
-                                       state.kv.page_indices_by_group(), state.kv.num_committed_tokens)
+                                       state.kv.page_indices_by_group(), state.kv.history_length)
 
     @property
     def integrity_errors(self) -> int:

@@ -48,6 +48,11 @@ class SlotAllocator:
         self._owned.remove(slot)
         self._free.append(slot)
 
+    def hand_out_last_first(self, count: int) -> None:
+        """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
+        there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
+        self._free.rotate(count)
+
     def owned(self) -> set[PageIndex]:
         return set(self._owned)
 

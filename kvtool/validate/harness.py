@@ -1,0 +1,227 @@
+"""Running a connector through a workload for a scenario, and judging what happened."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
+from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.request_state import Phase
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.errors import InputError
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
+from kvtool.validate.results import CheckResult, Verdict, verdict
+
+CANARY_ID = -424242
+
+
+@dataclass(frozen=True)
+class Context:
+    spec: ConnectorSpec
+    model: str
+    tokens_per_block: int = 4
+    options: tuple[tuple[str, str], ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Req:
+    """A request of a scenario's workload (turned into a fresh `Request` for every run)."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+    max_new_tokens: int = 2
+    arrival: float = 0.0
+    cache_salt: str | None = None
+
+    def build(self) -> Request:
+        return Request(self.request_id, self.tokens, self.max_new_tokens, self.cache_salt, arrival=self.arrival)
+
+
+def tokens(seed: int, length: int) -> tuple[int, ...]:
+    return tuple((seed * 1_000_003 + i * 7919) % 30_011 + 1 for i in range(length))
+
+
+@dataclass
+class Run:
+    engine: Engine | None
+    error: str | None = None
+    canary_issues: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states(self):
+        return self.engine.states if self.engine else {}
+
+    def state(self, request_id: int):
+        return self.states[request_id]
+
+    @property
+    def runtime(self):
+        return self.engine.connector if self.engine else None
+
+
+def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
+                  max_batch_size: int, max_transmission_iterations: int) -> EngineConfig:
+    manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device="cpu")
+    return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
+                        verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations)
+
+
+def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
+        local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64,
+        max_transmission_iterations: int = 40, connector: bool = True,
+        setup: Callable[[Engine], None] | None = None,
+        on_iteration: Callable[[Engine], None] | None = None) -> Run:
+    """Replay `requests`; the connector under test is attached unless `connector` is False."""
+    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, max_transmission_iterations)
+    engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
+    result = Run(engine)
+    check_canary = _plant_canary(engine) if canary else None
+    if setup:
+        setup(engine)
+    for request in requests:
+        engine.add_request(request.build())
+
+    def each(e: Engine) -> None:
+        if check_canary:
+            check_canary()
+        if on_iteration:
+            on_iteration(e)
+
+    try:
+        engine.run(max_iterations=2000, on_iteration=each)
+    except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        result.error = f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
+    return result
+
+
+def _plant_canary(engine: Engine) -> Callable[[], None]:
+    """A cache holding the highest slot of every pool group, with known fingerprints, checked after
+    every iteration: what a write through page index -1 would hit."""
+    manager = engine.manager
+    for pg in manager.pool_groups:
+        manager.page_table.allocators[pg.pool_group_index].hand_out_last_first(len(pg.layer_group_ids))
+    cache = manager.create_kv_cache(CANARY_ID, [])
+    cache.resume()
+    tpb = manager.tokens_per_block
+    cache.resize(tpb)
+    canary_tokens = list(tokens(99, tpb))
+    pages = cache.page_indices_by_group()
+    engine.fake.write_context(PassItem(CANARY_ID, canary_tokens, pages, 0, tpb, False))
+    return lambda: engine.fake.verify_cache(CANARY_ID, canary_tokens, pages, tpb)
+
+
+@functools.lru_cache(maxsize=64)
+def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None) -> dict[int, list[int]]:
+    model, tpb, seed = ctx_key
+    ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed)
+    result = run(ctx, list(requests), num_slots=1024, chunk_size=chunk_size, local_reuse=True, connector=False)
+    return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
+
+
+def reference_tokens(ctx: Context, requests: list[Req]) -> dict[int, list[int]]:
+    """Tokens a run without connector generates (what a correct connector must reproduce)."""
+    return _reference((ctx.model, ctx.tokens_per_block, ctx.seed), tuple(requests), None)
+
+
+# ---- judging -----------------------------------------------------------------------------------
+def result(scenario: str, ctx: Context, check: str, ok: bool, evidence: list[str]) -> CheckResult:
+    return CheckResult(scenario, ctx.model, check, verdict(ok), 0.0, evidence if not ok else evidence[:3])
+
+
+def skipped(scenario: str, ctx: Context, check: str, why: str) -> CheckResult:
+    return CheckResult(scenario, ctx.model, check, Verdict.SKIP, 0.0, [why])
+
+
+def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]]]) -> CheckResult:
+    evidence = []
+    for r, requests in runs:
+        if r.error:
+            evidence.append(f"the run stopped: {r.error}")
+            continue
+        engine = r.engine
+        evidence += [i.describe() for i in engine.fake.issues[:5]]
+        if engine.integrity_errors and not engine.fake.issues:
+            evidence.append(f"{engine.integrity_errors} integrity errors")
+        expected = reference_tokens(ctx, requests)
+        for rid, state in r.states.items():
+            if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
+                evidence.append(f"request {rid}: generated {state.request.generated_token_ids} but a run without "
+                                f"the connector generates {expected[rid]}")
+    return result(scenario, ctx, "integrity", not evidence, evidence)
+
+
+def judge_warm_hit(scenario: str, ctx: Context, r: Run, warm_ids: list[int]) -> CheckResult:
+    if r.error:
+        return result(scenario, ctx, "warm-hit", False, [f"the run stopped: {r.error}"])
+    cold = [rid for rid in warm_ids if r.state(rid).num_external == 0]
+    return result(scenario, ctx, "warm-hit", not cold,
+                  [f"request {rid} repeats a prompt the connector saw, but it offered nothing" for rid in cold]
+                  or [f"request {rid}: {r.state(rid).num_external} tokens served" for rid in warm_ids])
+
+
+def judge_holds_nothing(scenario: str, ctx: Context, r: Run, followup_ok: bool | None = None) -> CheckResult:
+    if r.error:
+        return result(scenario, ctx, "holds-nothing", False, [f"the run stopped: {r.error}"])
+    introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
+    if not callable(introspect):
+        ok = followup_ok is not False
+        return result(scenario, ctx, "holds-nothing", ok,
+                      ["no kvtool_introspect hook: judged by a later request on the same prompt, which "
+                       + ("was served correctly" if ok else "went wrong")])
+    state = introspect()
+    gone = {rid for rid, s in r.states.items() if not s.is_live}
+    held = sorted(set(state.get("tracked_request_ids", [])) & gone)
+    pinned = state.get("pinned_entries", 0)
+    evidence = [f"still tracks finished or cancelled request {rid}" for rid in held]
+    if pinned:
+        evidence.append(f"{pinned} store entries still pinned after every request finished")
+    return result(scenario, ctx, "holds-nothing", not evidence, evidence or ["nothing held"])
+
+
+def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
+    """load-completes and finished-ids, wherever the connector went asynchronous (or misreported)."""
+    if r.engine is None:
+        return []
+    runtime, out = r.runtime, []
+    stuck = [f"request {rid}: {s.error}" for rid, s in r.states.items() if s.error and "transmission" in s.error]
+    if runtime.num_async_loads or stuck:
+        out.append(result(scenario, ctx, "load-completes", not stuck,
+                          stuck or [f"{runtime.num_async_loads} asynchronous loads landed"]))
+    bad_ids = [v.detail for v in runtime.violations if v.check.startswith(("unknown-", "repeated-"))]
+    unsaved = [f"request {rid}: its asynchronous save was never reported" for rid, s in r.states.items()
+               if s.phase is Phase.SAVING]
+    if runtime.num_async_saves or bad_ids:
+        out.append(result(scenario, ctx, "finished-ids", not bad_ids and not unsaved,
+                          bad_ids + unsaved or [f"{runtime.num_async_saves} asynchronous saves reported once each"]))
+    return out
+
+
+CONTRACT_CHECKS = ("answer-shape", "negative-count", "zero-async", "beyond-prompt", "finished-shape")
+
+
+def judge_answers(scenario: str, ctx: Context, r: Run, always: bool = False) -> list[CheckResult]:
+    if r.engine is None:
+        return []
+    bad = [f"{v.check}: request {v.request_id}: {v.detail}" for v in r.runtime.violations
+           if v.check in CONTRACT_CHECKS]
+    if bad or always:
+        return [result(scenario, ctx, "answers-in-contract", not bad, bad or ["every answer was in contract"])]
+    return []
+
+
+def registration_error(ctx: Context) -> str | None:
+    """The registration failure for this model, if the connector cannot take its layout."""
+    try:
+        Engine(engine_config(ctx, 8, None, False, 8, 8), ctx.spec, dict(ctx.options))
+    except InputError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,56 @@
+"""Checks and their verdicts."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+
+class Verdict(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+    SKIP = "skip"
+
+
+CHECKS: dict[str, str] = {
+    "registration": "the worker accepts the KV cache layout (or, for a single-tensor worker, the pool tensor)",
+    "integrity": "every byte the connector loaded matches a full recompute, and outputs agree token for token "
+                 "with a run without the connector",
+    "warm-hit": "a prompt the connector has seen is served by it the next time",
+    "holds-nothing": "once its requests finished, were cancelled or freed, the connector holds nothing for them",
+    "load-completes": "asynchronous loads are reported within the bound, never left in transmission",
+    "finished-ids": "get_finished returns only ids it was given, each once",
+    "survives-hook-failure": "after one of its hooks raised, the other requests and later ones are served "
+                             "correctly and the failed request's state is dropped",
+    "answers-in-contract": "answers are (count >= 0, is_async) pairs, never (0, True), never past the prompt",
+    "salt-isolation": "no block is served across different cache salts",
+}
+
+
+@dataclass
+class CheckResult:
+    scenario: str
+    model: str
+    check: str
+    verdict: Verdict
+    seconds: float = 0.0
+    evidence: list[str] = field(default_factory=list)
+
+    @property
+    def purpose(self) -> str:
+        return CHECKS.get(self.check, "")
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in (Verdict.FAIL, Verdict.ERROR)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        data["purpose"] = self.purpose
+        return data
+
+
+def verdict(ok: bool) -> Verdict:
+    return Verdict.PASS if ok else Verdict.FAIL

@@ -1,0 +1,258 @@
+"""The scenarios: each drives the connector through one hard case and judges named checks.
+
+Token counts are in blocks of `T` tokens, so the page arithmetic (who gets deferred, whose reserve
+fails) holds for any block size. Where a scenario could not create its case (the connector offered
+nothing, say), its evidence says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtool.engine.engine import Engine
+from kvtool.engine.request_state import Phase
+from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
+                                     judge_warm_hit, result, run, skipped, tokens)
+from kvtool.validate.results import CheckResult
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    purpose: str
+    run: Callable[[Context], list[CheckResult]]
+
+
+def _common(name: str, ctx: Context, r) -> list[CheckResult]:
+    """Checks every scenario reports when it saw something to judge: async bookkeeping, answers."""
+    return judge_async(name, ctx, r) + judge_answers(name, ctx, r)
+
+
+def cold_warm(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(1, 10 * T + 2)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt[:6 * T] + tokens(2, 3 * T + 1), arrival=2.0)]
+    r = run(ctx, reqs)
+    return [judge_integrity("cold-warm", ctx, [(r, reqs)]), judge_warm_hit("cold-warm", ctx, r, [1, 2])] + \
+        _common("cold-warm", ctx, r)
+
+
+def chunked_prefill(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(3, 9 * T + 3)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt[:5 * T] + tokens(4, 2 * T), arrival=2.0)]
+    runs = [(run(ctx, reqs, chunk_size=chunk), reqs) for chunk in (3, 2 * T + 1)]
+    out = [judge_integrity("chunked-prefill", ctx, runs)]
+    for r, _ in runs:
+        out += _common("chunked-prefill", ctx, r)
+    return out
+
+
+def vswa_live_pages(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    a, b = tokens(5, 8 * T + 1), tokens(6, 7 * T + 3)
+    reqs = [Req(0, a), Req(1, b), Req(2, a, arrival=1.0), Req(3, b, arrival=1.0),
+            Req(4, a[:5 * T] + tokens(7, 2 * T), arrival=1.0), Req(5, b[:6 * T] + tokens(8, T + 1), arrival=1.0)]
+    r = run(ctx, reqs, canary=True)
+    return [judge_integrity("vswa-live-pages", ctx, [(r, reqs)])] + _common("vswa-live-pages", ctx, r)
+
+
+def concurrency(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prefixes = [tokens(9, 6 * T), tokens(10, 5 * T + 2)]
+    first = [Req(i, prefixes[i % 2] + tokens(100 + i, i % 5 + 1)) for i in range(12)]
+    second = [Req(12 + i, req.tokens, arrival=1.0) for i, req in enumerate(first)]
+    reqs = first + second
+    r = run(ctx, reqs, chunk_size=2 * T + 1, max_batch_size=6)
+    return [judge_integrity("concurrency", ctx, [(r, reqs)]),
+            judge_warm_hit("concurrency", ctx, r, [q.request_id for q in second])] + _common("concurrency", ctx, r)
+
+
+def cache_salt(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(11, 6 * T + 1)
+    reqs = [Req(0, prompt, cache_salt="alice"), Req(1, prompt, arrival=1.0, cache_salt="bob"),
+            Req(2, prompt, arrival=2.0, cache_salt="alice")]
+    r = run(ctx, reqs)
+    if r.error:
+        return [result("cache-salt", ctx, "salt-isolation", False, [f"the run stopped: {r.error}"])]
+    leaked = r.state(1).num_external
+    evidence = [f"request 1 (salt 'bob') was served {leaked} tokens saved under salt 'alice'"] if leaked else \
+        [f"salt 'bob': nothing served; salt 'alice' again: {r.state(2).num_external} tokens served"]
+    return [result("cache-salt", ctx, "salt-isolation", not leaked, evidence),
+            judge_integrity("cache-salt", ctx, [(r, reqs)])] + _common("cache-salt", ctx, r)
+
+
+def contract(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    lengths = [1, 2, T - 1, T, T + 1, 3 * T, 5 * T + 2]
+    first = [Req(i, tokens(20 + i, n)) for i, n in enumerate(lengths) if n > 0]
+    again = [Req(100 + q.request_id, q.tokens, arrival=1.0) for q in first]
+    salted = [Req(200 + q.request_id, q.tokens, arrival=2.0, cache_salt="s") for q in first]
+    reqs = first + again + salted
+    r = run(ctx, reqs)
+    return judge_answers("contract", ctx, r, always=True) + [judge_integrity("contract", ctx, [(r, reqs)])] + \
+        judge_async("contract", ctx, r)
+
+
+# ---- the protocol's edge cases -----------------------------------------------------------------
+def _squeeze(ctx: Context, num_slots: int, local_reuse: bool = False, **kwargs):
+    """Request 1 repeats request 0's prompt while request 9 (ten blocks) takes most pages: with 14
+    slots, 1's reserve succeeds and its first chunk does not (it is deferred); with 13, its reserve fails."""
+    T = ctx.tokens_per_block
+    prompt = tokens(30, 4 * T + 2)
+    reqs = [Req(0, prompt), Req(9, tokens(31, 10 * T), max_new_tokens=1, arrival=1.0), Req(1, prompt, arrival=1.0)]
+    return reqs, run(ctx, reqs, num_slots=num_slots, local_reuse=local_reuse, **kwargs)
+
+
+def _exercised(r, request_id: int, what: str, happened: bool) -> list[str]:
+    if r.error:
+        return []
+    s = r.state(request_id)
+    return [f"{what}: {'yes' if happened else 'NOT created (the connector offered nothing?)'}; "
+            f"request {request_id}: asked {s.asked}, deferred {s.num_deferrals}x, {s.num_external} tokens delivered; "
+            f"cancels {[c for c in r.runtime.cancels if c[0] == request_id]}"]
+
+
+def deferral(ctx: Context) -> list[CheckResult]:
+    reqs, r = _squeeze(ctx, 14)
+    happened = not r.error and r.state(1).num_deferrals > 0 and r.state(1).num_external > 0
+    out = [judge_integrity("deferral", ctx, [(r, reqs)]), judge_holds_nothing("deferral", ctx, r)]
+    out[0].evidence += _exercised(r, 1, "asked, deferred, then delivered", happened)
+    return out + _common("deferral", ctx, r)
+
+
+def reserve_failure(ctx: Context) -> list[CheckResult]:
+    reqs, r = _squeeze(ctx, 13)
+    happened = not r.error and any(c[0] == 1 and c[1] == 0 for c in r.runtime.cancels) and r.state(1).num_external == 0
+    out = [judge_integrity("reserve-failure", ctx, [(r, reqs)]), judge_holds_nothing("reserve-failure", ctx, r)]
+    out[0].evidence += _exercised(r, 1, "reserve failed and the offer was cancelled", happened)
+    return out + _common("reserve-failure", ctx, r)
+
+
+def clamp(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(40, 4 * T)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0)]
+    r = run(ctx, reqs)
+    happened = not r.error and (1, 4 * T - 1, 4 * T) in r.runtime.cancels
+    out = [judge_integrity("clamp", ctx, [(r, reqs)]), judge_holds_nothing("clamp", ctx, r)]
+    out[0].evidence += _exercised(r, 1, "whole prompt offered, last position cancelled", happened)
+    return out + _common("clamp", ctx, r)
+
+
+def overtaken_head(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    shared, tail = tokens(50, 2 * T), tokens(51, 2 * T + 2)
+    fillers = [Req(10 + i, tokens(60 + i, 5 * T), max_new_tokens=1, arrival=1.0) for i in range(3)]
+    reqs = [Req(0, shared + tail)] + fillers + [Req(8, shared + tokens(52, 8 * T - 2), max_new_tokens=1, arrival=2.0),
+                                                Req(1, shared + tail, arrival=2.0)]
+    r = run(ctx, reqs, num_slots=14, local_reuse=True)
+    happened = not r.error and any(c[0] == 1 and c[1] == 0 and c[2] < 4 * T for c in r.runtime.cancels) \
+        and r.state(1).num_external > 0
+    out = [judge_integrity("overtaken-head", ctx, [(r, reqs)]), judge_holds_nothing("overtaken-head", ctx, r)]
+    out[0].evidence += _exercised(r, 1, "offer head overtaken by the local cache and cancelled", happened)
+    return out + _common("overtaken-head", ctx, r)
+
+
+def free_before_delivery(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+
+    def abort_deferred(engine: Engine) -> None:
+        state = engine.states.get(1)
+        if state and state.asked and state.phase is Phase.WAITING and state.offer and not state.offer.closed:
+            engine.abort(1)
+
+    prompt = tokens(30, 4 * T + 2)
+    reqs, r = _squeeze(ctx, 14, on_iteration=abort_deferred)
+    reqs = reqs + [Req(2, prompt, arrival=3.0)]
+    followup, r2 = reqs, run(ctx, reqs, num_slots=14, on_iteration=abort_deferred)
+    happened = not r2.error and r2.state(1).error == "aborted" and any(c[0] == 1 for c in r2.runtime.cancels)
+    integrity = judge_integrity("free-before-delivery", ctx, [(r2, followup)])
+    out = [judge_holds_nothing("free-before-delivery", ctx, r2, followup_ok=not integrity.failed), integrity]
+    out[0].evidence += _exercised(r2, 1, "freed after the ask, before delivery", happened)
+    return out + _common("free-before-delivery", ctx, r2)
+
+
+# ---- asynchronous paths and failures -----------------------------------------------------------
+def async_load(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(70, 7 * T + 1)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt, arrival=1.0)]
+    r = run(ctx, reqs, max_transmission_iterations=20)
+    checks = judge_async("async-load", ctx, r)
+    if not any(c.check == "load-completes" for c in checks):
+        checks.append(skipped("async-load", ctx, "load-completes", "the connector loaded synchronously"))
+    return checks + [judge_integrity("async-load", ctx, [(r, reqs)])] + judge_answers("async-load", ctx, r)
+
+
+def async_save(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(80, 7 * T + 1)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt, arrival=2.0)]
+    r = run(ctx, reqs)
+    checks = judge_async("async-save", ctx, r)
+    if not any(c.check == "finished-ids" for c in checks):
+        checks.append(skipped("async-save", ctx, "finished-ids", "the connector saved synchronously"))
+    return checks + [judge_integrity("async-save", ctx, [(r, reqs)])] + judge_answers("async-save", ctx, r)
+
+
+def hook_raises(ctx: Context) -> list[CheckResult]:
+    T = ctx.tokens_per_block
+    prompt = tokens(90, 6 * T + 1)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, tokens(91, 5 * T), arrival=1.0),
+            Req(3, prompt, arrival=3.0)]
+    injected: list[int] = []
+
+    def inject(engine: Engine) -> None:
+        for worker in engine.connector.workers:
+            original = worker.wait_for_layer_load
+
+            def failing(layer_idx, stream, original=original):
+                loading = any(s.delivered_at == engine.iteration and s.num_external for s in engine.states.values())
+                if not injected and (loading or engine.iteration >= 12):
+                    injected.append(engine.iteration)
+                    raise RuntimeError("kvtool validate: injected failure in wait_for_layer_load")
+                return original(layer_idx, stream)
+
+            worker.wait_for_layer_load = failing
+
+    r = run(ctx, reqs, setup=inject)
+    return [_judge_survival(ctx, r, reqs, injected)] + judge_answers("hook-raises", ctx, r)
+
+
+def _judge_survival(ctx: Context, r, reqs: list[Req], injected: list[int]) -> CheckResult:
+    if r.error:
+        return result("hook-raises", ctx, "survives-hook-failure", False, [f"the run stopped: {r.error}"])
+    failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
+    evidence = [] if injected else ["no failure could be injected"]
+    evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.states.items() if s.is_live]
+    later = [rid for rid, s in r.states.items() if s.phase is Phase.DONE and s.request.arrival > 0]
+    integrity = judge_integrity("hook-raises", ctx, [(r, reqs)])
+    evidence += integrity.evidence if integrity.failed else []
+    holds = judge_holds_nothing("hook-raises", ctx, r)
+    evidence += holds.evidence if holds.failed else []
+    summary = [f"failure injected in iteration {injected[0] if injected else '-'}; failed {failed}; "
+               f"served afterwards {later}"]
+    return result("hook-raises", ctx, "survives-hook-failure", not evidence, evidence + summary)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("cold-warm", "cold miss then warm hit; every loaded byte checked by the fingerprints", cold_warm),
+    Scenario("chunked-prefill", "later chunks arrive as append-deltas, chunk sizes 3 and 2T+1", chunked_prefill),
+    Scenario("vswa-live-pages", "all live pages of all requests checked after every iteration, with a canary in "
+                                "the last slot (what an index of -1 hits)", vswa_live_pages),
+    Scenario("deferral", "asked once, deferred for lack of pages, delivered later", deferral),
+    Scenario("reserve-failure", "the offer's pages cannot be reserved: cancelled, computed locally", reserve_failure),
+    Scenario("clamp", "the whole prompt is offered; the last position is cancelled", clamp),
+    Scenario("overtaken-head", "the local cache overtook the offer's head: the head is cancelled", overtaken_head),
+    Scenario("free-before-delivery", "a request freed after the ask, before delivery", free_before_delivery),
+    Scenario("async-load", "asynchronous loads complete within 20 iterations", async_load),
+    Scenario("async-save", "asynchronous saves: get_finished ids, pages alive until reported", async_save),
+    Scenario("hook-raises", "a worker hook raises mid-pass: the runtime survives, later requests are "
+                            "served correctly", hook_raises),
+    Scenario("contract", "prompts of 1 token to several blocks, repeated and salted: answers in contract", contract),
+    Scenario("cache-salt", "no hit across cache salts", cache_salt),
+    Scenario("concurrency", "many requests sharing prefixes at once, chunked, small batches", concurrency),
+)}
