@@ -45,3 +45,7 @@ class ConnectorError(KvToolError):
 
 class IntegrityError(KvToolError):
     """KV bytes differ from what a full recompute would have written."""
+
+
+class ConstructionError(InputError):
+    """A connector's scheduler or worker raised from its constructor."""

@@ -20,7 +20,7 @@ from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.request_state import Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
-from kvtool.errors import ConnectorError, InputError, OutOfPagesError
+from kvtool.errors import ConnectorError, ConstructionError, InputError, OutOfPagesError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 
@@ -101,10 +101,11 @@ class Engine:
         try:
             scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
             workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self.config.num_ranks)]
-        except InputError:
-            raise
+        except InputError as exc:
+            raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
-            raise InputError(f"connector {spec.name!r} could not be constructed: {type(exc).__name__}: {exc}") from None
+            raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
+                                    f"{type(exc).__name__}: {exc}") from None
         for worker in workers:
             try:
                 self._register(worker)

@@ -8,6 +8,7 @@ have written. Mismatches are counted and the first ones recorded with their coor
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,9 @@ class FakeEngine:
     seed: int = 0
     num_integrity_errors: int = 0
     issues: list[IntegrityIssue] = field(default_factory=list)
+    """The first MAX_RECORDED_ISSUES, with coordinates."""
+    errors_by_request: Counter = field(default_factory=Counter)
+    """Every error counted, by request id."""
 
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
@@ -220,6 +224,7 @@ class FakeEngine:
                 positions: np.ndarray, bad: torch.Tensor, expected: torch.Tensor, found: torch.Tensor) -> None:
         rows, heads = torch.nonzero(bad, as_tuple=True)
         self.num_integrity_errors += int(rows.numel())
+        self.errors_by_request[request_id] += int(rows.numel())
         tpb = self.layout.tokens_per_block
         for row, head in zip(rows.tolist(), heads.tolist()):
             if len(self.issues) >= MAX_RECORDED_ISSUES:
@@ -232,6 +237,7 @@ class FakeEngine:
     def _issue(self, request_id: int, group: LayerGroupSpec, ordinal: int, layer_id: int, role: str,
                position: int, head: int, what: str) -> None:
         self.num_integrity_errors += 1
+        self.errors_by_request[request_id] += 1
         if len(self.issues) < MAX_RECORDED_ISSUES:
             self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
                                               position, head, "-", "-", what))

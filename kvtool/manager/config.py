@@ -25,6 +25,9 @@ class KvCacheManagerConfig:
     host_cache_bytes: int = 0
     disk_cache_bytes: int = 0
     swa_scratch_reuse: bool = True
+    poison_new_pages: bool = False
+    """Fill every slot with 0xA5 when it is handed out, so reading bytes nobody wrote (stale bytes
+    of an earlier request included) is caught; kvtool validate turns it on."""
 
     def validate(self) -> None:
         """InputError for values no manager can be built from."""

@@ -24,6 +24,9 @@ from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout,
 from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, Priority
 
 
+POISON_BYTE = 0xA5
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -66,6 +69,8 @@ class KvCacheManager:
         self.tree = RadixTree(config.tokens_per_block)
         pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
         self.page_table = PageTable([SlotAllocator(n) for n in self.num_slots], pool_group_of, self.tree)
+        if config.poison_new_pages:
+            self.page_table.on_allocate = self._poison
         self._caches: dict[int, KvCache] = {}
         self._holds: dict[int, PageHold] = {}
 
@@ -122,6 +127,10 @@ class KvCacheManager:
                                if p is not None])
         self._holds[id(hold)] = hold
         return hold
+
+    def _poison(self, page: Page) -> None:
+        for region in self.layout.group(page.layer_group_id).regions:
+            region.as_tensor()[page.slot].fill_(POISON_BYTE)
 
     def copy_page(self, layer_group_id: LayerGroupId, src: PageIndex, dst: PageIndex) -> None:
         for region in self.layout.group(layer_group_id).regions:

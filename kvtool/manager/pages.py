@@ -9,7 +9,7 @@ evicted LRU within priority buckets, lowest priority first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager.storage import SlotAllocator
@@ -57,6 +57,7 @@ class PageTable:
         self._pages: list[dict[PageIndex, Page]] = [{} for _ in allocators]
         self._droppable: list[dict[Priority, OrderedDict[int, Page]]] = [{} for _ in allocators]
         self.num_evictions = 0
+        self.on_allocate: Callable[[Page], None] | None = None
 
     def pool_group_of(self, layer_group_id: LayerGroupId) -> PoolGroupIndex:
         return self._pool_group_of[layer_group_id]
@@ -76,6 +77,8 @@ class PageTable:
             self._evict_one(pool_group)
         page = Page(layer_group_id, pool_group, allocator.allocate(), is_scratch)
         self._pages[pool_group][page.slot] = page
+        if self.on_allocate is not None:
+            self.on_allocate(page)
         self._add_user(page, active)
         return page
 

@@ -13,7 +13,7 @@ from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.errors import InputError
+from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.validate.results import CheckResult, Verdict, verdict
@@ -69,7 +69,8 @@ class Run:
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
                   max_batch_size: int, max_transmission_iterations: int) -> EngineConfig:
-    manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device="cpu")
+    manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device="cpu",
+                                   poison_new_pages=True)
     return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
                         verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations)
 
@@ -219,9 +220,12 @@ def judge_answers(scenario: str, ctx: Context, r: Run, always: bool = False) -> 
 
 
 def registration_error(ctx: Context) -> str | None:
-    """The registration failure for this model, if the connector cannot take its layout."""
+    """The registration failure for this model, if the connector cannot take its layout.
+    A connector that cannot even be constructed raises ConstructionError (a usage error)."""
     try:
         Engine(engine_config(ctx, 8, None, False, 8, 8), ctx.spec, dict(ctx.options))
+    except ConstructionError:
+        raise
     except InputError as exc:
         return str(exc)
     return None

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvtool.engine.engine import Engine
+from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                     judge_warm_hit, result, run, skipped, tokens)
+                                     judge_warm_hit, reference_tokens, result, run, skipped, tokens)
+
+SENTINEL_ID = -434343
 from kvtool.validate.results import CheckResult
 
 
@@ -199,40 +202,95 @@ def async_save(ctx: Context) -> list[CheckResult]:
 
 
 def hook_raises(ctx: Context) -> list[CheckResult]:
+    """Run twice, with and without a failure injected into `wait_for_layer_load` in the pass that
+    loads the warm request (else its first pass): only what goes wrong *because* of the failure
+    counts against survival. After the failure a sentinel takes every free slot for a few
+    iterations, so a connector that writes into the failed request's released pages is caught."""
     T = ctx.tokens_per_block
     prompt = tokens(90, 6 * T + 1)
     reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, tokens(91, 5 * T), arrival=1.0),
             Req(3, prompt, arrival=3.0)]
-    injected: list[int] = []
+    runs = []
+    for fail in (False, True):   # the baseline sees the same sentinel at the same point, without the failure
+        injected: list[int] = []
+        sentinel: list = []
+        runs.append(run(ctx, reqs, setup=lambda e, i=injected, f=fail: _inject(e, i, f),
+                        on_iteration=lambda e, i=injected, s=sentinel: _watch_released_pages(e, i, s)))
+    baseline, r = runs
+    return [_judge_survival(ctx, r, baseline, reqs, injected), judge_integrity("hook-raises", ctx, [(baseline, reqs)])] \
+        + judge_answers("hook-raises", ctx, r)
 
-    def inject(engine: Engine) -> None:
-        for worker in engine.connector.workers:
-            original = worker.wait_for_layer_load
 
-            def failing(layer_idx, stream, original=original):
-                loading = any(s.delivered_at == engine.iteration and s.num_external for s in engine.states.values())
-                if not injected and (loading or engine.iteration >= 12):
-                    injected.append(engine.iteration)
+def _inject(engine: Engine, injected: list[int], fail: bool) -> None:
+    """Raise once from `wait_for_layer_load` (when `fail`; else only note where it would have)."""
+    for worker in engine.connector.workers:
+        original = worker.wait_for_layer_load
+
+        def failing(layer_idx, stream, original=original):
+            states = engine.states.values()
+            loading = any(s.delivered_at == engine.iteration and s.num_external for s in states)
+            warm_runs = engine.states[1].kv is not None and engine.states[1].phase is not Phase.WAITING
+            if not injected and (loading or warm_runs):
+                injected.append(engine.iteration)
+                if fail:
                     raise RuntimeError("kvtool validate: injected failure in wait_for_layer_load")
-                return original(layer_idx, stream)
+            return original(layer_idx, stream)
 
-            worker.wait_for_layer_load = failing
-
-    r = run(ctx, reqs, setup=inject)
-    return [_judge_survival(ctx, r, reqs, injected)] + judge_answers("hook-raises", ctx, r)
+        worker.wait_for_layer_load = failing
 
 
-def _judge_survival(ctx: Context, r, reqs: list[Req], injected: list[int]) -> CheckResult:
+def _watch_released_pages(engine: Engine, injected: list[int], sentinel: list) -> None:
+    """From the iteration after the failure, hold every free slot with known fingerprints; check
+    them after each of the next three iterations, then let them go."""
+    if not injected:
+        return
+    if not sentinel:
+        sentinel.append(_take_free_slots(engine))
+    check, release, checks_left = sentinel[0]
+    check()
+    if checks_left <= 1:
+        release()
+        sentinel[0] = (lambda: None, lambda: None, 10**9)
+    else:
+        sentinel[0] = (check, release, checks_left - 1)
+
+
+def _take_free_slots(engine: Engine):
+    manager = engine.manager
+    tpb = manager.tokens_per_block
+    free = min(manager.num_free_slots(pg.pool_group_index) // len(pg.layer_group_ids) for pg in manager.pool_groups)
+    cache = manager.create_kv_cache(SENTINEL_ID, [])
+    cache.resume()
+    if free == 0 or not cache.resize(free * tpb):
+        cache.close()
+        return (lambda: None, lambda: None, 0)
+    fill = list(tokens(92, free * tpb))
+    pages = cache.page_indices_by_group()
+    engine.fake.write_context(PassItem(SENTINEL_ID, fill, pages, 0, free * tpb, False))
+    return (lambda: engine.fake.verify_cache(SENTINEL_ID, fill, pages, free * tpb), cache.close, 3)
+
+
+def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int]) -> CheckResult:
     if r.error:
         return result("hook-raises", ctx, "survives-hook-failure", False, [f"the run stopped: {r.error}"])
-    failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
     evidence = [] if injected else ["no failure could be injected"]
+    already_wrong = set(baseline.engine.fake.errors_by_request) if baseline.engine else set()
+    newly_wrong = set(r.engine.fake.errors_by_request) - already_wrong
+    evidence += [f"after the failure: {i.describe()}" for i in r.engine.fake.issues if i.request_id in newly_wrong][:5]
+    evidence += [f"{r.engine.fake.errors_by_request[rid]} integrity errors in request {rid} only when the failure "
+                 "happened" for rid in sorted(newly_wrong)]
+    expected = reference_tokens(ctx, reqs)
+    evidence += [f"request {rid} generated {s.request.generated_token_ids} after the failure, "
+                 f"expected {expected[rid]}" for rid, s in r.states.items()
+                 if s.phase is Phase.DONE and s.request.generated_token_ids != expected[rid]
+                 and baseline.state(rid).request.generated_token_ids == expected[rid]]
     evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.states.items() if s.is_live]
+    failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
+    introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
+    if callable(introspect):
+        kept = sorted(set(introspect().get("tracked_request_ids", [])) & set(failed))
+        evidence += [f"still tracks failed request {rid}" for rid in kept]
     later = [rid for rid, s in r.states.items() if s.phase is Phase.DONE and s.request.arrival > 0]
-    integrity = judge_integrity("hook-raises", ctx, [(r, reqs)])
-    evidence += integrity.evidence if integrity.failed else []
-    holds = judge_holds_nothing("hook-raises", ctx, r)
-    evidence += holds.evidence if holds.failed else []
     summary = [f"failure injected in iteration {injected[0] if injected else '-'}; failed {failed}; "
                f"served afterwards {later}"]
     return result("hook-raises", ctx, "survives-hook-failure", not evidence, evidence + summary)

@@ -1,0 +1,135 @@
+"""`kvtool validate`: drive a connector through the protocol's hard cases and judge it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.cli.common import ExitCode, clean_errors, fail
+from kvtool.cli.trace import parse_options
+from kvtool.connector.loader import load_connector
+from kvtool.errors import InputError
+from kvtool.models import load_model
+from kvtool.validate.compat_trtllm import COMPAT
+from kvtool.validate.harness import Context, registration_error
+from kvtool.validate.junit import junit_xml, write
+from kvtool.validate.results import CHECKS, CheckResult, Verdict
+from kvtool.validate.runner import run_all
+from kvtool.validate.scenarios import SCENARIOS
+
+DEFAULT_MODELS = ["tiny", "tiny-vswa"]
+_STYLE = {Verdict.PASS: "green", Verdict.FAIL: "red", Verdict.ERROR: "red", Verdict.SKIP: "yellow"}
+
+
+@clean_errors
+def validate(
+    target: Annotated[str, typer.Argument(help="host, disk, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER.")] = "host",
+    model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
+    tokens_per_block: Annotated[int, typer.Option(help="Tokens per block.")] = 4,
+    scenario: Annotated[list[str], typer.Option(help="Run only this scenario (repeatable; see --list).")] = [],
+    list_scenarios: Annotated[bool, typer.Option("--list", help="List the scenarios and checks, then exit.")] = False,
+    junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here (for CI).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
+    compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
+    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
+) -> None:
+    """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
+    2 for usage errors or a TARGET that cannot be imported or constructed."""
+    if list_scenarios:
+        _print_list()
+        return
+    for name in scenario:
+        if name not in SCENARIOS:
+            raise InputError(f"unknown scenario {name!r}; see kvtool validate --list")
+    if tokens_per_block <= 0:
+        raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
+    if timeout <= 0:
+        raise InputError(f"--timeout must be positive, got {timeout}")
+    if compat is not None:
+        if compat not in COMPAT:
+            raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
+        COMPAT[compat]()
+    spec = load_connector(_absolute(target))
+    models = model or DEFAULT_MODELS
+    for name in models:
+        load_model(name)
+    options = tuple(parse_options(connector_opt).items())
+    contexts = [Context(spec, m, tokens_per_block, options, seed) for m in models]
+    _require_constructible(contexts[0])
+    console = Console(stderr=True)
+    results = run_all(contexts, scenario or list(SCENARIOS), timeout,
+                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False))
+    Console(width=max(140, Console().width)).print(_table(results, target))
+    if junit:
+        write(junit, junit_xml(results, target))
+    if json_out:
+        write(json_out, json.dumps(_document(results, target, models), indent=2) + "\n")
+    failed = [r for r in results if r.failed]
+    if failed:
+        raise fail(f"{len(failed)} of {len(results)} checks failed", ExitCode.CHECK_FAILED)
+
+
+def _require_constructible(ctx: Context) -> None:
+    """Exit 2 (ConstructionError) when the connector's classes cannot even be built."""
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir:
+        os.chdir(workdir)
+        try:
+            registration_error(ctx)
+        finally:
+            os.chdir(here)
+
+
+def _absolute(target: str) -> str:
+    """A file target resolved now: each scenario runs in its own temporary directory."""
+    where, sep, rest = target.partition(":")
+    if sep and where.endswith(".py"):
+        return f"{Path(where).resolve()}:{rest}"
+    return target
+
+
+def _progress_line(results: list[CheckResult]) -> str:
+    r = results[0]
+    marks = " ".join(f"{x.check}:{x.verdict.value}" for x in results)
+    return f"{r.scenario}[{r.model}] {marks}"
+
+
+def _table(results: list[CheckResult], target: str) -> Table:
+    table = Table(title=f"kvtool validate {target}")
+    for column in ("scenario", "model", "check", "verdict", "time", "evidence"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        evidence = "; ".join(r.evidence[:3]) if r.verdict is not Verdict.PASS else (r.evidence[0] if r.evidence else "")
+        table.add_row(r.scenario, r.model, r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
+                      f"{r.seconds:.2f}s", evidence[:400])
+    return table
+
+
+def _document(results: list[CheckResult], target: str, models: list[str]) -> dict:
+    return {"target": target, "models": models, "passed": not any(r.failed for r in results),
+            "num_failed": sum(r.failed for r in results), "results": [r.as_dict() for r in results]}
+
+
+def _print_list() -> None:
+    console = Console(width=max(120, Console().width))
+    scenarios = Table(title="scenarios")
+    scenarios.add_column("scenario")
+    scenarios.add_column("purpose")
+    for s in SCENARIOS.values():
+        scenarios.add_row(s.name, s.purpose)
+    checks = Table(title="checks")
+    checks.add_column("check")
+    checks.add_column("purpose")
+    for name, purpose in CHECKS.items():
+        checks.add_row(name, purpose)
+    console.print(scenarios)
+    console.print(checks)

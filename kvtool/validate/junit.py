@@ -1,0 +1,41 @@
+"""JUnit XML, the format CI systems read: one test case per (scenario, model, check)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from kvtool.errors import InputError
+from kvtool.validate.results import CheckResult, Verdict
+
+
+def junit_xml(results: list[CheckResult], target: str) -> str:
+    total = sum(r.seconds for r in results)
+    failures = sum(r.verdict is Verdict.FAIL for r in results)
+    errors = sum(r.verdict is Verdict.ERROR for r in results)
+    skipped = sum(r.verdict is Verdict.SKIP for r in results)
+    root = ET.Element("testsuites", name="kvtool validate", tests=str(len(results)), failures=str(failures),
+                      errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
+    suite = ET.SubElement(root, "testsuite", name=f"kvtool validate {target}", tests=str(len(results)),
+                          failures=str(failures), errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname=f"{r.scenario}[{r.model}]", name=r.check,
+                             time=f"{r.seconds:.3f}")
+        text = "\n".join(r.evidence)
+        if r.verdict is Verdict.FAIL:
+            ET.SubElement(case, "failure", message=(r.evidence or [r.check])[0][:500], type="check").text = text
+        elif r.verdict is Verdict.ERROR:
+            ET.SubElement(case, "error", message=(r.evidence or [r.check])[0][:500], type="error").text = text
+        elif r.verdict is Verdict.SKIP:
+            ET.SubElement(case, "skipped", message=(r.evidence or [""])[0][:500])
+        ET.SubElement(case, "system-out").text = f"{r.purpose}\n{text}"
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,97 @@
+"""Running scenarios: each in a forked process, in a fresh working directory, under a timeout, so a
+connector that hangs or crashes is reported instead of waited on."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from typing import Callable, Iterable
+
+import torch
+
+from kvtool.validate.harness import Context, registration_error
+from kvtool.validate.results import CheckResult, Verdict
+from kvtool.validate.scenarios import SCENARIOS
+
+SETUP = "setup"
+
+
+def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
+    """One scenario, here, in a fresh temporary working directory; errors become ERROR results."""
+    started = time.perf_counter()
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir:
+        os.chdir(workdir)
+        try:
+            results = _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
+        except Exception as exc:  # noqa: BLE001 - the scenario's failure is the finding
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            results = [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, 0.0,
+                                   [f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"])]
+        finally:
+            os.chdir(here)
+    seconds = round(time.perf_counter() - started, 3)
+    for r in results:
+        r.seconds = seconds
+    return results
+
+
+def _setup(ctx: Context) -> list[CheckResult]:
+    error = registration_error(ctx)
+    return [CheckResult(SETUP, ctx.model, "registration", Verdict.FAIL if error else Verdict.PASS, 0.0,
+                        [error] if error else ["the layout was accepted"])]
+
+
+def run_isolated(name: str, ctx: Context, timeout: float) -> list[CheckResult]:
+    """`run_scenario` in a child process; a timeout or a dead child is an ERROR result."""
+    mp = multiprocessing.get_context("fork")
+    receive, send = mp.Pipe(duplex=False)
+    child = mp.Process(target=_child, args=(send, name, ctx), daemon=True)
+    started = time.perf_counter()
+    child.start()
+    send.close()
+    results = None
+    if receive.poll(timeout):
+        try:
+            results = receive.recv()
+        except EOFError:
+            results = None
+    child.join(1.0)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    if results is not None:
+        return results
+    seconds = round(time.perf_counter() - started, 3)
+    why = (f"did not finish within {timeout:g} s (a connector hook hung?)" if child.exitcode in (None, -9)
+           else f"the scenario's process died (exit code {child.exitcode})")
+    return [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
+
+
+def _child(send, name: str, ctx: Context) -> None:
+    # A forked child must not enter the OpenMP pool its parent may have started (it would hang);
+    # with one thread torch runs everything inline. The scenarios are small.
+    torch.set_num_threads(1)
+    try:
+        send.send(run_scenario(name, ctx))
+    finally:
+        send.close()
+        os._exit(0)
+
+
+def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
+            on_result: Callable[[list[CheckResult]], None] | None = None) -> list[CheckResult]:
+    """Registration first for each model; a model whose layout the connector refuses runs nothing else."""
+    everything: list[CheckResult] = []
+    for ctx in contexts:
+        for name in [SETUP] + names:
+            results = run_isolated(name, ctx, timeout) if isolated else run_scenario(name, ctx)
+            everything += results
+            if on_result:
+                on_result(results)
+            if name == SETUP and any(r.failed for r in results):
+                break
+    return everything

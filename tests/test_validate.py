@@ -1,0 +1,141 @@
+"""kvtool validate: every check can fail for the right reason, correct connectors pass, exit codes,
+JUnit, timeouts, and the TensorRT-LLM compatibility layer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app
+from kvtool.connector.loader import load_connector
+from kvtool.validate.harness import Context
+from kvtool.validate.results import CHECKS
+from kvtool.validate.runner import run_all
+from kvtool.validate.scenarios import SCENARIOS
+from tests.broken_connectors import BROKEN
+
+runner = CliRunner()
+MODELS = ("tiny", "tiny-vswa")
+WHERE = {  # scenario-specific integrity bugs must show in their scenario
+    "integrity (chunked prefill)": "chunked-prefill", "integrity (VSWA, slot -1)": "vswa-live-pages",
+    "integrity (deferral)": "deferral", "integrity (clamp)": "clamp", "integrity (overtaken head)": "overtaken-head",
+}
+
+
+def validate_in_process(target: str, scenarios=None):
+    spec = load_connector(target)
+    return run_all([Context(spec, m) for m in MODELS], scenarios or list(SCENARIOS), 60, isolated=False)
+
+
+@pytest.mark.parametrize("label", list(BROKEN))
+def test_each_broken_connector_fails_exactly_its_check(label):
+    scheduler, worker = BROKEN[label]
+    results = validate_in_process(f"tests.broken_connectors:{scheduler}:{worker}")
+    failed = {r.check for r in results if r.failed}
+    assert failed == {label.split(" (")[0]}, [(r.scenario, r.model, r.check, r.evidence[:2]) for r in results
+                                              if r.failed]
+    if label in WHERE:
+        assert any(r.scenario == WHERE[label] and r.failed for r in results)
+
+
+def test_every_check_has_a_broken_connector():
+    assert {label.split(" (")[0] for label in BROKEN} == set(CHECKS)
+
+
+@pytest.mark.parametrize("target", ["host", "disk", "host-async", "host-layerwise"])
+def test_the_reference_connectors_pass_everything(target):
+    results = validate_in_process(target)
+    assert not [r for r in results if r.failed], [(r.scenario, r.model, r.check, r.evidence) for r in results
+                                                  if r.failed]
+    assert {r.check for r in results} >= {"registration", "integrity", "warm-hit", "holds-nothing",
+                                          "survives-hook-failure", "answers-in-contract", "salt-isolation"}
+
+
+def test_evidence_names_the_coordinates():
+    results = validate_in_process("tests.broken_connectors:HostConnectorScheduler:WrongSlotWorker", ["cold-warm"])
+    (bad,) = [r for r in results if r.check == "integrity" and r.model == "tiny"]
+    assert "request 1, layer group 0, block" in bad.evidence[0] and "expected" in bad.evidence[0]
+
+
+def test_cli_exit_codes_junit_and_json(tmp_path):
+    junit, out = tmp_path / "v.xml", tmp_path / "v.json"
+    ok = runner.invoke(app, ["validate", "host", "--scenario", "cold-warm", "--scenario", "clamp",
+                             "--junit", str(junit), "--json", str(out)])
+    assert ok.exit_code == 0, ok.output
+    suite = ET.parse(junit).getroot()
+    assert suite.tag == "testsuites" and int(suite.get("tests")) == 10 and suite.get("failures") == "0"
+    cases = suite.findall("./testsuite/testcase")
+    assert {c.get("classname") for c in cases} >= {"cold-warm[tiny]", "clamp[tiny-vswa]", "setup[tiny]"}
+    doc = json.loads(out.read_text())
+    assert doc["passed"] is True and {r["check"] for r in doc["results"]} >= {"integrity", "warm-hit"}
+    bad = runner.invoke(app, ["validate", "tests.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
+                              "--junit", str(junit)])
+    assert bad.exit_code == 1 and "checks failed" in bad.stderr
+    failures = ET.parse(junit).getroot().findall("./testsuite/testcase/failure")
+    assert failures and "offered nothing" in failures[0].get("message")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no.such.module:A:B"], "cannot import no.such.module"),
+    (["kvtool.connectors.host:Nope:HostConnectorWorker"], "has no class Nope"),
+    (["missing/file.py:A:B"], "no file"),
+    (["host", "--scenario", "nope"], "unknown scenario"),
+    (["host", "--model", "llama-9"], "unknown model"),
+    (["host", "--compat", "vllm"], "unknown --compat"),
+    (["host", "--connector-opt", "capacity=1"], "below one block"),
+])
+def test_bad_targets_and_options_exit_2(args, message):
+    result = runner.invoke(app, ["validate", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_list_names_every_scenario_and_check():
+    result = runner.invoke(app, ["validate", "--list"])
+    assert result.exit_code == 0
+    for name in list(SCENARIOS) + list(CHECKS):
+        assert name in result.stdout
+
+
+def test_a_hanging_connector_is_stopped_by_the_timeout(tmp_path):
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\nfrom kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker\n"
+                    "class Hangs(HostConnectorWorker):\n"
+                    "    def start_load_kv(self, stream):\n"
+                    "        if self.meta.loads:\n            time.sleep(3600)\n"
+                    "        super().start_load_kv(stream)\n")
+    done = subprocess.run([sys.executable, "-m", "kvtool", "validate", f"{hang}:HostConnectorScheduler:Hangs",
+                           "--model", "tiny", "--scenario", "cold-warm", "--timeout", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "did not finish within 5 s" in done.stdout
+
+
+def test_a_tensorrt_llm_connector_runs_unchanged_under_compat(tmp_path):
+    target = f"{Path('tests/data/trtllm_style_connector.py').resolve()}:BlockFilesLeader:BlockFilesWorker"
+    out = tmp_path / "v.json"
+    done = subprocess.run([sys.executable, "-m", "kvtool", "validate", "--compat", "trtllm", target,
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    results = json.loads(out.read_text())["results"]
+    verdicts = {(r["scenario"], r["model"], r["check"]): r for r in results}
+    assert verdicts[("setup", "tiny", "registration")]["verdict"] == "pass"
+    vswa = verdicts[("setup", "tiny-vswa", "registration")]
+    assert vswa["verdict"] == "fail" and "does not support the V2 KV cache layout" in vswa["evidence"][0]
+    assert verdicts[("cold-warm", "tiny", "integrity")]["verdict"] == "pass"
+    assert verdicts[("cold-warm", "tiny", "warm-hit")]["verdict"] == "pass"
+    # what the simplifications cost, found by the suite
+    assert verdicts[("cache-salt", "tiny", "salt-isolation")]["verdict"] == "fail"
+    assert verdicts[("deferral", "tiny", "integrity")]["verdict"] == "fail"
+
+
+def test_without_compat_the_tensorrt_llm_import_fails_cleanly():
+    target = "tests/data/trtllm_style_connector.py:BlockFilesLeader:BlockFilesWorker"
+    result = runner.invoke(app, ["validate", target])
+    assert result.exit_code == 2 and "No module named 'tensorrt_llm'" in result.stderr
