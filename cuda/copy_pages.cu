@@ -13,14 +13,10 @@ extern "C" __global__ void copy_pages_vec16(const CopyDesc* __restrict__ descs,
     const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
     const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
     for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
-        const int d = kvtool_owner(chunk_start, num_descs, chunk, chunks_per_desc);
-        const CopyDesc desc = descs[d];
-        const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
-        const uint64_t remaining = desc.nbytes - offset;
-        const uint64_t bytes = remaining < KVTOOL_CHUNK_BYTES ? remaining : KVTOOL_CHUNK_BYTES;
-        const uint4* src = reinterpret_cast<const uint4*>(desc.src + offset);
-        uint4* dst = reinterpret_cast<uint4*>(desc.dst + offset);
-        const uint64_t n16 = bytes / 16;
+        const KvtoolTask task = kvtool_task(descs, chunk_start, num_descs, chunk, chunks_per_desc);
+        const uint4* src = reinterpret_cast<const uint4*>(task.src);
+        uint4* dst = reinterpret_cast<uint4*>(task.dst);
+        const uint64_t n16 = task.bytes / 16;
         uint4 regs[KVTOOL_UNROLL];
 #pragma unroll
         for (int k = 0; k < KVTOOL_UNROLL; ++k) {
@@ -44,13 +40,7 @@ extern "C" __global__ void copy_pages_bytes(const CopyDesc* __restrict__ descs,
     const uint64_t warp = (blockIdx.x * (uint64_t)blockDim.x + threadIdx.x) / KVTOOL_WARP;
     const uint64_t num_warps = (gridDim.x * (uint64_t)blockDim.x) / KVTOOL_WARP;
     for (uint64_t chunk = warp; chunk < num_chunks; chunk += num_warps) {
-        const int d = kvtool_owner(chunk_start, num_descs, chunk, chunks_per_desc);
-        const CopyDesc desc = descs[d];
-        const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
-        const uint64_t remaining = desc.nbytes - offset;
-        const uint64_t bytes = remaining < KVTOOL_CHUNK_BYTES ? remaining : KVTOOL_CHUNK_BYTES;
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(desc.src + offset);
-        unsigned char* dst = reinterpret_cast<unsigned char*>(desc.dst + offset);
-        for (uint64_t i = lane; i < bytes; i += KVTOOL_WARP) dst[i] = src[i];
+        const KvtoolTask task = kvtool_task(descs, chunk_start, num_descs, chunk, chunks_per_desc);
+        for (uint64_t i = lane; i < task.bytes; i += KVTOOL_WARP) task.dst[i] = task.src[i];
     }
 }

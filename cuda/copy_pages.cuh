@@ -60,3 +60,23 @@ __device__ __forceinline__ void kvtool_store16(uint4* p, uint4 v) {
     __stcs(p, v);
 #endif
 }
+
+// The bytes of work chunk `chunk`: where they are, where they go, how many (at most a chunk).
+struct KvtoolTask {
+    const unsigned char* src;
+    unsigned char* dst;
+    uint64_t bytes;
+};
+
+__device__ __forceinline__ KvtoolTask kvtool_task(const CopyDesc* descs, const uint64_t* chunk_start, int num_descs,
+                                                  uint64_t chunk, uint64_t chunks_per_desc) {
+    const int d = kvtool_owner(chunk_start, num_descs, chunk, chunks_per_desc);
+    const CopyDesc desc = descs[d];
+    const uint64_t offset = (chunk - chunk_start[d]) * KVTOOL_CHUNK_BYTES;
+    const uint64_t remaining = desc.nbytes - offset;
+    KvtoolTask task;
+    task.src = reinterpret_cast<const unsigned char*>(desc.src + offset);
+    task.dst = reinterpret_cast<unsigned char*>(desc.dst + offset);
+    task.bytes = remaining < KVTOOL_CHUNK_BYTES ? remaining : KVTOOL_CHUNK_BYTES;
+    return task;
+}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
@@ -14,7 +13,7 @@ from kvtool.errors import ConnectorError, InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
-from tests.helpers.connectors import OracleWorker, ScriptedScheduler
+from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
 
 B = BAD_PAGE_INDEX
 
@@ -288,28 +287,13 @@ def test_a_lower_cache_tier_is_rejected_naming_both_settings():
         Engine(config, scripted(lambda r, n: (0, False)))
 
 
-class _TensorOnly(KvCacheConnectorWorker):
+class _TensorOnly(NoOpWorker):
     """A worker written for single-tensor runtimes: it never heard of layouts."""
 
     tensors = []
 
     def register_kv_caches(self, kv_cache_tensor):
         _TensorOnly.tensors.append(kv_cache_tensor)
-
-    def start_load_kv(self, stream):
-        pass
-
-    def wait_for_layer_load(self, layer_idx, stream):
-        pass
-
-    def save_kv_layer(self, layer_idx, stream):
-        pass
-
-    def wait_for_save(self, stream):
-        pass
-
-    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
-        return [], []
 
 
 def test_a_tensor_only_worker_gets_the_pool_for_a_single_region_layout():

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from itertools import product
 
 from kvtool.bench.transfer_suite import Case
-from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES
 
 GPU_DEFAULT = {"models": {"llama-3.1-8b": (4, 16, 64), "gpt-oss-20b": (8,), "deepseek-v3": (64,)},
                "batch_bytes": 64 << 20, "repeats": 10}
@@ -38,5 +37,3 @@ def plan(choice: SweepChoice, cuda: bool) -> tuple[list[Case], int]:
              for granularity, direction, backend in product(choice.granularities, choice.directions, choice.backends)]
     return cases, choice.repeats or defaults["repeats"]
 
-
-__all__ = ["plan", "SweepChoice", "DIRECTIONS", "GRANULARITIES"]

@@ -15,7 +15,6 @@ from kvtool.cli.common import ExitCode, clean_errors, fail
 from kvtool.cli.inspect_layout import manager_config
 from kvtool.connector.loader import load_connector
 from kvtool.engine.engine import EngineConfig
-from kvtool.engine.request_state import Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
 from kvtool.engine.workload import load_workload
@@ -106,5 +105,3 @@ def _write_json(path: Path, summary: dict) -> None:
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
-
-__all__ = ["trace_app", "Phase"]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
-
 import torch
 
 from kvtool.connector.api import KvCacheConnectorWorker
@@ -387,10 +385,3 @@ class Engine:
     def integrity_errors(self) -> int:
         return self.fake.num_integrity_errors
 
-
-def add_requests(engine: Engine, requests: Iterable[Request]) -> None:
-    for request in requests:
-        engine.add_request(request)
-
-
-__all__ = ["Engine", "EngineConfig", "EngineStats", "ConnectorError"]

@@ -69,24 +69,24 @@ class Scheduler:
         batch = Batch()
         budget = [self.config.max_num_tokens]
         for state in running:
-            if state.phase is Phase.GENERATION and self._room(batch, budget, 1):
+            if state.phase is Phase.GENERATION and self._room(batch, budget):
                 if state.kv.resize(state.request.get_num_tokens()):
                     batch.generation.append(state)
                     budget[0] -= 1
         for state in running:
             if state.phase is Phase.CONTEXT:
                 n = self._chunk(state.position, state.prompt_len, budget)
-                if n and self._room(batch, budget, n) and state.kv.resize(state.position + n):
+                if n and self._room(batch, budget) and state.kv.resize(state.position + n):
                     batch.context.append((state, n))
                     budget[0] -= n
         for state in waiting:
             if state.request.is_generation_only_request:
-                if self._room(batch, budget, 1) and self._admit_generation_only(state):
+                if self._room(batch, budget) and self._admit_generation_only(state):
                     batch.received.append(state)
                     batch.context.append((state, 1))
                     budget[0] -= 1
                 continue
-            if not self._room(batch, budget, 1):
+            if not self._room(batch, budget):
                 break
             n = self._prepare(state, budget)
             if n:
@@ -204,5 +204,5 @@ class Scheduler:
             n = min(n, self.config.chunk_size)
         return max(n, 0)
 
-    def _room(self, batch: Batch, budget: list[int], tokens: int) -> bool:
-        return batch.num_requests < self.config.max_batch_size and budget[0] >= min(tokens, 1)
+    def _room(self, batch: Batch, budget: list[int]) -> bool:
+        return batch.num_requests < self.config.max_batch_size and budget[0] >= 1

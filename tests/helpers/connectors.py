@@ -87,7 +87,26 @@ class ScriptedScheduler(KvCacheConnectorScheduler):
         return [c[1:] for c in self.calls if c[0] == "cancel"]
 
 
-class OracleWorker(KvCacheConnectorWorker):
+class NoOpWorker(KvCacheConnectorWorker):
+    """Every per-pass hook does nothing; subclasses override what they test."""
+
+    def start_load_kv(self, stream):
+        pass
+
+    def wait_for_layer_load(self, layer_idx, stream):
+        pass
+
+    def save_kv_layer(self, layer_idx, stream):
+        pass
+
+    def wait_for_save(self, stream):
+        pass
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        return [], []
+
+
+class OracleWorker(NoOpWorker):
     """Writes the right fingerprints into the delivered pages; async loads land `delay` calls later."""
 
     delay: int = 2
@@ -109,15 +128,6 @@ class OracleWorker(KvCacheConnectorWorker):
             self.fake.write_context(PassItem(load.request_id, load.tokens, load.pages, load.start, load.end, False))
             if load.is_async:
                 self._async[load.request_id] = self.delay
-
-    def wait_for_layer_load(self, layer_idx, stream):
-        pass
-
-    def save_kv_layer(self, layer_idx, stream):
-        pass
-
-    def wait_for_save(self, stream):
-        pass
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
         self.finished_calls.append((list(finished_gen_req_ids), list(started_loading_req_ids)))
