@@ -82,10 +82,11 @@ def bench(
             raise InputError(f"tokens per block must be positive, got {tpb}")
     for name in model:
         load_model(name)
-    backends = _check_choices(backend, backend_names(), "backend") if backend else tuple(available_backends())
-    missing = [b for b in backends if b not in available_backends()]
+    available = available_backends()   # probing instantiates each CUDA backend: once
+    backends = _check_choices(backend, backend_names(), "backend") if backend else tuple(available)
+    missing = [b for b in backends if b not in available]
     if missing:
-        raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available_backends())})")
+        raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available)})")
     choice = SweepChoice(tuple(model) or None, tuple(tokens_per_block) or None,
                          _check_choices(granularity, GRANULARITIES, "granularity") or GRANULARITIES,
                          _check_choices(direction, DIRECTIONS, "direction") or DIRECTIONS, backends,

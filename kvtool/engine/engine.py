@@ -21,6 +21,7 @@ from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.errors import ConnectorError, ConstructionError, InputError, OutOfPagesError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
+from kvtool.types import KvCacheStatus
 
 
 class HostStream:
@@ -356,7 +357,7 @@ class Engine:
                 self.connector.cancel(state.request, offer.start, offer.end)
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
                 pages = state.kv.page_indices_by_group() if state.kv is not None and \
-                    state.kv.status.value != "closed" else {g.layer_group_id: [] for g in self.manager.layer_groups}
+                    state.kv.status is not KvCacheStatus.CLOSED else {g.layer_group_id: [] for g in self.manager.layer_groups}
                 self.connector.finish(state.request, pages)
         self._close(state, Phase.FAILED, reason)
 
@@ -376,8 +377,7 @@ class Engine:
     def verify_all(self) -> None:
         """Check the fingerprints of every live page of every request whose KV is complete."""
         for state in self.live_states:
-            if state.kv is not None and state.phase in (Phase.CONTEXT, Phase.GENERATION) \
-                    and state.kv.status.value == "active":
+            if state.kv is not None and state.phase in (Phase.CONTEXT, Phase.GENERATION) and state.kv.is_active:
                 self.fake.verify_cache(state.request_id, state.request.get_tokens(),
                                        state.kv.page_indices_by_group(), state.kv.history_length)
 
