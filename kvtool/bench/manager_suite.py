@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from kvtool.blocks import ceil_div
 from kvtool.manager import KvCacheManager, KvCacheManagerConfig
 from kvtool.models import load_model
 
@@ -43,7 +44,7 @@ def _prompt(seed: int) -> list[int]:
 
 
 def _measure(cached_blocks: int, samples: int) -> dict[str, float]:
-    num_prompts = -(-cached_blocks // BLOCKS_PER_PROMPT)
+    num_prompts = ceil_div(cached_blocks, BLOCKS_PER_PROMPT)
     slots = num_prompts * BLOCKS_PER_PROMPT     # full of cached blocks: every allocation evicts
     manager = KvCacheManager(KvCacheManagerConfig(load_model("tiny"), TOKENS_PER_BLOCK, num_slots=slots, device="cpu"))
     for p in range(num_prompts):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtool.blocks import stale_block_range
+
 
 @dataclass(frozen=True)
 class LayerGroupInfo:
@@ -19,12 +21,8 @@ class LayerGroupInfo:
     bytes_per_page: int
 
     def stale_range(self, history_length: int, tokens_per_block: int) -> range:
-        """Blocks with no page at this history (same rule as the manager's layer groups)."""
-        if self.window_size is None:
-            return range(0, 0)
-        sink_blocks = -(-self.num_sink_tokens // tokens_per_block)
-        start = min(-(-history_length // tokens_per_block), sink_blocks)
-        return range(start, max(start, (history_length + 1 - self.window_size) // tokens_per_block))
+        """Blocks with no page at this history: the manager's rule, `kvtool.blocks.stale_block_range`."""
+        return stale_block_range(history_length, tokens_per_block, self.window_size, self.num_sink_tokens)
 
 
 @dataclass(frozen=True)

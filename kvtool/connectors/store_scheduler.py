@@ -17,6 +17,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtool.blocks import num_blocks
 from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, SchedulerOutput
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.request import Request
@@ -103,7 +104,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         plan: dict[tuple[int, int], Any] = {}
         for group in self.groups:
             stale = group.stale_range(end, tpb)
-            for j in range(start // tpb, -(-end // tpb)):
+            for j in range(start // tpb, num_blocks(end, tpb)):
                 if j in stale:
                     continue
                 location = self.lookup(tracker.keys[j], group.layer_group_id)
@@ -128,7 +129,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             return
         start, end = self._delivered(tracker)
         tpb = self.tokens_per_block
-        wanted = {(j, g) for g, pages in tracker.pages.items() for j in range(start // tpb, -(-end // tpb))
+        wanted = {(j, g) for g, pages in tracker.pages.items() for j in range(start // tpb, num_blocks(end, tpb))
                   if start < end and j < len(pages) and pages[j] != BAD_PAGE_INDEX}
         for (j, g), location in tracker.planned.items():
             if (j, g) in wanted:

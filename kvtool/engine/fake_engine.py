@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvtool.blocks import num_blocks
 from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
@@ -138,7 +139,7 @@ class FakeEngine:
         for layer_id in self.layer_ids:
             group = self._group_of[layer_id]
             pages = item.pages[group.layer_group_id]
-            for j in range(item.start // tpb, -(-item.end // tpb)):
+            for j in range(item.start // tpb, num_blocks(item.end, tpb)):
                 if j < len(pages) and pages[j] != BAD_PAGE_INDEX:
                     block = range(max(item.start, j * tpb), min(item.end, (j + 1) * tpb))
                     self._write(layer_id, group, item, hashes, block)
@@ -154,7 +155,7 @@ class FakeEngine:
         """Positions below `end` in blocks that are not stale at `history`."""
         tpb = self.layout.tokens_per_block
         stale = group.stale_range(history, tpb)
-        blocks = [j for j in range(-(-end // tpb)) if j not in stale]
+        blocks = [j for j in range(num_blocks(end, tpb)) if j not in stale]
         if not blocks:
             return np.zeros(0, dtype=np.int64)
         positions = (np.array(blocks, dtype=np.int64)[:, None] * tpb + np.arange(tpb)[None, :]).ravel()

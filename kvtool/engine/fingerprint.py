@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtool.blocks import ceil_div
 from kvtool.types import Role
 
 _MASK = (1 << 64) - 1
@@ -65,7 +66,7 @@ def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_hea
                    head_bytes: int) -> np.ndarray:
     """uint8 [positions, heads, head_bytes]: the fingerprint bytes of those positions."""
     fingerprints = mix64(prefix_hashes[:, None] ^ coordinate_keys(layer_id, role, num_heads)[None, :])
-    num_words = -(-head_bytes // 8)
+    num_words = ceil_div(head_bytes, 8)
     with np.errstate(over="ignore"):
         words = fingerprints[:, :, None] ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))[None, None, :]
     raw = words.view(np.uint8).reshape(len(prefix_hashes), num_heads, num_words * 8)

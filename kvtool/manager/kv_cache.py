@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope, block_key
 from kvtool.manager.layer_groups import LayerGroupSpec
@@ -39,10 +40,6 @@ class _ResizePlan:
     releases: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
     allocations: list[tuple[LayerGroupId, int, bool]] = field(default_factory=list)
     copies: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KvCache:
@@ -94,7 +91,7 @@ class KvCache:
 
     @property
     def num_blocks(self) -> int:
-        return _ceil_div(self._capacity, self.tokens_per_block)
+        return ceil_div(self._capacity, self.tokens_per_block)
 
     def get_page_indices(self, layer_group_id: int) -> list[PageIndex]:
         """One entry per block ordinal; BAD_PAGE_INDEX where the block has no page in this group."""
@@ -187,14 +184,14 @@ class KvCache:
         plan = self._plan_resize(capacity, history)
         if not self._plan_fits(plan):
             return False
-        self._apply(plan, _ceil_div(capacity, self.tokens_per_block))
+        self._apply(plan, ceil_div(capacity, self.tokens_per_block))
         self._capacity, self._history = capacity, history
         return True
 
     def _plan_resize(self, capacity: int, history: int) -> _ResizePlan:
         plan = _ResizePlan()
         tpb = self.tokens_per_block
-        num_new = _ceil_div(capacity, tpb)
+        num_new = ceil_div(capacity, tpb)
         for group in self._groups:
             gid = group.layer_group_id
             pages = self._pages[gid]

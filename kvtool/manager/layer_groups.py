@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtool.blocks import num_live_blocks, num_sink_blocks, stale_block_range
 from kvtool.models import BufferSpec, ModelSpec
 from kvtool.types import LayerGroupId, LayerId, Role
 
@@ -51,22 +52,15 @@ class LayerGroupSpec:
         return sum(self.slot_sizes)
 
     def num_sink_blocks(self, tokens_per_block: int) -> int:
-        return -(-self.num_sink_tokens // tokens_per_block)
+        return num_sink_blocks(self.num_sink_tokens, tokens_per_block)
 
     def stale_range(self, history_length: int, tokens_per_block: int) -> range:
-        """Blocks that no later token attends to at this history; empty for full attention.
-
-        start = min(ceil(h / tpb), sink blocks); end = max(start, (h + 1 - window) // tpb).
-        """
-        if self.window_size is None:
-            return range(0, 0)
-        start = min(-(-history_length // tokens_per_block), self.num_sink_blocks(tokens_per_block))
-        end = max(start, (history_length + 1 - self.window_size) // tokens_per_block)
-        return range(start, end)
+        """Blocks that no later token attends to at this history (`kvtool.blocks.stale_block_range`)."""
+        return stale_block_range(history_length, tokens_per_block, self.window_size, self.num_sink_tokens)
 
     def num_live_blocks(self, num_tokens: int, tokens_per_block: int) -> int:
         """Pages a sequence of `num_tokens` holds in this group (stale blocks need none)."""
-        return -(-num_tokens // tokens_per_block) - len(self.stale_range(num_tokens, tokens_per_block))
+        return num_live_blocks(num_tokens, tokens_per_block, self.window_size, self.num_sink_tokens)
 
 
 def plan_layer_groups(model: ModelSpec, tokens_per_block: int) -> tuple[LayerGroupSpec, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtool.blocks import ceil_div
 from kvtool.errors import OutOfMemoryError
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.types import POOL_ALIGNMENT, LayerGroupId, PoolGroupIndex
@@ -38,7 +39,7 @@ def plan_pool_groups(groups: tuple[LayerGroupSpec, ...]) -> tuple[PoolGroupSpec,
 
 
 def align_up(value: int, alignment: int = POOL_ALIGNMENT) -> int:
-    return -(-value // alignment) * alignment
+    return ceil_div(value, alignment) * alignment
 
 
 def placed_bytes(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> int:

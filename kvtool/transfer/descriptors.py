@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvtool.blocks import ceil_div
 from kvtool.transfer.api import CopyOp
 
 VECTOR_BYTES = 16
@@ -82,7 +83,7 @@ def grid_blocks(num_chunks: int, threads: int, max_blocks: int) -> int:
     """Blocks for a launch: enough warps for every chunk, capped at `max_blocks` (bytes in flight =
     blocks x warps per block x chunk bytes; the cap is what keeps host transfers on few SMs)."""
     warps_per_block = threads // WARP
-    return max(1, min(max_blocks, -(-num_chunks // warps_per_block)))
+    return max(1, min(max_blocks, ceil_div(num_chunks, warps_per_block)))
 
 
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
