@@ -7,6 +7,7 @@ from kvtool.manager import ReuseScope
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, PageStatus
+from kvtool.manager.integrity import check_manager
 from tests.conftest import make_manager
 
 B = BAD_PAGE_INDEX
@@ -49,7 +50,7 @@ def test_resize_allocates_from_the_head_of_the_free_list(tiny):
     cache = run_prompt(tiny, "a", list(range(10)))
     assert cache.get_page_indices(0) == [0, 1, 2]
     assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (10, 10, 10)
-    tiny.check_integrity()
+    check_manager(tiny)
 
 
 def test_resize_contract_errors(tiny):
@@ -73,7 +74,7 @@ def test_failed_resize_changes_nothing(tiny):
     assert not other.resize(16)                       # needs 4, 3 are free
     assert (other.capacity, other.history_length, other.get_page_indices(0)) == (0, 0, [])
     assert other.resize(12) and other.get_page_indices(0) == [5, 6, 7]
-    tiny.check_integrity()
+    check_manager(tiny)
 
 
 def test_reuse_shares_full_blocks_and_copies_the_partial_one(tiny):
@@ -88,7 +89,7 @@ def test_reuse_shares_full_blocks_and_copies_the_partial_one(tiny):
     assert second.get_page_indices(0) == [0, 1, 3]  # block 2 copied on write into slot 3
     region = tiny.layout.group(0).regions[0].as_tensor()
     assert region[3].equal(region[2])
-    tiny.check_integrity()
+    check_manager(tiny)
 
 
 def test_partial_reuse_of_a_full_block(tiny):
@@ -114,7 +115,7 @@ def test_eviction_is_lru_and_later_blocks_go_first(tiny):
     assert cache.resize(16)                                  # 2 free, then evicts 2 and 1
     assert cache.get_page_indices(0) == [6, 7, 2, 1]
     assert tiny.create_kv_cache("d", list(range(12))).num_committed_tokens == 4   # only block 0 left
-    tiny.check_integrity()
+    check_manager(tiny)
 
 
 def test_eviction_takes_the_lowest_priority_first(tiny):
@@ -143,10 +144,10 @@ def test_page_status_follows_its_users(tiny):
     hold = tiny.hold_pages(cache)
     cache.close()
     assert page.status is PageStatus.HELD and tiny.num_free_slots(0) == 6
-    tiny.check_integrity()
+    check_manager(tiny)
     hold.release()
     assert page.status is PageStatus.DROPPABLE
-    tiny.check_integrity()
+    check_manager(tiny)
 
 
 def test_vswa_pages_stale_blocks_are_bad_and_scratch_is_reused(vswa):
@@ -161,10 +162,10 @@ def test_vswa_pages_stale_blocks_are_bad_and_scratch_is_reused(vswa):
     assert cache.get_page_indices(0) == [B, B, 2, 3, 1, 4, 5, 6]
     assert cache.get_page_indices(1) == list(range(8))
     assert sorted(p.slot for p in cache.scratch_pages()) == [0]
-    vswa.check_integrity()
+    check_manager(vswa)
     cache.commit(tokens[16:])
     cache.close()
-    vswa.check_integrity()
+    check_manager(vswa)
     # scratch blocks never joined the tree: the sliding group holds blocks 5, 6, 7 only
     assert sorted(p.slot for p in vswa.page_table.droppable_pages(0)) == [4, 5, 6]
 
@@ -172,9 +173,8 @@ def test_vswa_pages_stale_blocks_are_bad_and_scratch_is_reused(vswa):
 def test_vswa_without_scratch_reuse_gives_every_block_a_page(vswa):
     tokens = list(range(100, 130))
     cache = vswa.create_kv_cache("a", tokens[:-1], expected_prompt_length=30)
-    cache.enable_swa_scratch_reuse = False
     cache.resume()
-    assert cache.resize(16)
+    assert cache.resize(16, scratch_reuse=False)
     cache.commit(tokens[:16])
     assert cache.resize(30, 16)
     assert cache.get_page_indices(0) == [B, B, 2, 3, 4, 5, 6, 7] and cache.scratch_pages() == []
@@ -183,9 +183,8 @@ def test_vswa_without_scratch_reuse_gives_every_block_a_page(vswa):
 def test_vswa_match_needs_only_the_window(vswa):
     tokens = list(range(100, 130))
     cache = vswa.create_kv_cache("a", tokens[:-1], expected_prompt_length=30)
-    cache.enable_swa_scratch_reuse = False
     cache.resume()
-    assert cache.resize(30)
+    assert cache.resize(30, scratch_reuse=False)
     cache.commit(tokens)
     cache.close()
     again = vswa.create_kv_cache("b", tokens[:-1])
@@ -204,14 +203,13 @@ def test_vswa_match_falls_back_when_window_pages_are_missing(vswa):
 
 def test_resize_of_a_windowed_group_releases_stale_pages(vswa):
     cache = vswa.create_kv_cache("a", [])
-    cache.enable_swa_scratch_reuse = False
     cache.resume()
-    assert cache.resize(16)
+    assert cache.resize(16, scratch_reuse=False)
     cache.commit(list(range(16)))
     assert cache.resize(17)          # stale at 16: blocks 0, 1; they were never committed full? they were
     assert cache.get_page_indices(0) == [B, B, 2, 3, 4]
     assert sorted(p.slot for p in vswa.page_table.droppable_pages(0)) == [0, 1]
-    vswa.check_integrity()
+    check_manager(vswa)
 
 
 def test_close_is_final(tiny):
@@ -229,28 +227,28 @@ def test_integrity_check_finds_a_slot_owned_twice(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
     cache.pages(0)[1].slot = cache.pages(0)[0].slot
     with pytest.raises(LogicError):
-        tiny.check_integrity()
+        check_manager(tiny)
 
 
 def test_integrity_check_finds_a_leaked_count(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
     cache.pages(0)[0].num_active += 1
     with pytest.raises(LogicError, match="counts"):
-        tiny.check_integrity()
+        check_manager(tiny)
 
 
 def test_integrity_check_finds_a_lost_slot(tiny):
     run_prompt(tiny, "a", list(range(8)))
     tiny.page_table.allocators[0]._free.popleft()
     with pytest.raises(LogicError, match="total|disagree"):
-        tiny.check_integrity()
+        check_manager(tiny)
 
 
 def test_integrity_check_finds_a_broken_cache_invariant(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
     cache._history = 3
     with pytest.raises(LogicError, match="num_committed_tokens"):
-        tiny.check_integrity()
+        check_manager(tiny)
 
 
 def test_releasing_a_page_another_cache_still_uses_frees_nothing():
@@ -269,7 +267,7 @@ def test_releasing_a_page_another_cache_still_uses_frees_nothing():
     # history 32 makes blocks 0..5 stale: b lets go of 2 and 3, but a keeps them; 4 new pages, 3 free
     assert not b.resize(40, 32)
     assert b.get_page_indices(0) == [B, B, 2, 3]
-    manager.check_integrity()
+    check_manager(manager)
     a.close()                                         # 1, 0 droppable; then b drops 2 and 3 too
     assert b.resize(40, 32) and b.get_page_indices(0) == [B] * 6 + [4, 5, 6, 1]   # 3 free, evict LRU
-    manager.check_integrity()
+    check_manager(manager)

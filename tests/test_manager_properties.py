@@ -1,6 +1,6 @@
 """A Hypothesis state machine drives the manager against a plain reference model.
 
-After every step: `check_integrity()`, the reference's lengths and statuses, page lists that fit
+After every step: `check_manager()`, the reference's lengths and statuses, page lists that fit
 capacity, and the bytes of every committed position still backed by a page (each position is
 stamped with its token id when committed, so a wrong page shows as a wrong token).
 """
@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtool.manager import ReuseScope
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus
+from kvtool.manager.integrity import check_manager
 from tests.conftest import make_manager
 
 TPB = 4
@@ -178,7 +179,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "manager"):
             return
-        self.manager.check_integrity()
+        check_manager(self.manager)
         for i in self.open_ids():
             cache, ref = self.caches[i], self.refs[i]
             assert cache.status is ref.status

@@ -13,6 +13,7 @@ from kvtool.errors import ConnectorError, InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
+from kvtool.manager.integrity import check_manager
 from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
 
 B = BAD_PAGE_INDEX
@@ -93,7 +94,7 @@ def test_free_before_delivery_cancels_the_whole_offer():
     assert engine.states[2].phase is Phase.FAILED and engine.states[2].error == "aborted"
     assert [c for c in sched(engine).calls if c[0] == "finished" and c[1] == 2]
     engine.run()
-    engine.manager.check_integrity()
+    check_manager(engine.manager)
 
 
 def test_reserve_moves_capacity_and_history_together_and_turns_scratch_reuse_off():
@@ -105,7 +106,7 @@ def test_reserve_moves_capacity_and_history_together_and_turns_scratch_reuse_off
     def capture(state, budget, original=engine.scheduler._prepare):
         n = original(state, budget)
         seen.update(capacity=state.kv.capacity, history=state.kv.history_length,
-                    scratch=state.kv.enable_swa_scratch_reuse, pages=state.kv.get_page_indices(0))
+                    scratch=state.kv.scratch_reuse, pages=state.kv.get_page_indices(0))
         return n
 
     engine.scheduler._prepare = capture
@@ -225,7 +226,7 @@ def test_async_save_holds_pages_until_every_rank_reports():
     assert state.phase is Phase.SAVING   # rank 0 reported, rank 1 not yet
     engine.run()
     assert state.phase is Phase.DONE and engine.manager.holds == []
-    engine.manager.check_integrity()
+    check_manager(engine.manager)
 
 
 def test_get_finished_ids_never_given_are_violations():

@@ -22,6 +22,7 @@ from kvtool.errors import ConnectorError, ConstructionError, InputError, OutOfPa
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 from kvtool.types import KvCacheStatus
+from kvtool.manager.integrity import check_manager
 
 
 class HostStream:
@@ -289,7 +290,7 @@ class Engine:
         if self.config.verify_all_after_iteration:
             self.verify_all()
         if self.config.check_integrity_every_iteration:
-            self.manager.check_integrity()
+            check_manager(self.manager)
 
     def _produce(self, state: RequestState, item: PassItem) -> None:
         if state.request.max_new_tokens > 0:

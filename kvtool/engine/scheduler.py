@@ -164,8 +164,7 @@ class Scheduler:
         offer, kv = state.offer, state.kv
         if offer is None or offer.closed or offer.end <= local_end:
             return local_end
-        kv.enable_swa_scratch_reuse = False
-        if kv.resize(max(kv.capacity, offer.end), offer.end):
+        if kv.resize(max(kv.capacity, offer.end), offer.end, scratch_reuse=False):
             return offer.end
         offer.closed = True
         self.connector.cancel(state.request, offer.start, offer.end)

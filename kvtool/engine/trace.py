@@ -10,6 +10,8 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import Phase
+from kvtool.errors import LogicError
+from kvtool.manager.integrity import check_manager
 
 SUMMARY_KEYS = ("num_requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "connector_hit_tokens",
                 "cancelled_tokens", "saved_blocks", "loaded_blocks", "integrity_errors", "iterations")
@@ -45,8 +47,8 @@ def run_trace(requests: list[Request], config: EngineConfig, connector: Connecto
     engine.run(on_iteration=on_iteration)
     invariant_errors = []
     try:
-        engine.manager.check_integrity()
-    except Exception as exc:  # noqa: BLE001 - reported as a failed check, not a crash
+        check_manager(engine.manager)
+    except LogicError as exc:
         invariant_errors.append(str(exc))
     if engine.manager.caches or engine.manager.holds:
         invariant_errors.append(f"{len(engine.manager.caches)} caches and {len(engine.manager.holds)} holds "

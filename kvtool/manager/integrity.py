@@ -1,4 +1,4 @@
-"""`check_integrity()`: the manager's invariants, checked from scratch.
+"""`check_manager(manager)`: the manager's invariants, checked from scratch.
 
 - pages are conserved per pool group: free + cached (droppable) + in use == total;
 - no slot is owned twice, every owned slot has exactly one page object, free slots are not owned;

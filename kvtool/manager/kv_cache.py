@@ -9,19 +9,15 @@ None (reported as BAD_PAGE_INDEX) where a block has no page: stale blocks of win
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope, block_key
 from kvtool.manager.layer_groups import LayerGroupSpec
-from kvtool.manager.pages import Page
-from kvtool.manager.radix_tree import RadixNode
+from kvtool.manager.pages import Page, PageTable
+from kvtool.manager.radix_tree import RadixNode, RadixTree
 from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, KvCacheStatus, LayerGroupId, PageIndex, Priority
-
-if TYPE_CHECKING:
-    from kvtool.manager.manager import KvCacheManager
-
 
 @dataclass
 class Match:
@@ -42,18 +38,34 @@ class _ResizePlan:
     copies: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CacheContext:
+    """What a per-request cache may touch of its manager, and nothing more."""
+
+    page_table: PageTable
+    tree: RadixTree
+    layer_groups: tuple[LayerGroupSpec, ...]
+    tokens_per_block: int
+    copy_page: Callable[[LayerGroupId, PageIndex, PageIndex], None]
+    """Copy one page's bytes to another slot of the same layer group (copy-on-write)."""
+    on_close: Callable[["KvCache"], None]
+    """Called once, when the cache closes, after its pages are released."""
+    swa_scratch_reuse: bool
+    """Whether new caches start with SWA scratch reuse on."""
+
+
 class KvCache:
-    def __init__(self, manager: KvCacheManager, cache_id: object, scope: ReuseScope, match: Match,
+    def __init__(self, context: CacheContext, cache_id: object, scope: ReuseScope, match: Match,
                  tokens: Sequence[int], expected_prompt_length: int | None, priority: Priority) -> None:
-        self._manager = manager
-        self._table = manager.page_table
-        self._groups: tuple[LayerGroupSpec, ...] = manager.layer_groups
+        self._context = context
+        self._table = context.page_table
+        self._groups = context.layer_groups
         self.id = cache_id
         self.reuse_scope = scope
-        self.tokens_per_block = manager.tokens_per_block
+        self.tokens_per_block = context.tokens_per_block
         self.expected_prompt_length = expected_prompt_length
         self.priority = priority
-        self.enable_swa_scratch_reuse = manager.config.swa_scratch_reuse
+        self._scratch_reuse = context.swa_scratch_reuse
         self._status = KvCacheStatus.SUSPENDED
         reused = match.num_tokens(self.tokens_per_block)
         self._committed: list[int] = list(tokens[:reused])
@@ -88,6 +100,11 @@ class KvCache:
     @property
     def committed_tokens(self) -> list[int]:
         return list(self._committed)
+
+    @property
+    def scratch_reuse(self) -> bool:
+        """Whether blocks that go stale within the prompt may take transient scratch slots."""
+        return self._scratch_reuse
 
     @property
     def num_blocks(self) -> int:
@@ -160,21 +177,24 @@ class KvCache:
         self._shared_partial.clear()
         for node in reversed(self._nodes):
             node.num_users -= 1
-            self._manager.tree.prune(node)
+            self._context.tree.prune(node)
         self._nodes = []
         self._status = KvCacheStatus.CLOSED
-        self._manager._forget(self)
+        self._context.on_close(self)
 
     # ---- resize ------------------------------------------------------------------------------
-    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+    def resize(self, capacity: int, history_length: int | None = None, *, scratch_reuse: bool = True) -> bool:
         """Set capacity (and raise history); False, with nothing changed, when pages run out.
 
         Refuses (LogicError) to run unless ACTIVE, to decrease history, or to raise history above
         capacity. Stale blocks at the new history get no page; pages of blocks that became stale
         are released. With SWA scratch reuse on, blocks that will be stale when the prompt ends
-        take transient scratch slots instead of pages of their own.
+        take transient scratch slots instead of pages of their own. `scratch_reuse=False` turns
+        it off for this cache from this call on, for good: a caller reserving blocks that
+        something outside the model will write (a connector's load) needs real pages for them.
         """
         self._require_active("resize")
+        self._scratch_reuse = self._scratch_reuse and scratch_reuse
         history = self._history if history_length is None else history_length
         if history < self._history:
             raise LogicError(f"cache {self.id}: resize would decrease history_length "
@@ -209,7 +229,7 @@ class KvCache:
         return plan
 
     def _transient_blocks(self, group: LayerGroupSpec) -> range:
-        if not self.enable_swa_scratch_reuse or group.window_size is None or not self.expected_prompt_length:
+        if not self._scratch_reuse or group.window_size is None or not self.expected_prompt_length:
             return range(0, 0)
         return group.stale_range(self.expected_prompt_length, self.tokens_per_block)
 
@@ -247,7 +267,7 @@ class KvCache:
             pages.extend([None] * (num_blocks - len(pages)))
         for gid, j, shared in plan.copies:
             private = self._table.allocate(gid, active=True)
-            self._manager.copy_page(gid, shared.slot, private.slot)
+            self._context.copy_page(gid, shared.slot, private.slot)
             self._pages[gid][j] = private
             del self._shared_partial[gid]
             self._table.release(shared, active=True)
@@ -271,7 +291,7 @@ class KvCache:
             self._insert_block(j, self._committed[j * tpb:(j + 1) * tpb])
 
     def _insert_block(self, ordinal: int, tokens: Sequence[int]) -> RadixNode:
-        tree = self._manager.tree
+        tree = self._context.tree
         parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
         node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
         for gid, pages in self._pages.items():

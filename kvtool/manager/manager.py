@@ -14,7 +14,7 @@ import torch
 from kvtool.errors import UnsupportedTierError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
 from kvtool.manager.config import KvCacheManagerConfig
-from kvtool.manager.kv_cache import KvCache, Match
+from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
@@ -73,6 +73,8 @@ class KvCacheManager:
             self.page_table.on_allocate = self._poison
         self._caches: dict[int, KvCache] = {}
         self._holds: dict[int, PageHold] = {}
+        self._cache_context = CacheContext(self.page_table, self.tree, self.layer_groups, self.tokens_per_block,
+                                           self.copy_page, self._forget, config.swa_scratch_reuse)
 
     @property
     def model(self):
@@ -84,7 +86,7 @@ class KvCacheManager:
                         priority: Priority = DEFAULT_PRIORITY) -> KvCache:
         """A SUSPENDED cache holding the longest usable prefix of `input_tokens` found in the tree."""
         match = self.match(input_tokens, reuse_scope)
-        cache = KvCache(self, cache_id, reuse_scope, match, input_tokens, expected_prompt_length, priority)
+        cache = KvCache(self._cache_context, cache_id, reuse_scope, match, input_tokens, expected_prompt_length, priority)
         self._caches[id(cache)] = cache
         return cache
 
@@ -151,11 +153,6 @@ class KvCacheManager:
 
     def num_droppable(self, pool_group_index: int) -> int:
         return self.page_table.num_droppable(pool_group_index)
-
-    def check_integrity(self) -> None:
-        """Raise LogicError naming the first broken invariant (see `integrity.check_manager`)."""
-        from kvtool.manager.integrity import check_manager
-        check_manager(self)
 
     def _forget(self, cache: KvCache) -> None:
         self._caches.pop(id(cache), None)

@@ -7,14 +7,11 @@ A node stays while it holds a page, has children, or some cache chains through i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope, root_key
 from kvtool.types import LayerGroupId
-
-if TYPE_CHECKING:
-    from kvtool.manager.pages import Page
 
 
 class RadixNode:
@@ -26,7 +23,8 @@ class RadixNode:
         self.tokens = tokens
         self.is_full = is_full
         self.children: dict[bytes, RadixNode] = {}
-        self.pages: dict[LayerGroupId, Page] = {}
+        self.pages: dict[LayerGroupId, Any] = {}
+        """The page table's pages holding this block, per layer group; opaque to the tree."""
         self.num_users = 0
         self.depth = 0 if parent is None else parent.depth + 1
 

@@ -1,0 +1,83 @@
+"""The package's import graph: no module reaches itself again, by any import.
+
+Every import counts — module level, inside a function, and under `TYPE_CHECKING` — because a
+loop of any kind means two modules cannot be understood (or tested) one without the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvtool
+
+PACKAGE_ROOT = Path(kvtool.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """kvtool modules that `path` imports (a `from package import name` counts as the package,
+    or as the module `package.name` when that is one)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in known else node.module)
+    return {m for m in found if m in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE_ROOT.rglob("*.py")}
+    known = set(paths)
+    # A package's __init__ re-exports its own modules; that is not a loop between modules.
+    return {name: {m for m in imported_modules(path, known) if not path.name == "__init__.py"
+                   or not m.startswith(name + ".")} - {name}
+            for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_loop():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_function_level_and_type_checking_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvtool.types import Role\n"
+                      "def f():\n    import kvtool.units\n")
+    assert imported_modules(source, {"kvtool.types", "kvtool.units"}) == {"kvtool.types", "kvtool.units"}
+
+
+def test_kvtool_has_no_import_loop():
+    graph = import_graph()
+    assert "kvtool.manager.kv_cache" in graph and graph["kvtool.manager.kv_cache"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
