@@ -9,6 +9,7 @@ from dataclasses import replace
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.metadata import PageTransfer
+from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, root_key
 from kvtool.types import BAD_PAGE_INDEX
 
@@ -42,10 +43,9 @@ class ChunkDeltaBug(HostConnectorScheduler):
     def _observe(self, data, is_new, meta):
         tracker = self._trackers.get(data.request_id)
         if tracker is not None and not is_new and data.new_block_ids_by_layer_group:
-            for g, pages in data.new_block_ids_by_layer_group.items():
-                if pages:
-                    tracker.pages[g] = list(pages) + tracker.pages.get(g, [])[len(pages):]
-            data = replace(data, new_block_ids_by_layer_group={})
+            tracker.pages = GroupPages({**tracker.pages, **{g: list(p) + list(tracker.pages.get(g, ()))[len(p):]
+                                                            for g, p in data.new_block_ids_by_layer_group.items() if p}})
+            data = replace(data, new_block_ids_by_layer_group=GroupPages())
         super()._observe(data, is_new, meta)
 
 

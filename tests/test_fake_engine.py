@@ -5,7 +5,8 @@ import pytest
 
 from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.fingerprint import expected_bytes, PrefixHashes
-from kvtool.types import Role
+from kvtool.group_pages import GroupPages
+from kvtool.types import BAD_PAGE_INDEX, Role
 from tests.conftest import make_manager
 
 
@@ -77,6 +78,6 @@ def test_swapped_layers_are_caught(setup):
 def test_a_read_of_a_missing_page_is_an_error(setup):
     manager, cache, fake = setup
     pages = cache.page_indices_by_group()
-    pages[0][1] = -1
-    fake.verify_cache(1, list(range(40, 52)), pages, 12)
+    holed = GroupPages({0: pages[0][:1] + (BAD_PAGE_INDEX,) + pages[0][2:]})
+    fake.verify_cache(1, list(range(40, 52)), holed, 12)
     assert fake.issues[0].what == "read of a block with no page"

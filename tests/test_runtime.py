@@ -195,7 +195,7 @@ def test_request_finished_receives_the_page_indices():
     final = {}
 
     def spy(state, original=engine._finish):
-        final.update(state.kv.page_indices_by_group())
+        final.update({g: list(p) for g, p in state.kv.page_indices_by_group().items()})
         original(state)
 
     engine._finish = spy

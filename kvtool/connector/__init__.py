@@ -4,6 +4,7 @@ from kvtool.connector.api import (KvCacheConnectorScheduler, KvCacheConnectorWor
                                   SchedulerOutput, valid_page_slots)
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.request import Request
+from kvtool.group_pages import GroupPages
 
-__all__ = ["KvCacheConfig", "KvCacheConnectorConfig", "KvCacheConnectorScheduler", "KvCacheConnectorWorker",
-           "LayerGroupInfo", "LlmArgs", "Request", "RequestData", "SchedulerOutput", "valid_page_slots"]
+__all__ = ["GroupPages", "KvCacheConfig", "KvCacheConnectorConfig", "KvCacheConnectorScheduler",
+           "KvCacheConnectorWorker", "LayerGroupInfo", "LlmArgs", "Request", "RequestData", "SchedulerOutput", "valid_page_slots"]

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvtool.errors import ConnectorError
-from kvtool.types import BAD_PAGE_INDEX
+from kvtool.group_pages import GroupPages, valid_page_slots
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ class RequestData:
     new_block_ids: list[int]
     computed_position: int
     num_scheduled_tokens: int
-    new_block_ids_by_layer_group: dict[int, list[int]] = field(default_factory=dict)
+    new_block_ids_by_layer_group: GroupPages = field(default_factory=GroupPages)
     block_hashes: list[bytes] = field(default_factory=list)
     priorities: list[int] = field(default_factory=list)
 
@@ -60,18 +60,6 @@ class SchedulerOutput:
 
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
-
-
-def valid_page_slots(page_indices: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """(block ordinal, page index) for every entry that is a real page."""
-    for ordinal, page in enumerate(page_indices):
-        if page != BAD_PAGE_INDEX:
-            yield ordinal, page
-
-
-def flat_block_ids(by_group: dict[int, list[int]]) -> list[int]:
-    """The flat list the single-group API carries: the group's list, or [] with several groups."""
-    return list(next(iter(by_group.values()))) if len(by_group) == 1 else []
 
 
 class KvCacheConnectorScheduler(ABC):
@@ -105,9 +93,9 @@ class KvCacheConnectorScheduler(ABC):
         """The pages that now back the request (the flat list: `[]` with several layer groups)."""
 
     def update_state_after_alloc_by_layer_group(self, request: Request,
-                                                block_ids_by_layer_group: dict[int, list[int]]) -> None:
+                                                block_ids_by_layer_group: GroupPages) -> None:
         """Per-group form, always called by the runtime; the default forwards the flat list."""
-        self.update_state_after_alloc(request, flat_block_ids(block_ids_by_layer_group))
+        self.update_state_after_alloc(request, block_ids_by_layer_group.flat())
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -119,9 +107,9 @@ class KvCacheConnectorScheduler(ABC):
         the pages alive until every worker reports the request in `get_finished`."""
 
     def request_finished_by_layer_group(self, request: Request,
-                                        cache_block_ids_by_layer_group: dict[int, list[int]]) -> bool:
+                                        cache_block_ids_by_layer_group: GroupPages) -> bool:
         """Per-group form, always called by the runtime; the default forwards the flat list."""
-        return self.request_finished(request, flat_block_ids(cache_block_ids_by_layer_group))
+        return self.request_finished(request, cache_block_ids_by_layer_group.flat())
 
     def cancel_load(self, request: Request, start: int, end: int) -> None:
         """The runtime will not use offered tokens `[start, end)` (absolute prompt positions):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.request import Request
+from kvtool.group_pages import GroupPages
 from kvtool.errors import ConnectorError
 
 
@@ -122,9 +123,9 @@ class ConnectorRuntime:
                           request_id=request.request_id)
         return ok
 
-    def after_alloc(self, request: Request, pages_by_group: dict[int, list[int]]) -> bool:
+    def after_alloc(self, request: Request, pages_by_group: GroupPages) -> bool:
         ok, _ = self.call("update_state_after_alloc", self.scheduler.update_state_after_alloc_by_layer_group,
-                          request, {g: list(p) for g, p in pages_by_group.items()}, request_id=request.request_id)
+                          request, pages_by_group, request_id=request.request_id)
         return ok
 
     def start_async_load(self, request_id: int) -> None:
@@ -134,10 +135,10 @@ class ConnectorRuntime:
     def build_meta(self, output: SchedulerOutput) -> tuple[bool, Any]:
         return self.call("build_connector_meta", self.scheduler.build_connector_meta, output)
 
-    def finish(self, request: Request, pages_by_group: dict[int, list[int]]) -> tuple[bool, bool]:
+    def finish(self, request: Request, pages_by_group: GroupPages) -> tuple[bool, bool]:
         """(hook ok, saves asynchronously)."""
         ok, result = self.call("request_finished", self.scheduler.request_finished_by_layer_group, request,
-                               {g: list(p) for g, p in pages_by_group.items()}, request_id=request.request_id)
+                               pages_by_group, request_id=request.request_id)
         if ok and not isinstance(result, bool):
             self.violate("finished-shape", request.request_id, f"request_finished returned {result!r}, not a bool")
             result = bool(result)

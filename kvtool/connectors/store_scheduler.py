@@ -22,6 +22,7 @@ from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, Schedul
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.request import Request
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
+from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key, root_key
 from kvtool.types import BAD_PAGE_INDEX
 
@@ -34,7 +35,7 @@ class _Tracker:
     scope_key: bytes
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
-    pages: dict[int, list[int]] = field(default_factory=dict)
+    pages: GroupPages = field(default_factory=GroupPages)
     offer: tuple[int, int] | None = None
     planned: dict[tuple[int, int], Any] = field(default_factory=dict)
     """(ordinal, group) -> location, pinned until loaded or cancelled."""
@@ -119,12 +120,12 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             tracker.cancelled.append((start, end))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
-        self.update_state_after_alloc_by_layer_group(request, {self.groups[0].layer_group_id: block_ids})
+        self.update_state_after_alloc_by_layer_group(request, GroupPages({self.groups[0].layer_group_id: block_ids}))
 
     def update_state_after_alloc_by_layer_group(self, request: Request,
-                                                block_ids_by_layer_group: dict[int, list[int]]) -> None:
+                                                block_ids_by_layer_group: GroupPages) -> None:
         tracker = self._tracker(request.request_id, request.cache_salt)
-        tracker.pages = {g: list(p) for g, p in block_ids_by_layer_group.items()}
+        tracker.pages = GroupPages(block_ids_by_layer_group)
         if tracker.offer is None:
             return
         start, end = self._delivered(tracker)
@@ -175,11 +176,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             return
         if is_new:
             tracker.tokens = list(data.new_tokens)
-            tracker.pages = {g: list(p) for g, p in data.new_block_ids_by_layer_group.items()}
+            tracker.pages = GroupPages(data.new_block_ids_by_layer_group)
         else:
             tracker.tokens.extend(data.new_tokens)
-            for g, pages in data.new_block_ids_by_layer_group.items():
-                tracker.pages.setdefault(g, []).extend(pages)
+            tracker.pages = tracker.pages.extended(data.new_block_ids_by_layer_group)
         tracker.extend_keys(self.tokens_per_block)
         if tracker.held_pins and 0 <= tracker.loads_emitted_at < self._num_metas:
             self._release_pins(tracker)
@@ -211,10 +211,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return saves
 
     def request_finished(self, request: Request, cache_block_ids: list[int]) -> bool:
-        return self.request_finished_by_layer_group(request, {self.groups[0].layer_group_id: cache_block_ids})
+        return self.request_finished_by_layer_group(request, GroupPages({self.groups[0].layer_group_id: cache_block_ids}))
 
     def request_finished_by_layer_group(self, request: Request,
-                                        cache_block_ids_by_layer_group: dict[int, list[int]]) -> bool:
+                                        cache_block_ids_by_layer_group: GroupPages) -> bool:
         tracker = self._trackers.pop(request.request_id, None)
         if tracker is None:
             return False
@@ -223,7 +223,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self._release_pins(tracker)
         if self.mode != "async":
             return False
-        tracker.pages = {g: list(p) for g, p in cache_block_ids_by_layer_group.items()}
+        tracker.pages = GroupPages(cache_block_ids_by_layer_group)
         tracker.tokens = request.get_tokens(0)
         tracker.extend_keys(self.tokens_per_block)
         saves = [s for j in range(len(tracker.keys)) for s in self._save_block(tracker, j)]

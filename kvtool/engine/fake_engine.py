@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from kvtool.blocks import num_blocks
 from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
-from kvtool.types import BAD_PAGE_INDEX, LayerGroupId
+from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
@@ -49,7 +50,8 @@ class PassItem:
 
     request_id: int
     tokens: list[int]
-    pages: dict[LayerGroupId, list[int]]
+    pages: Mapping[int, Sequence[int]]
+    """Page indices per layer group (a `GroupPages` from the manager)."""
     start: int
     end: int
     samples: bool
@@ -120,7 +122,7 @@ class FakeEngine:
     def sample(self, item: PassItem) -> int:
         return sample_token(int(self._prefix_hashes(item).array()[item.end - 1]), item.checksum, VOCAB_SIZE)
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: dict[LayerGroupId, list[int]],
+    def verify_cache(self, request_id: int, tokens: list[int], pages: Mapping[int, Sequence[int]],
                      history: int) -> None:
         """Check every position below `history` still backed by a page, in every layer."""
         item = PassItem(request_id, tokens, pages, history, history, samples=False)
@@ -150,7 +152,7 @@ class FakeEngine:
         hashes.extend_to(item.tokens[:max(item.end, len(hashes))])
         return hashes
 
-    def _positions_in_live_blocks(self, group: LayerGroupSpec, pages: list[int], end: int,
+    def _positions_in_live_blocks(self, group: LayerGroupSpec, pages: Sequence[int], end: int,
                                   history: int) -> np.ndarray:
         """Positions below `end` in blocks that are not stale at `history`."""
         tpb = self.layout.tokens_per_block
@@ -178,7 +180,7 @@ class FakeEngine:
             offsets = torch.from_numpy(positions_np % tpb).to(view.device)
             view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets] = expected
 
-    def _verify(self, layer_id: int, group: LayerGroupSpec, request_id: int, pages: list[int],
+    def _verify(self, layer_id: int, group: LayerGroupSpec, request_id: int, pages: Sequence[int],
                 hashes: PrefixHashes, positions: np.ndarray) -> torch.Tensor | None:
         """Compare the bytes at `positions`; return them (all buffers of the layer) for checksums."""
         if not len(positions):
@@ -200,7 +202,7 @@ class FakeEngine:
             found_all.append(found.reshape(len(positions), -1))
         return torch.cat(found_all, dim=1)
 
-    def _page_ids(self, group: LayerGroupSpec, request_id: int, pages: list[int], positions: np.ndarray,
+    def _page_ids(self, group: LayerGroupSpec, request_id: int, pages: Sequence[int], positions: np.ndarray,
                   layer_id: int, what: str) -> np.ndarray | None:
         tpb = self.layout.tokens_per_block
         ordinals = positions // tpb

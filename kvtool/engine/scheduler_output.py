@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtool.connector.api import RequestData, SchedulerOutput, flat_block_ids
+from kvtool.connector.api import RequestData, SchedulerOutput
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
 
@@ -28,12 +28,12 @@ def _request_data(state: RequestState, computed: int, scheduled: int, iteration:
     tokens = state.request.get_tokens()
     pages = state.kv.page_indices_by_group()
     start_tokens = 0 if is_new else state.reported_tokens
-    by_group = {g: p[(0 if is_new else state.reported_blocks.get(g, 0)):] for g, p in pages.items()}
+    by_group = pages if is_new else pages.since(state.reported_blocks)
     if is_new and state.delivered_at == iteration:
         computed -= state.num_external   # the local match: what the connector loads comes on top
     state.reported_tokens = len(tokens)
-    state.reported_blocks = {g: len(p) for g, p in pages.items()}
+    state.reported_blocks = pages.lengths()
     data = RequestData(request_id=state.request_id, new_tokens=tokens[start_tokens:],
-                       new_block_ids=flat_block_ids(by_group), computed_position=computed,
+                       new_block_ids=by_group.flat(), computed_position=computed,
                        num_scheduled_tokens=scheduled, new_block_ids_by_layer_group=by_group)
     return data, is_new

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
+from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.pages import Page, PageTable
@@ -115,9 +116,9 @@ class KvCache:
         self._require_open("get_page_indices")
         return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[LayerGroupId(layer_group_id)]]
 
-    def page_indices_by_group(self) -> dict[int, list[PageIndex]]:
+    def page_indices_by_group(self) -> GroupPages:
         """`get_page_indices` of every layer group, by group id."""
-        return {int(g): self.get_page_indices(g) for g in self._pages}
+        return GroupPages((g, self.get_page_indices(g)) for g in self._pages)
 
     def pages(self, layer_group_id: int) -> list[Page | None]:
         return list(self._pages[LayerGroupId(layer_group_id)])
