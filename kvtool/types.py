@@ -28,6 +28,17 @@ POOL_ALIGNMENT: Final[int] = 2 * 1024 * 1024
 """Pools of a virtual layout are placed at offsets aligned to 2 MiB."""
 
 
+class TextEnum(str, enum.Enum):
+    """An enum whose members are their text: printed, formatted and serialised as the value (the
+    same on every Python), and equal to that text, so reports and JSON read as before."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
 class Role(str, enum.Enum):
     """The part of a layer's KV a buffer holds. MLA models only have `key`."""
 

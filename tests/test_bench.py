@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.bench.sweep import SweepChoice, plan
-from kvtool.bench.workspace import geometry, make_workspace
+from kvtool.bench.workspace import Direction, geometry, make_workspace
 from kvtool.cli import app
 from kvtool.report.bench_report import ROW_KEYS
 
@@ -44,19 +44,19 @@ def test_geometry_follows_the_layout():
 def test_workspace_verification_catches_a_wrong_copy():
     import torch
     ws = make_workspace(geometry("tiny", 4, "slot"), 64 * 1024, torch.device("cpu"))
-    (op,) = ws.ops("save")
-    ws.poison("save")
-    assert not ws.verify("save")
+    (op,) = ws.ops(Direction.SAVE)
+    ws.poison(Direction.SAVE)
+    assert not ws.verify(Direction.SAVE)
     from kvtool.transfer import get_backend
     get_backend("torch").copy([op])
-    assert ws.verify("save")
+    assert ws.verify(Direction.SAVE)
 
 
 def test_plan_uses_the_defaults_and_the_options():
-    choice = SweepChoice(None, None, ("slot",), ("save",), ("torch",), None, None, quick=False)
+    choice = SweepChoice(None, None, ("slot",), (Direction.SAVE,), ("torch",), None, None, quick=False)
     cases, repeats = plan(choice, cuda=False)
     assert repeats == 5 and {c.model for c in cases} == {"llama-3.1-8b", "gpt-oss-20b"}
-    chosen = SweepChoice(("tiny",), (8, 16), ("layer",), ("load",), ("torch",), 1 << 20, 2, quick=False)
+    chosen = SweepChoice(("tiny",), (8, 16), ("layer",), (Direction.LOAD,), ("torch",), 1 << 20, 2, quick=False)
     cases, repeats = plan(chosen, cuda=True)
     assert [(c.model, c.tokens_per_block, c.batch_bytes) for c in cases] == [("tiny", 8, 1 << 20), ("tiny", 16, 1 << 20)]
     assert repeats == 2

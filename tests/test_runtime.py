@@ -7,7 +7,7 @@ import pytest
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.request_state import Offer, Phase
+from kvtool.engine.request_state import FailureReason, Offer, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConnectorError, InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig
@@ -92,6 +92,7 @@ def test_free_before_delivery_cancels_the_whole_offer():
     engine.abort(2)
     assert sched(engine).cancels() == [(2, 0, 12)]
     assert engine.states[2].phase is Phase.FAILED and engine.states[2].error == "aborted"
+    assert engine.states[2].failure is FailureReason.ABORTED
     assert [c for c in sched(engine).calls if c[0] == "finished" and c[1] == 2]
     engine.run()
     check_manager(engine.manager)
@@ -153,7 +154,8 @@ def test_a_stuck_async_load_fails_the_request_instead_of_hanging():
     engine = make_engine(scripted(lambda r, n: (8, True)), max_transmission_iterations=5)
     engine.add_request(Request(1, list(range(12)), 2))
     engine.run(max_iterations=50)
-    assert engine.states[1].phase is Phase.FAILED and "stuck in transmission" in engine.states[1].error
+    assert engine.states[1].phase is Phase.FAILED and engine.states[1].failure is FailureReason.STUCK_IN_TRANSMISSION
+    assert engine.states[1].error.startswith("stuck in transmission: for more than")
     OracleWorker.delay = 2
 
 
@@ -264,7 +266,8 @@ def test_a_hook_that_raises_fails_only_that_request():
         engine.add_request(Request(i, list(range(i * 10, i * 10 + 9)), 2))
     engine.run()
     assert [engine.states[i].phase for i in (1, 2, 3)] == [Phase.DONE, Phase.FAILED, Phase.DONE]
-    assert "update_state_after_alloc raised" in engine.states[2].error
+    assert engine.states[2].error == "update_state_after_alloc raised"
+    assert engine.states[2].failure is FailureReason.ALLOC_HOOK_RAISED
     assert engine.connector.failures[0].request_id == 2 and "boom" in engine.connector.failures[0].error
     assert engine.integrity_errors == 0 and engine.manager.caches == []
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtool.bench.workspace import geometry, make_workspace
+from kvtool.bench.workspace import Direction, geometry, make_workspace
 from kvtool.transfer import get_backend
 
 MATMUL_SIZE = 8192
@@ -45,7 +45,7 @@ VARIANTS = (
 class ComputeRow:
     variant: str
     backend: str
-    direction: str
+    direction: Direction
     model: str
     tokens_per_block: int
     chunk_bytes: int
@@ -66,7 +66,7 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
             peak_gbps: float, num_matmuls: int = 60) -> ComputeRow:
     ws = make_workspace(geometry(model, tokens_per_block, granularity), batch_bytes, torch.device("cuda"))
     backend = get_backend(variant.backend, **dict(variant.options))
-    prepared = backend.prepare(ws.ops("save"))
+    prepared = backend.prepare(ws.ops(Direction.SAVE))
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     compute_stream, transfer_caller = torch.cuda.Stream(), torch.cuda.Stream()
@@ -85,7 +85,7 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
         under_load = _transfers(transfer_caller, backend, prepared, repeats)
         torch.cuda.synchronize()
     gbps = ws.batch_bytes * repeats / under_load.elapsed() / 1e9
-    return ComputeRow(variant.label, variant.backend, "save", model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
+    return ComputeRow(variant.label, variant.backend, Direction.SAVE, model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
                       round(flops / alone.elapsed() / 1e12, 1), round(flops / with_matmul.elapsed() / 1e12, 1),
                       round(with_matmul.elapsed() / alone.elapsed() - 1, 4), round(gbps, 3), round(peak_gbps, 3),
                       round(gbps / peak_gbps, 4), getattr(backend, "max_sms", 0))

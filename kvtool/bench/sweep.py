@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from kvtool.bench.transfer_suite import Case
+from kvtool.bench.workspace import Direction
 
 GPU_DEFAULT = {"models": {"llama-3.1-8b": (4, 16, 64), "gpt-oss-20b": (8,), "deepseek-v3": (64,)},
                "batch_bytes": 64 << 20, "repeats": 10}
@@ -18,7 +19,7 @@ class SweepChoice:
     models: tuple[str, ...] | None
     tokens_per_block: tuple[int, ...] | None
     granularities: tuple[str, ...]
-    directions: tuple[str, ...]
+    directions: tuple[Direction, ...]
     backends: tuple[str, ...]
     batch_bytes: int | None
     repeats: int | None

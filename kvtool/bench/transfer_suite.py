@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvtool.bench.timing import Timing, time_repeats
-from kvtool.bench.workspace import Geometry, Workspace, geometry, make_workspace
+from kvtool.bench.workspace import Direction, Geometry, Workspace, geometry, make_workspace
 from kvtool.transfer import get_backend
 
 
@@ -22,7 +22,7 @@ class Case:
     model: str
     tokens_per_block: int
     granularity: str
-    direction: str
+    direction: Direction
     backend: str
     batch_bytes: int
 
@@ -30,7 +30,7 @@ class Case:
 @dataclass
 class Row:
     backend: str
-    direction: str
+    direction: Direction
     granularity: str
     model: str
     tokens_per_block: int
@@ -74,7 +74,7 @@ class TransferSuite:
     def measure(self, case: Case) -> Row:
         g = geometry(case.model, case.tokens_per_block, case.granularity)
         ws = self._workspace(g, case.batch_bytes)
-        directions = ("save", "load") if case.direction == "both" else (case.direction,)
+        directions = (Direction.SAVE, Direction.LOAD) if case.direction is Direction.BOTH else (case.direction,)
         runs = [self._runner(ws, d, case.backend, i) for i, d in enumerate(directions)]
         verified = True
         for direction, run in zip(directions, runs):
@@ -90,7 +90,7 @@ class TransferSuite:
                    moved, round(gbps, 3), round(timing.percentile_us(50), 1), round(timing.percentile_us(99), 1),
                    round(peak, 3), round(gbps / peak, 4), verified)
 
-    def _runner(self, ws: Workspace, direction: str, backend_name: str, lane: int) -> Callable[[], None]:
+    def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], None]:
         backend = self._backend(backend_name, lane)
         prepared = backend.prepare(ws.ops(direction))
         if self.cuda:
@@ -112,13 +112,13 @@ class TransferSuite:
             self._workspaces[key] = make_workspace(g, batch_bytes, self.device)
         return self._workspaces[key]
 
-    def _peak(self, ws: Workspace, direction: str) -> float:
+    def _peak(self, ws: Workspace, direction: Direction) -> float:
         key = (direction, ws.batch_bytes)
         if key not in self._peaks:
             self._peaks[key] = self._measure_peak(ws, direction)
         return self._peaks[key]
 
-    def _measure_peak(self, ws: Workspace, direction: str) -> float:
+    def _measure_peak(self, ws: Workspace, direction: Direction) -> float:
         size = ws.batch_bytes
         if not self.cuda:
             src, dst = torch.empty(size, dtype=torch.uint8).random_(0, 256), torch.empty(size, dtype=torch.uint8)
@@ -129,8 +129,9 @@ class TransferSuite:
             host_in = ws.store.tensor[:size]
             device_out = ws.staging.tensor[:size]
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-            plans = {"save": [(host, device_buf)], "load": [(device_out, host_in)],
-                     "both": [(host, device_buf), (device_out, host_in)], "gather": [(device_out, device_buf)]}
+            plans = {Direction.SAVE: [(host, device_buf)], Direction.LOAD: [(device_out, host_in)],
+                     Direction.BOTH: [(host, device_buf), (device_out, host_in)],
+                     Direction.GATHER: [(device_out, device_buf)]}
             copies = [self._copy(dst, src) for dst, src in plans[direction]]
         for copy in copies:
             copy()

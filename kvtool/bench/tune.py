@@ -14,6 +14,7 @@ import json
 import torch
 
 from kvtool.bench.transfer_suite import Case, TransferSuite
+from kvtool.bench.workspace import Direction
 from kvtool.units import parse_size
 
 VARIANTS = [(sms, unroll, hint, 1024) for sms in (2, 4, 8, 16) for unroll in (4, 8) for hint in (0, 1)]
@@ -41,7 +42,7 @@ def main() -> None:
         suite.register(name, lambda s=sms, u=unroll, h=hint, t=threads: KernelBackend(
             max_sms=s, unroll=u, load_hint=h, host_threads=t))
     for model, tpb, granularity in SHAPES:
-        for direction in ("load", "save"):
+        for direction in (Direction.LOAD, Direction.SAVE):
             for name in names:
                 row = suite.measure(Case(model, tpb, granularity, direction, name, parse_size(args.batch_bytes)))
                 print(json.dumps(row.as_dict()), flush=True)
@@ -59,7 +60,7 @@ def gather_sweep(batch_bytes: int, repeats: int) -> None:
             unroll=u, load_hint=l, store_hint=s, device_threads=t, device_blocks_per_sm=b))
     for model, tpb, granularity in (("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 4, "slot")):
         for name in names:
-            row = suite.measure(Case(model, tpb, granularity, "gather", name, batch_bytes))
+            row = suite.measure(Case(model, tpb, granularity, Direction.GATHER, name, batch_bytes))
             print(json.dumps(row.as_dict()), flush=True)
 
 

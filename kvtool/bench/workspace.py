@@ -7,13 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import InputError
+from kvtool.errors import InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig, compute_layout
 from kvtool.models import load_model
 from kvtool.transfer.api import CopyOp, PageSpace
+from kvtool.types import TextEnum
 
 GRANULARITIES = ("slot", "layer")
-DIRECTIONS = ("save", "load", "both", "gather")
+class Direction(TextEnum):
+    SAVE = "save"         # GPU pages -> host store rows
+    LOAD = "load"         # host store rows -> GPU pages
+    BOTH = "both"         # a save and a load at once, on two streams
+    GATHER = "gather"     # GPU pages -> contiguous GPU staging
+
+
+DIRECTIONS: tuple[Direction, ...] = tuple(Direction)
 MAX_REGION_BYTES = 8 << 30
 
 
@@ -55,22 +63,23 @@ class Workspace:
     def batch_bytes(self) -> int:
         return self.num_pages * self.geometry.nbytes
 
-    def ops(self, direction: str) -> list[CopyOp]:
+    def ops(self, direction: Direction) -> list[CopyOp]:
+        """The one copy of a single direction (BOTH is a save and a load: ask for each)."""
         g = self.geometry
         rows = tuple(range(self.num_pages))
-        if direction == "save":
+        if direction is Direction.SAVE:
             return [CopyOp(self.region, self.store, self.pages, rows, g.nbytes, g.offset, 0)]
-        if direction == "load":
+        if direction is Direction.LOAD:
             return [CopyOp(self.store, self.region, rows, self.pages, g.nbytes, 0, g.offset)]
-        if direction == "gather":
+        if direction is Direction.GATHER:
             return [CopyOp(self.region, self.staging, self.pages, rows, g.nbytes, g.offset, 0)]
-        raise InputError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+        raise LogicError(f"{direction} is not a single copy direction")
 
-    def poison(self, direction: str) -> None:
-        target = {"save": self.store, "load": self.region, "gather": self.staging}[direction]
+    def poison(self, direction: Direction) -> None:
+        target = {Direction.SAVE: self.store, Direction.LOAD: self.region, Direction.GATHER: self.staging}[direction]
         target.tensor.fill_(0xA5)
 
-    def verify(self, direction: str) -> bool:
+    def verify(self, direction: Direction) -> bool:
         """The destination holds exactly the source's bytes, for every page of the batch."""
         (op,) = self.ops(direction)
         index_src = torch.tensor(op.src_slots, device=op.src.device)

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvtool.bench import compute, manager_suite
 from kvtool.bench.sweep import SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
-from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, geometry
+from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
 from kvtool.cli.common import ExitCode, clean_errors, fail
 from kvtool.errors import InputError
 from kvtool.models import load_model
@@ -89,7 +89,7 @@ def bench(
         raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available)})")
     choice = SweepChoice(tuple(model) or None, tuple(tokens_per_block) or None,
                          _check_choices(granularity, GRANULARITIES, "granularity") or GRANULARITIES,
-                         _check_choices(direction, DIRECTIONS, "direction") or DIRECTIONS, backends,
+                         tuple(map(Direction, _check_choices(direction, DIRECTIONS, "direction"))) or DIRECTIONS, backends,
                          parse_size(batch_bytes) if batch_bytes else None, repeats, quick)
     cases, num_repeats = plan(choice, cuda)
     for case in {(c.model, c.tokens_per_block, c.granularity) for c in cases}:
@@ -125,7 +125,7 @@ def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) ->
     for variant in [v for v in compute.VARIANTS if v.backend in backends]:
         for model, tpb, gran, batch in shapes:
             ws = transfer._workspace(geometry(model, tpb, gran), batch)
-            peak = transfer._peak(ws, "save")
+            peak = transfer._peak(ws, Direction.SAVE)
             console.print(f"with compute: {variant.label} {model}/{tpb} {gran}")
             rows.append(compute.measure(variant, model, tpb, gran, batch, peak).as_dict())
     return rows

@@ -18,13 +18,48 @@ from typing import Any, Callable, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.request import Request
-from kvtool.group_pages import GroupPages
 from kvtool.errors import ConnectorError
+from kvtool.group_pages import GroupPages
+from kvtool.types import TextEnum
+
+
+class ViolationKind(TextEnum):
+    """A way a connector answered outside the API's contract (the runtime repairs the answer)."""
+
+    ANSWER_SHAPE = "answer-shape"
+    NEGATIVE_COUNT = "negative-count"
+    ZERO_ASYNC = "zero-async"
+    BEYOND_PROMPT = "beyond-prompt"
+    FINISHED_SHAPE = "finished-shape"
+    UNKNOWN_SAVE_ID = "unknown-save-id"
+    UNKNOWN_LOAD_ID = "unknown-load-id"
+    REPEATED_SAVE_ID = "repeated-save-id"
+    REPEATED_LOAD_ID = "repeated-load-id"
+
+    @property
+    def is_bad_finished_id(self) -> bool:
+        """`get_finished` named a request it was never given, or named it twice."""
+        return self in _BAD_FINISHED_IDS
+
+    @property
+    def is_bad_answer(self) -> bool:
+        """An answer of `get_num_new_matched_tokens` or `request_finished` had the wrong shape or value."""
+        return not self.is_bad_finished_id
+
+    @staticmethod
+    def bad_finished_id(what: str, repeated: bool) -> "ViolationKind":
+        return {("save", False): ViolationKind.UNKNOWN_SAVE_ID, ("load", False): ViolationKind.UNKNOWN_LOAD_ID,
+                ("save", True): ViolationKind.REPEATED_SAVE_ID, ("load", True): ViolationKind.REPEATED_LOAD_ID}[
+            (what, repeated)]
+
+
+_BAD_FINISHED_IDS = frozenset({ViolationKind.UNKNOWN_SAVE_ID, ViolationKind.UNKNOWN_LOAD_ID,
+                               ViolationKind.REPEATED_SAVE_ID, ViolationKind.REPEATED_LOAD_ID})
 
 
 @dataclass(frozen=True)
 class ContractViolation:
-    check: str
+    check: ViolationKind
     request_id: int | None
     detail: str
 
@@ -80,7 +115,7 @@ class ConnectorRuntime:
                                                                f"({frame.filename}:{frame.lineno})"))
             return False, None
 
-    def violate(self, check: str, request_id: int | None, detail: str) -> None:
+    def violate(self, check: ViolationKind, request_id: int | None, detail: str) -> None:
         self.violations.append(ContractViolation(check, request_id, detail))
 
     # ---- scheduler side ----------------------------------------------------------------------
@@ -96,18 +131,18 @@ class ConnectorRuntime:
         rid = request.request_id
         if (not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], int)
                 or isinstance(answer[0], bool) or not isinstance(answer[1], bool)):
-            self.violate("answer-shape", rid, f"get_num_new_matched_tokens returned {answer!r}, not (int, bool)")
+            self.violate(ViolationKind.ANSWER_SHAPE, rid, f"get_num_new_matched_tokens returned {answer!r}, not (int, bool)")
             return Answer(0, False)
         num_tokens, is_async = answer
         if num_tokens < 0:
-            self.violate("negative-count", rid, f"offered {num_tokens} tokens")
+            self.violate(ViolationKind.NEGATIVE_COUNT, rid, f"offered {num_tokens} tokens")
             return Answer(0, False)
         if num_tokens == 0 and is_async:
-            self.violate("zero-async", rid, "answered (0, True): an asynchronous load of nothing")
+            self.violate(ViolationKind.ZERO_ASYNC, rid, "answered (0, True): an asynchronous load of nothing")
             return Answer(0, False)
         room = request.prompt_len - num_computed
         if num_tokens > room:
-            self.violate("beyond-prompt", rid, f"offered {num_tokens} tokens past position {num_computed} of a "
+            self.violate(ViolationKind.BEYOND_PROMPT, rid, f"offered {num_tokens} tokens past position {num_computed} of a "
                                               f"{request.prompt_len}-token prompt")
             self.cancel(request, num_computed, num_computed + num_tokens)
             return Answer(0, False)
@@ -140,7 +175,7 @@ class ConnectorRuntime:
         ok, result = self.call("request_finished", self.scheduler.request_finished_by_layer_group, request,
                                pages_by_group, request_id=request.request_id)
         if ok and not isinstance(result, bool):
-            self.violate("finished-shape", request.request_id, f"request_finished returned {result!r}, not a bool")
+            self.violate(ViolationKind.FINISHED_SHAPE, request.request_id, f"request_finished returned {result!r}, not a bool")
             result = bool(result)
         if ok and result:
             self._new_saving.append(request.request_id)
@@ -176,17 +211,17 @@ class ConnectorRuntime:
 
     def _checked_finished(self, rank: int, result: Any) -> tuple[list[int], list[int]]:
         if not isinstance(result, tuple) or len(result) != 2:
-            self.violate("finished-shape", None, f"rank {rank}: get_finished returned {result!r}")
+            self.violate(ViolationKind.FINISHED_SHAPE, None, f"rank {rank}: get_finished returned {result!r}")
             return [], []
         return list(result[0] or []), list(result[1] or [])
 
     def _tally(self, rank: int, ids: list[int], reports: _RankReports, tally: dict[int, set[int]], what: str) -> None:
         for rid in ids:
             if rid not in reports.given:
-                self.violate(f"unknown-{what}-id", rid, f"rank {rank} reported {what} of request {rid}, "
+                self.violate(ViolationKind.bad_finished_id(what, repeated=False), rid, f"rank {rank} reported {what} of request {rid}, "
                                                        "which it was never given")
             elif rid in reports.reported:
-                self.violate(f"repeated-{what}-id", rid, f"rank {rank} reported {what} of request {rid} twice")
+                self.violate(ViolationKind.bad_finished_id(what, repeated=True), rid, f"rank {rank} reported {what} of request {rid} twice")
             else:
                 reports.reported.add(rid)
                 tally.setdefault(rid, set()).add(rank)

@@ -22,11 +22,11 @@ from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, Schedul
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.request import Request
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
+from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key, root_key
 from kvtool.types import BAD_PAGE_INDEX
 
-MODES = ("sync", "async", "layerwise")
 
 
 @dataclass
@@ -58,9 +58,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self.tokens_per_block = llm_args.kv_cache_config.tokens_per_block
         self.groups = llm_args.layer_groups
-        self.mode = llm_args.connector_options.get("mode", "sync")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.mode = store_mode(llm_args.connector_options)
         self._trackers: dict[int, _Tracker] = {}
         self._finished: dict[int, list[PageTransfer]] = {}
         self._window_of = {g.layer_group_id: g.window_size for g in self.groups}
@@ -96,7 +94,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 for location in plan.values():
                     self.pin(location)
                 tracker.planned, tracker.offer = plan, (num_computed_tokens, length)
-                return length - num_computed_tokens, self.mode == "async"
+                return length - num_computed_tokens, self.mode is StoreMode.ASYNC
         return 0, False
 
     def _plan(self, tracker: _Tracker, start: int, end: int) -> dict[tuple[int, int], Any] | None:
@@ -163,7 +161,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             self._observe(data, is_new=False, meta=meta)
         for tracker in self._trackers.values():
             if tracker.pending_loads:
-                target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode == "async" else meta.loads
+                target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode is StoreMode.ASYNC else meta.loads
                 target.extend(tracker.pending_loads)
                 tracker.pending_loads = []
                 tracker.loads_emitted_at = self._num_metas
@@ -194,7 +192,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tpb = self.tokens_per_block
         saves = []
         for j in range(start // tpb, min(end // tpb, len(tracker.keys))):
-            saves.extend(self._save_block(tracker, j, windowed_only=self.mode == "async"))
+            saves.extend(self._save_block(tracker, j, windowed_only=self.mode is StoreMode.ASYNC))
         return saves
 
     def _save_block(self, tracker: _Tracker, ordinal: int, windowed_only: bool = False) -> list[PageTransfer]:
@@ -221,7 +219,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         for location in tracker.planned.values():
             self.unpin(location)
         self._release_pins(tracker)
-        if self.mode != "async":
+        if self.mode is not StoreMode.ASYNC:
             return False
         tracker.pages = GroupPages(cache_block_ids_by_layer_group)
         tracker.tokens = request.get_tokens(0)

@@ -21,6 +21,7 @@ import torch
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
+from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.transfer import TransferBackend, get_backend
 from kvtool.transfer.api import CopyOp, PageSpace
@@ -29,7 +30,7 @@ from kvtool.transfer.api import CopyOp, PageSpace
 class BlockStoreWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
-        self.mode = llm_args.connector_options.get("mode", "sync")
+        self.mode = store_mode(llm_args.connector_options)
         self.backend_name = llm_args.connector_options.get("backend", "torch")
         self.layout: KvCacheLayout | None = None
         self.backend: TransferBackend | None = None
@@ -68,14 +69,14 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         # the background thread runs in order. Their pages stay held until the save is reported.
         for request_id, transfers in meta.async_saves.items():
             self._saving[request_id] = self._background().submit(self.save, transfers)
-        if meta.loads and self.mode != "layerwise":
+        if meta.loads and self.mode is not StoreMode.LAYERWISE:
             self._wait_for_background_saves()
             self.load(meta.loads)
         for request_id, transfers in meta.async_loads.items():
             self._loading[request_id] = self._background().submit(self.load, transfers)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
-        if self.mode == "layerwise" and self.meta.loads:
+        if self.mode is StoreMode.LAYERWISE and self.meta.loads:
             self._wait_for_background_saves()
             self.load(self.meta.loads, layer_id=layer_idx)
 
@@ -85,11 +86,11 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             future.exception()
 
     def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
-        if self.mode == "layerwise" and self.meta.saves:
+        if self.mode is StoreMode.LAYERWISE and self.meta.saves:
             self.save(self.meta.saves, layer_id=layer_idx)
 
     def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
-        if self.meta.saves and self.mode != "layerwise":
+        if self.meta.saves and self.mode is not StoreMode.LAYERWISE:
             self.save(self.meta.saves)
 
     def get_finished(self, finished_gen_req_ids: list[int],

@@ -15,7 +15,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime, require_gpu_tier_only
 from kvtool.engine.fake_engine import FakeEngine, PassItem
-from kvtool.engine.request_state import Phase, RequestState
+from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.errors import ConnectorError, ConstructionError, InputError, OutOfPagesError
@@ -154,7 +154,7 @@ class Engine:
         """Free a request wherever it is (before delivery, its whole offer is cancelled)."""
         state = self.states[request_id]
         if state.is_live:
-            self.fail(state, "aborted")
+            self.fail(state, FailureReason.ABORTED)
 
     @property
     def live_states(self) -> list[RequestState]:
@@ -267,7 +267,7 @@ class Engine:
     def _fail_pass(self, batch: Batch, reason: str) -> None:
         for state in [s for s, _ in batch.context] + batch.generation:
             if state.is_live:
-                self.fail(state, f"connector failed during the pass: {reason}")
+                self.fail(state, FailureReason.CONNECTOR_FAILED_IN_PASS, reason)
         batch.context, batch.generation = [], []
 
     # ---- after the pass ----------------------------------------------------------------------
@@ -330,7 +330,7 @@ class Engine:
         limit = self.config.max_transmission_iterations
         for state in self.live_states:
             if state.phase is Phase.TRANSMISSION and self.iteration - state.transmission_since > limit:
-                self.fail(state, f"stuck in transmission for more than {limit} iterations")
+                self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
 
     def _check_progress(self, batch: Batch, phases_before: list) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
@@ -346,9 +346,9 @@ class Engine:
                                   f"({stuck.prompt_len} prompt tokens) cannot get pages and nothing else can run")
 
     # ---- failure -----------------------------------------------------------------------------
-    def fail(self, state: RequestState, reason: str) -> None:
+    def fail(self, state: RequestState, reason: FailureReason, detail: str = "") -> None:
         """Fail one request cleanly: hand back an undelivered offer, let the connector forget it,
-        release its pages. Other requests are untouched."""
+        release its pages. Other requests are untouched. `state.error` reads "<reason>: <detail>"."""
         if not state.is_live:
             return
         if self.connector is not None:
@@ -360,7 +360,8 @@ class Engine:
                 pages = state.kv.page_indices_by_group() if state.kv is not None and \
                     state.kv.status is not KvCacheStatus.CLOSED else {g.layer_group_id: [] for g in self.manager.layer_groups}
                 self.connector.finish(state.request, pages)
-        self._close(state, Phase.FAILED, reason)
+        state.failure = reason
+        self._close(state, Phase.FAILED, f"{reason.value}: {detail}" if detail else reason.value)
 
     def _close(self, state: RequestState, phase: Phase, reason: str | None = None) -> None:
         if state.kv is not None:

@@ -20,6 +20,16 @@ class Phase(enum.Enum):
     FAILED = "failed"
 
 
+class FailureReason(enum.Enum):
+    """Why a request FAILED; `RequestState.error` carries the human-readable detail."""
+
+    ABORTED = "aborted"
+    ASK_RAISED = "get_num_new_matched_tokens raised"
+    ALLOC_HOOK_RAISED = "update_state_after_alloc raised"
+    CONNECTOR_FAILED_IN_PASS = "connector failed during the pass"
+    STUCK_IN_TRANSMISSION = "stuck in transmission"
+
+
 @dataclass
 class Offer:
     """The connector's memoised answer, as absolute prompt positions [start, end)."""
@@ -50,6 +60,8 @@ class RequestState:
     transmission_since: int = -1
     hold: PageHold | None = None
     error: str | None = None
+    """What went wrong, for people (set with `failure`)."""
+    failure: FailureReason | None = None
     num_deferrals: int = 0
 
     @property

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.connector.runtime import ConnectorRuntime
-from kvtool.engine.request_state import Offer, Phase, RequestState
+from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.manager import KvCacheManager
@@ -57,7 +57,7 @@ class Batch:
 
 class Scheduler:
     def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
-                 fail: Callable[[RequestState, str], None]) -> None:
+                 fail: Callable[[RequestState, FailureReason], None]) -> None:
         self.manager = manager
         self.config = config
         self.connector = connector
@@ -147,7 +147,7 @@ class Scheduler:
             return True
         answer = self.connector.ask(state.request, local_end)
         if answer is None:
-            self._fail(state, "get_num_new_matched_tokens raised")
+            self._fail(state, FailureReason.ASK_RAISED)
             return False
         if answer.num_tokens == 0:
             return True
@@ -188,7 +188,7 @@ class Scheduler:
         state.seen_by_connector = True
         if not self.connector.after_alloc(state.request, kv.page_indices_by_group()):
             batch.drop(state)
-            self._fail(state, "update_state_after_alloc raised")
+            self._fail(state, FailureReason.ALLOC_HOOK_RAISED)
             return
         if state.num_external and offer.is_async:
             batch.drop(state)

@@ -7,6 +7,7 @@ per run), so it is fast when a connector gives a batch consecutive store slots.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,9 +22,15 @@ from kvtool.transfer.descriptors import slot_runs
 from kvtool.transfer.kernel_backend import KernelBackend
 
 
+class _PlanKind(enum.Enum):
+    DEVICE = "device"     # GPU to GPU: the kernel alone
+    SAVE = "save"         # kernel gathers into staging, then copy-engine runs to the host
+    LOAD = "load"         # copy-engine runs from the host into staging, then the kernel scatters
+
+
 @dataclass
 class _Plan:
-    kind: str                       # "device", "save" or "load"
+    kind: _PlanKind
     kernel: list                    # the prepared gather / scatter launch
     staging: PageSpace | None = None
     runs: list[tuple[int, int, int, int]] | None = None
@@ -47,7 +54,7 @@ class StagedBackend(CudaBackendBase):
         if src_host and dst_host:
             raise LogicError("the staged backend moves data to or from the GPU")
         if not src_host and not dst_host:
-            return _Plan("device", self._gather.build([op]))
+            return _Plan(_PlanKind.DEVICE, self._gather.build([op]))
         host_slots = np.asarray(op.dst_slots if dst_host else op.src_slots)
         order = np.argsort(host_slots, kind="stable")
         staging = PageSpace.contiguous(torch.empty(len(order) * op.nbytes, dtype=torch.uint8, device="cuda"),
@@ -59,17 +66,17 @@ class StagedBackend(CudaBackendBase):
         if dst_host:
             gather = CopyOp(op.src, staging, tuple(np.asarray(op.src_slots)[order].tolist()), rows, op.nbytes,
                             op.src_offset, 0)
-            return _Plan("save", self._gather.build([gather]), staging, runs, op.nbytes)
+            return _Plan(_PlanKind.SAVE, self._gather.build([gather]), staging, runs, op.nbytes)
         scatter = CopyOp(staging, op.dst, rows, tuple(np.asarray(op.dst_slots)[order].tolist()), op.nbytes,
                          0, op.dst_offset)
-        return _Plan("load", self._gather.build([scatter]), staging, runs, op.nbytes)
+        return _Plan(_PlanKind.LOAD, self._gather.build([scatter]), staging, runs, op.nbytes)
 
     def enqueue(self, prepared: list[_Plan]) -> None:
         for plan in prepared:
-            if plan.kind == "load":
+            if plan.kind is _PlanKind.LOAD:
                 self._host_copies(plan, to_host=False)
             self._gather.launch(plan.kernel, self.torch_stream)
-            if plan.kind == "save":
+            if plan.kind is _PlanKind.SAVE:
                 self._host_copies(plan, to_host=True)
 
     def _host_copies(self, plan: _Plan, to_host: bool) -> None:

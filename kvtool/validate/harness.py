@@ -11,7 +11,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.request_state import Phase
+from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
@@ -193,11 +193,12 @@ def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
     if r.engine is None:
         return []
     runtime, out = r.runtime, []
-    stuck = [f"request {rid}: {s.error}" for rid, s in r.states.items() if s.error and "transmission" in s.error]
+    stuck = [f"request {rid}: {s.error}" for rid, s in r.states.items()
+             if s.failure is FailureReason.STUCK_IN_TRANSMISSION]
     if runtime.num_async_loads or stuck:
         out.append(result(scenario, ctx, "load-completes", not stuck,
                           stuck or [f"{runtime.num_async_loads} asynchronous loads landed"]))
-    bad_ids = [v.detail for v in runtime.violations if v.check.startswith(("unknown-", "repeated-"))]
+    bad_ids = [v.detail for v in runtime.violations if v.check.is_bad_finished_id]
     unsaved = [f"request {rid}: its asynchronous save was never reported" for rid, s in r.states.items()
                if s.phase is Phase.SAVING]
     if runtime.num_async_saves or bad_ids:
@@ -206,14 +207,11 @@ def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
     return out
 
 
-CONTRACT_CHECKS = ("answer-shape", "negative-count", "zero-async", "beyond-prompt", "finished-shape")
-
-
 def judge_answers(scenario: str, ctx: Context, r: Run, always: bool = False) -> list[CheckResult]:
     if r.engine is None:
         return []
     bad = [f"{v.check}: request {v.request_id}: {v.detail}" for v in r.runtime.violations
-           if v.check in CONTRACT_CHECKS]
+           if v.check.is_bad_answer]
     if bad or always:
         return [result(scenario, ctx, "answers-in-contract", not bad, bad or ["every answer was in contract"])]
     return []
