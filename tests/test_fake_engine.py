@@ -7,7 +7,7 @@ from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.fingerprint import expected_bytes, PrefixHashes
 from kvtool.group_pages import GroupPages
 from kvtool.types import BAD_PAGE_INDEX, Role
-from tests.conftest import make_manager
+from tests.helpers.managers import make_manager
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, PageStatus
 from kvtool.manager.integrity import check_manager
-from tests.conftest import make_manager
 
 B = BAD_PAGE_INDEX
 
@@ -68,7 +67,7 @@ def test_resize_contract_errors(tiny):
 
 
 def test_failed_resize_changes_nothing(tiny):
-    cache = run_prompt(tiny, "a", list(range(20)))   # 5 of 8 slots
+    run_prompt(tiny, "a", list(range(20)))           # 5 of 8 slots stay in use
     other = tiny.create_kv_cache("b", [])
     other.resume()
     assert not other.resize(16)                       # needs 4, 3 are free

@@ -5,7 +5,7 @@ from kvtool.errors import InputError, LayoutError, OutOfMemoryError
 from kvtool.manager import BufferId, KvCacheManagerConfig, compute_layout
 from kvtool.models import load_model
 from kvtool.types import POOL_ALIGNMENT, Role
-from tests.conftest import make_manager
+from tests.helpers.managers import make_manager
 
 
 def layout_of(model, tpb=32, **kwargs):

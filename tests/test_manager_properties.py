@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtool.manager import ReuseScope
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus
 from kvtool.manager.integrity import check_manager
-from tests.conftest import make_manager
+from tests.helpers.managers import make_manager
 
 TPB = 4
 PREFIXES = [[7] * 9, list(range(20, 34)), [7] * 6 + [1, 2, 3]]

@@ -8,36 +8,15 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import FailureReason, Offer, Phase
-from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConnectorError, InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
 from kvtool.manager.integrity import check_manager
 from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
+from tests.helpers.engines import make_engine, scripted, sched
 
 B = BAD_PAGE_INDEX
-
-
-def scripted(answer, finish_async=False, worker=OracleWorker):
-    sched = type("Sched", (ScriptedScheduler,), {"answer": staticmethod(answer), "finish_async": finish_async})
-    return ConnectorSpec("scripted", sched, worker, "tests.helpers.connectors")
-
-
-def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, **kwargs):
-    scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs)
-                                   if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse")})
-    config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=num_slots, device="cpu"),
-                          scheduler, check_integrity_every_iteration=True, verify_all_after_iteration=True, **kwargs)
-    engine = Engine(config, spec)
-    if spec is not None:
-        for worker in engine.connector.workers:
-            worker.fake = engine.fake
-    return engine
-
-
-def sched(engine):
-    return engine.connector.scheduler
 
 
 def test_the_clamp_cancels_the_tail_and_loads_the_rest():
@@ -132,8 +111,8 @@ def test_recorded_tokens_must_fit_below_the_position():
 
 
 def test_async_load_keeps_the_request_out_of_the_batch():
-    OracleWorker.delay = 3
     engine = make_engine(scripted(lambda r, n: (8, True)))
+    engine.connector.workers[0].delay = 3
     engine.add_request(Request(1, list(range(12)), 2))
     phases, in_batch = [], []
     while not engine.is_done():
@@ -150,13 +129,12 @@ def test_async_load_keeps_the_request_out_of_the_batch():
 
 
 def test_a_stuck_async_load_fails_the_request_instead_of_hanging():
-    OracleWorker.delay = 10_000
     engine = make_engine(scripted(lambda r, n: (8, True)), max_transmission_iterations=5)
+    engine.connector.workers[0].delay = 10_000
     engine.add_request(Request(1, list(range(12)), 2))
     engine.run(max_iterations=50)
     assert engine.states[1].phase is Phase.FAILED and engine.states[1].failure is FailureReason.STUCK_IN_TRANSMISSION
     assert engine.states[1].error.startswith("stuck in transmission: for more than")
-    OracleWorker.delay = 2
 
 
 def test_vswa_page_lists_are_aligned_and_the_flat_list_is_empty():

@@ -18,7 +18,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS
 from kvtool.validate.runner import run_all
 from kvtool.validate.scenarios import SCENARIOS
-from tests.broken_connectors import BROKEN
+from tests.helpers.broken_connectors import BROKEN
 
 runner = CliRunner()
 MODELS = ("tiny", "tiny-vswa")
@@ -36,7 +36,7 @@ def validate_in_process(target: str, scenarios=None):
 @pytest.mark.parametrize("label", list(BROKEN))
 def test_each_broken_connector_fails_exactly_its_check(label):
     scheduler, worker = BROKEN[label]
-    results = validate_in_process(f"tests.broken_connectors:{scheduler}:{worker}")
+    results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}")
     failed = {r.check for r in results if r.failed}
     assert failed == {label.split(" (")[0]}, [(r.scenario, r.model, r.check, r.evidence[:2]) for r in results
                                               if r.failed]
@@ -58,7 +58,7 @@ def test_the_reference_connectors_pass_everything(target):
 
 
 def test_evidence_names_the_coordinates():
-    results = validate_in_process("tests.broken_connectors:HostConnectorScheduler:WrongSlotWorker", ["cold-warm"])
+    results = validate_in_process("tests.helpers.broken_connectors:HostConnectorScheduler:WrongSlotWorker", ["cold-warm"])
     (bad,) = [r for r in results if r.check == "integrity" and r.model == "tiny"]
     assert "request 1, layer group 0, block" in bad.evidence[0] and "expected" in bad.evidence[0]
 
@@ -74,7 +74,7 @@ def test_cli_exit_codes_junit_and_json(tmp_path):
     assert {c.get("classname") for c in cases} >= {"cold-warm[tiny]", "clamp[tiny-vswa]", "setup[tiny]"}
     doc = json.loads(out.read_text())
     assert doc["passed"] is True and {r["check"] for r in doc["results"]} >= {"integrity", "warm-hit"}
-    bad = runner.invoke(app, ["validate", "tests.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
+    bad = runner.invoke(app, ["validate", "tests.helpers.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
                               "--junit", str(junit)])
     assert bad.exit_code == 1 and "checks failed" in bad.stderr
     failures = ET.parse(junit).getroot().findall("./testsuite/testcase/failure")

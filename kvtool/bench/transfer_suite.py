@@ -128,7 +128,6 @@ class TransferSuite:
             host = torch.empty(size, dtype=torch.uint8).pin_memory()
             host_in = ws.store.tensor[:size]
             device_out = ws.staging.tensor[:size]
-            streams = [torch.cuda.Stream(), torch.cuda.Stream()]
             plans = {Direction.SAVE: [(host, device_buf)], Direction.LOAD: [(device_out, host_in)],
                      Direction.BOTH: [(host, device_buf), (device_out, host_in)],
                      Direction.GATHER: [(device_out, device_buf)]}

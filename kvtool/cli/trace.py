@@ -16,7 +16,7 @@ from kvtool.cli.inspect_layout import manager_config
 from kvtool.connector.loader import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.engine.trace import run_trace
+from kvtool.engine.trace import TraceSummary, run_trace
 from kvtool.engine.workload import load_workload
 from kvtool.errors import InputError
 
@@ -88,20 +88,20 @@ def trace_run(
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
 
 
-def _summary_table(summary: dict) -> Table:
-    table = Table(title=f"trace: {summary['model']} · connector {summary['connector']}")
+def _summary_table(summary: TraceSummary) -> Table:
+    table = Table(title=f"trace: {summary.model} · connector {summary.connector}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
+    for key, value in summary.as_dict().items():
         if key not in ("model", "connector"):
             table.add_row(key, "-" if value is None else str(value))
     return table
 
 
-def _write_json(path: Path, summary: dict) -> None:
+def _write_json(path: Path, summary: TraceSummary) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 

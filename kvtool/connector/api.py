@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvtool.errors import ConnectorError
-from kvtool.group_pages import GroupPages, valid_page_slots
+from kvtool.group_pages import GroupPages, valid_page_slots as valid_page_slots  # re-exported: the API names it
 
 if TYPE_CHECKING:
     import torch

@@ -87,8 +87,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.tokens = request.get_tokens(0)[:request.prompt_len]
         tracker.extend_keys(self.tokens_per_block)
         tpb = self.tokens_per_block
-        for num_blocks in range(len(tracker.keys), num_computed_tokens // tpb, -1):
-            length = num_blocks * tpb
+        for num_hit_blocks in range(len(tracker.keys), num_computed_tokens // tpb, -1):
+            length = num_hit_blocks * tpb
             plan = self._plan(tracker, num_computed_tokens, min(length, request.prompt_len - 1))
             if plan is not None and length > num_computed_tokens:
                 for location in plan.values():

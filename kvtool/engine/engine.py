@@ -14,6 +14,8 @@ from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, Lay
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime, require_gpu_tier_only
+from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
+                                  SaveStarted)
 from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -82,8 +84,10 @@ class Engine:
         self._order: list[RequestState] = []
         self.clock = 0.0
         self.iteration = 0
+        self.events = EventStream()
+        self.manager.page_table.on_evict = self._on_evict
         self.connector = self._attach(connector, connector_options or {}) if connector else None
-        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail)
+        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
         self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else HostStream()
 
     # ---- setup -------------------------------------------------------------------------------
@@ -140,6 +144,15 @@ class Engine:
         roles = len(model.layers[0].buffers)
         return region.as_tensor(model.dtype.torch_dtype).view(
             region.num_slots, model.num_layers, roles, self.manager.tokens_per_block, spec.num_heads, spec.head_dim)
+
+    # ---- events ------------------------------------------------------------------------------
+    def emit(self, kind: type[EngineEvent], **fields) -> None:
+        """Send one event, stamped with this iteration and clock, to every subscriber of `events`."""
+        if self.events.active:
+            self.events.emit(kind(iteration=self.iteration, clock=self.clock, **fields))
+
+    def _on_evict(self, page, block_ordinal: int) -> None:
+        self.emit(Evicted, layer_group_id=int(page.layer_group_id), block_ordinal=block_ordinal)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> RequestState:
@@ -246,6 +259,9 @@ class Engine:
         saved, loaded, finished_ok = runtime.collect_finished()
         if not ok or not finished_ok:
             self._fail_pass(batch, runtime.failures[-1].describe())
+        for state in batch.first_chunks:
+            if state.delivered_at == self.iteration and state.num_external and state.phase is Phase.CONTEXT:
+                self.emit(LoadFinished, request_id=state.request_id)
         for request_id in loaded:
             self._loaded(self.states.get(request_id))
         for request_id in saved:
@@ -307,24 +323,29 @@ class Engine:
         if self.connector is not None and state.seen_by_connector:
             ok, is_async = self.connector.finish(state.request, pages)
             if not ok:
-                self._close(state, Phase.FAILED, "request_finished raised")
+                self._close(state, Phase.FAILED, FailureReason.FINISHED_HOOK_RAISED)
                 return
+        self.emit(Finished, request_id=state.request_id, failure=None,
+                  num_generated_tokens=len(state.request.generated_token_ids))
         if is_async:
             state.hold = self.manager.hold_pages(state.kv)
             state.kv.close()
             state.phase = Phase.SAVING
+            self.emit(SaveStarted, request_id=state.request_id)
         else:
             self._close(state, Phase.DONE)
 
     def _loaded(self, state: RequestState | None) -> None:
         if state is not None and state.phase is Phase.TRANSMISSION:
             state.phase = Phase.CONTEXT
+            self.emit(LoadFinished, request_id=state.request_id)
 
     def _saved(self, state: RequestState | None) -> None:
         if state is not None and state.phase is Phase.SAVING:
             state.hold.release()
             state.hold = None
             state.phase = Phase.DONE
+            self.emit(SaveFinished, request_id=state.request_id)
 
     def _fail_stuck_transmissions(self) -> None:
         limit = self.config.max_transmission_iterations
@@ -355,15 +376,22 @@ class Engine:
             offer = state.offer
             if offer is not None and not offer.closed:
                 offer.closed = True
-                self.connector.cancel(state.request, offer.start, offer.end)
+                self.scheduler.cancel(state, offer.start, offer.end)
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
                 pages = state.kv.page_indices_by_group() if state.kv is not None and \
                     state.kv.status is not KvCacheStatus.CLOSED else {g.layer_group_id: [] for g in self.manager.layer_groups}
                 self.connector.finish(state.request, pages)
-        state.failure = reason
-        self._close(state, Phase.FAILED, f"{reason.value}: {detail}" if detail else reason.value)
+        self._close(state, Phase.FAILED, reason, detail)
 
-    def _close(self, state: RequestState, phase: Phase, reason: str | None = None) -> None:
+    def _close(self, state: RequestState, phase: Phase, failure: FailureReason | None = None,
+               detail: str = "") -> None:
+        """End a request in `phase`; a FAILED one records `failure` and "<reason>: <detail>" as its error."""
+        if failure is not None:
+            if state.phase is not Phase.SAVING:
+                self.emit(Finished, request_id=state.request_id, failure=failure,
+                          num_generated_tokens=len(state.request.generated_token_ids))
+            state.failure = failure
+        reason = None if failure is None else f"{failure.value}: {detail}" if detail else failure.value
         if state.kv is not None:
             state.kv.close()
         if state.hold is not None:

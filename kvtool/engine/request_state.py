@@ -26,6 +26,7 @@ class FailureReason(enum.Enum):
     ABORTED = "aborted"
     ASK_RAISED = "get_num_new_matched_tokens raised"
     ALLOC_HOOK_RAISED = "update_state_after_alloc raised"
+    FINISHED_HOOK_RAISED = "request_finished raised"
     CONNECTOR_FAILED_IN_PASS = "connector failed during the pass"
     STUCK_IN_TRANSMISSION = "stuck in transmission"
 

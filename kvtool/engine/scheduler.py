@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.connector.runtime import ConnectorRuntime
+from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope
@@ -57,11 +58,13 @@ class Batch:
 
 class Scheduler:
     def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
-                 fail: Callable[[RequestState, FailureReason], None]) -> None:
+                 fail: Callable[[RequestState, FailureReason], None],
+                 emit: Callable[..., None] = lambda kind, **fields: None) -> None:
         self.manager = manager
         self.config = config
         self.connector = connector
         self._fail = fail
+        self._emit = emit
         self.iteration = 0
 
     def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int) -> Batch:
@@ -149,13 +152,15 @@ class Scheduler:
         if answer is None:
             self._fail(state, FailureReason.ASK_RAISED)
             return False
-        if answer.num_tokens == 0:
-            return True
         end = local_end + answer.num_tokens
         clamped = min(end, state.prompt_len - 1)
+        self._emit(Ask, request_id=state.request_id, num_computed_tokens=local_end,
+                   num_offered_tokens=max(clamped - local_end, 0), is_async=answer.is_async)
+        if answer.num_tokens == 0:
+            return True
         state.offer = Offer(local_end, clamped, answer.is_async)
         if end > clamped:
-            self.connector.cancel(state.request, clamped, end)
+            self.cancel(state, clamped, end)
         if clamped <= local_end:
             state.offer.closed = True
         return True
@@ -164,17 +169,19 @@ class Scheduler:
         offer, kv = state.offer, state.kv
         if offer is None or offer.closed or offer.end <= local_end:
             return local_end
-        if kv.resize(max(kv.capacity, offer.end), offer.end, scratch_reuse=False):
+        ok = kv.resize(max(kv.capacity, offer.end), offer.end, scratch_reuse=False)
+        self._emit(Reserve, request_id=state.request_id, start=offer.start, end=offer.end, ok=ok)
+        if ok:
             return offer.end
         offer.closed = True
-        self.connector.cancel(state.request, offer.start, offer.end)
+        self.cancel(state, offer.start, offer.end)
         return local_end
 
     def _deliver(self, state: RequestState, batch: Batch) -> None:
         offer, kv = state.offer, state.kv
         if offer is not None and not offer.closed:
             committed = min(kv.num_committed_tokens, offer.end)
-            self.connector.cancel(state.request, offer.start, committed)
+            self.cancel(state, offer.start, committed)
             recorded = offer.end - committed
             if not 0 <= recorded <= state.position:
                 raise LogicError(f"request {state.request_id}: recorded {recorded} external tokens at "
@@ -183,6 +190,9 @@ class Scheduler:
             state.num_external = recorded
             state.num_local_hit = committed
             state.delivered_at = self.iteration
+            self._emit(Deliver, request_id=state.request_id, num_external=recorded, num_local_hit=committed)
+            if recorded:
+                self._emit(LoadStarted, request_id=state.request_id, num_tokens=recorded, is_async=offer.is_async)
         if self.connector is None:
             return
         state.seen_by_connector = True
@@ -197,6 +207,12 @@ class Scheduler:
             self.connector.start_async_load(state.request_id)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def cancel(self, state: RequestState, start: int, end: int) -> None:
+        """Hand tokens [start, end) of the request's offer back to the connector (`cancel_load`)."""
+        self.connector.cancel(state.request, start, end)
+        if end > start:
+            self._emit(Cancel, request_id=state.request_id, start=start, end=end)
+
     def _chunk(self, position: int, prompt_len: int, budget: list[int]) -> int:
         n = min(prompt_len - position, budget[0])
         if self.config.chunk_size:

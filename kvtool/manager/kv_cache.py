@@ -18,7 +18,7 @@ from kvtool.manager.block_keys import ReuseScope, block_key
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.radix_tree import RadixNode, RadixTree
-from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, KvCacheStatus, LayerGroupId, PageIndex, Priority
+from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, LayerGroupId, PageIndex, Priority
 
 @dataclass
 class Match:

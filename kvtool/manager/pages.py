@@ -58,6 +58,8 @@ class PageTable:
         self._droppable: list[dict[Priority, OrderedDict[int, Page]]] = [{} for _ in allocators]
         self.num_evictions = 0
         self.on_allocate: Callable[[Page], None] | None = None
+        self.on_evict: Callable[[Page, int], None] | None = None
+        """Called with the evicted page (its slot already free) and the block ordinal it held."""
 
     def pool_group_of(self, layer_group_id: LayerGroupId) -> PoolGroupIndex:
         return self._pool_group_of[layer_group_id]
@@ -158,6 +160,8 @@ class PageTable:
         self._free(page)
         self._tree.prune(node)
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(page, node.block_ordinal)
 
     def _free(self, page: Page) -> None:
         del self._pages[page.pool_group_index][page.slot]

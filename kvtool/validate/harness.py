@@ -11,6 +11,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.events import EventLog, Finished, LoadStarted, SaveFinished, SaveStarted
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
@@ -54,6 +55,8 @@ class Run:
     error: str | None = None
     canary_issues: int = 0
     notes: list[str] = field(default_factory=list)
+    events: EventLog = field(default_factory=EventLog)
+    """Everything the engine emitted during the run: what the judges read."""
 
     @property
     def states(self):
@@ -84,6 +87,7 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
     config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, max_transmission_iterations)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
+    engine.events.subscribe(result.events)
     check_canary = _plant_canary(engine) if canary else None
     if setup:
         setup(engine)
@@ -193,17 +197,19 @@ def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
     if r.engine is None:
         return []
     runtime, out = r.runtime, []
-    stuck = [f"request {rid}: {s.error}" for rid, s in r.states.items()
-             if s.failure is FailureReason.STUCK_IN_TRANSMISSION]
-    if runtime.num_async_loads or stuck:
+    stuck = [f"request {e.request_id}: {r.state(e.request_id).error}" for e in r.events.of(Finished)
+             if e.failure is FailureReason.STUCK_IN_TRANSMISSION]
+    async_loads = [e for e in r.events.of(LoadStarted) if e.is_async]
+    if async_loads or stuck:
         out.append(result(scenario, ctx, "load-completes", not stuck,
-                          stuck or [f"{runtime.num_async_loads} asynchronous loads landed"]))
+                          stuck or [f"{len(async_loads)} asynchronous loads landed"]))
     bad_ids = [v.detail for v in runtime.violations if v.check.is_bad_finished_id]
-    unsaved = [f"request {rid}: its asynchronous save was never reported" for rid, s in r.states.items()
-               if s.phase is Phase.SAVING]
-    if runtime.num_async_saves or bad_ids:
+    saves = [e.request_id for e in r.events.of(SaveStarted)]
+    reported = {e.request_id for e in r.events.of(SaveFinished)}
+    unsaved = [f"request {rid}: its asynchronous save was never reported" for rid in saves if rid not in reported]
+    if saves or bad_ids:
         out.append(result(scenario, ctx, "finished-ids", not bad_ids and not unsaved,
-                          bad_ids + unsaved or [f"{runtime.num_async_saves} asynchronous saves reported once each"]))
+                          bad_ids + unsaved or [f"{len(saves)} asynchronous saves reported once each"]))
     return out
 
 

@@ -15,9 +15,9 @@ from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
                                      judge_warm_hit, reference_tokens, result, run, skipped, tokens)
+from kvtool.validate.results import CheckResult
 
 SENTINEL_ID = -434343
-from kvtool.validate.results import CheckResult
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,144 @@
+"""Typed events of the engine loop, delivered to optional subscribers.
+
+The trace report, validate's judges and any timeline read this one stream instead of each poking
+at the engine's state. Every event carries the iteration it happened in and the simulated clock;
+token ranges are absolute prompt positions [start, end). With no subscriber, emitting costs one
+check.
+
+Order within one request: Ask, then (when the connector offered tokens and pages were found)
+Reserve, then Deliver or Cancel of the offer's tokens, LoadStarted/LoadFinished around a load,
+then Finished; SaveStarted/SaveFinished bracket an asynchronous save after Finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtool.engine.request_state import FailureReason
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    iteration: int
+    clock: float
+    """Simulated seconds since the start of the replay."""
+
+
+@dataclass(frozen=True)
+class Ask(EngineEvent):
+    """`get_num_new_matched_tokens` answered (once per request): the offer, clamped to the prompt."""
+
+    request_id: int
+    num_computed_tokens: int
+    num_offered_tokens: int
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class Reserve(EngineEvent):
+    """Pages for the offered tokens: `ok` False when they could not be found (the offer is cancelled)."""
+
+    request_id: int
+    start: int
+    end: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Deliver(EngineEvent):
+    """The offer became the request's: `num_external` tokens come from the connector."""
+
+    request_id: int
+    num_external: int
+    num_local_hit: int
+
+
+@dataclass(frozen=True)
+class Cancel(EngineEvent):
+    """Tokens [start, end) of an offer handed back through `cancel_load` (never an empty range)."""
+
+    request_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class LoadStarted(EngineEvent):
+    """A delivered load begins: in this iteration's pass (sync), or in the background (async)."""
+
+    request_id: int
+    num_tokens: int
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class LoadFinished(EngineEvent):
+    """The loaded KV is in the cache: the end of the pass (sync) or every rank's report (async)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class SaveStarted(EngineEvent):
+    """`request_finished` returned True: an asynchronous save holds the request's pages."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class SaveFinished(EngineEvent):
+    """Every rank reported the asynchronous save: its pages are released."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Finished(EngineEvent):
+    """The request is over: `failure` None when it completed, the reason when it failed."""
+
+    request_id: int
+    failure: FailureReason | None
+    num_generated_tokens: int
+
+
+@dataclass(frozen=True)
+class Evicted(EngineEvent):
+    """The radix tree lost a cached block's page in one layer group to make room."""
+
+    layer_group_id: int
+    block_ordinal: int
+
+
+Subscriber = Callable[[EngineEvent], None]
+
+
+class EventStream:
+    """Fan-out of engine events to subscribers, in subscription order."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        self._subscribers.append(subscriber)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._subscribers)
+
+    def emit(self, event: EngineEvent) -> None:
+        for subscriber in self._subscribers:
+            subscriber(event)
+
+
+class EventLog:
+    """A subscriber that keeps every event, for judges and reports that read them afterwards."""
+
+    def __init__(self) -> None:
+        self.events: list[EngineEvent] = []
+
+    def __call__(self, event: EngineEvent) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type[EngineEvent]) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
