@@ -2,6 +2,7 @@
 
 - `InputError`: bad user input (unknown model, malformed file, impossible size): the CLI exits 2.
 - `OutOfMemoryError` / `OutOfPagesError`: the cache cannot hold what was asked.
+- `IterationLimitError`: a replay did not finish within its iteration limit (the CLI exits 1).
 - `LogicError`: a broken contract or invariant inside the manager or the runtime (a bug somewhere).
 - `LayoutError`: a layout query outside what the layout describes.
 - `ConnectorError`: a connector broke the connector API contract or raised from a hook.
@@ -25,6 +26,10 @@ class OutOfMemoryError(KvToolError):
 
 class OutOfPagesError(OutOfMemoryError):
     """No free or evictable slot is left in a pool group."""
+
+
+class IterationLimitError(KvToolError):
+    """Requests were still unfinished when the engine reached its iteration limit."""
 
 
 class LogicError(KvToolError):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvtool.blocks import ceil_div, num_live_blocks, stale_block_range
-from kvtool.connector.loader import load_connector
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import DTYPES, build_model

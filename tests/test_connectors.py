@@ -6,10 +6,12 @@ import warnings
 
 import pytest
 
-from kvtool.connector.loader import ConnectorSpec, load_connector
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connectors.registry import load_connector
 from kvtool.connector.request import Request
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex
-from kvtool.connectors.disk import DiskConnectorScheduler, block_path
+from kvtool.connectors import disk as disk_module
+from kvtool.connectors.disk import DiskConnectorScheduler, block_path, read_block, write_block
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import Phase
 from kvtool.engine.scheduler import SchedulerConfig
@@ -127,14 +129,37 @@ def test_disk_blocks_survive_the_process_and_corrupt_files_are_misses(tmp_path, 
     assert {rid - 10: t for rid, t in tokens_of(engine).items()} == reference["tiny"]
 
 
-def test_a_crashed_save_leaves_nothing_that_loads(tmp_path):
+def test_a_leftover_temp_file_is_never_a_hit(tmp_path):
     engine = run("disk", options={"dir": str(tmp_path)})
     scheduler: DiskConnectorScheduler = engine.connector.scheduler
     key = b"\x01" * 32
     path = block_path(scheduler.root, key, 0)
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / f".{path.name}.123.tmp").write_bytes(b"partial")
-    assert scheduler.lookup(key, 0) is None
+    assert scheduler.lookup(key, 0) is None and scheduler.num_corrupt == 0
+
+
+@pytest.mark.parametrize("crash_in", ["fsync", "replace"])
+def test_a_save_that_crashes_midway_publishes_nothing(crash_in, tmp_path, monkeypatch):
+    """Power lost before the data is durable (fsync) or before it is published (rename): the block
+    must be a plain miss — no file at its name, no leftover, nothing quarantined as corrupt. A
+    connector writing in place leaves a file at the block's name here."""
+    engine = run("disk", options={"dir": str(tmp_path)})
+    scheduler: DiskConnectorScheduler = engine.connector.scheduler
+    key, payload = b"\x02" * 32, bytes(range(256)) * 64
+    path = block_path(scheduler.root, key, 0)
+
+    def crash(*args, **kwargs):
+        raise OSError(5, "simulated crash")
+
+    monkeypatch.setattr(disk_module.os, crash_in, crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_block(path, key, 0, payload)
+    monkeypatch.undo()
+    assert not path.exists() and [p.name for p in path.parent.iterdir() if key.hex() in p.name] == []
+    assert scheduler.lookup(key, 0) is None and scheduler.num_corrupt == 0
+    write_block(path, key, 0, payload)           # the next save of the block publishes it whole
+    assert read_block(path, key, 0, len(payload)) == payload
 
 
 class WrongSlotWorker(HostConnectorWorker):

@@ -8,7 +8,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import FailureReason, Offer, Phase
-from kvtool.errors import ConnectorError, InputError, LogicError
+from kvtool.errors import ConnectorError, InputError, IterationLimitError, LogicError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
@@ -288,3 +288,66 @@ def test_a_tensor_only_worker_gets_the_pool_for_a_single_region_layout():
 def test_a_tensor_only_worker_gets_the_actionable_error_for_vswa():
     with pytest.raises(InputError, match="does not support the V2 KV cache layout"):
         make_engine(scripted(lambda r, n: (0, False), worker=_TensorOnly), model="tiny-vswa")
+
+
+class _PassCounting(OracleWorker):
+    """Counts end-of-pass calls, and remembers what had happened when each came."""
+
+    def __init__(self, llm_args) -> None:
+        super().__init__(llm_args)
+        self.hooks: list[str] = []
+
+    def register_forward_pass_callable(self):
+        self.hooks.append("register")
+        return lambda: self.hooks.append("end-of-pass")
+
+    def save_kv_layer(self, layer_idx, stream):
+        self.hooks.append(f"save {layer_idx}")
+
+    def wait_for_save(self, stream):
+        self.hooks.append("wait_for_save")
+
+
+def test_the_forward_pass_callable_runs_once_per_pass_after_the_last_layer():
+    engine = make_engine(scripted(lambda r, n: (0, False), worker=_PassCounting), num_ranks=2)
+    engine.add_request(Request(1, list(range(10)), 3))
+    engine.run()
+    for worker in engine.connector.workers:
+        assert worker.hooks[0] == "register" and worker.hooks.count("register") == 1
+        assert worker.hooks.count("end-of-pass") == engine.stats.iterations == 3   # prefill, two generation steps
+        one_pass = ["save 0", "save 1", "save 2", "save 3", "end-of-pass", "wait_for_save"]
+        assert worker.hooks[1:] == one_pass * 3
+
+
+class _BadCallable(OracleWorker):
+    def register_forward_pass_callable(self):
+        return 42
+
+
+class _RaisingCallable(OracleWorker):
+    def register_forward_pass_callable(self):
+        def boom():
+            raise RuntimeError("event pool exhausted")
+        return boom
+
+
+def test_a_forward_pass_callable_that_is_not_callable_is_a_setup_error():
+    with pytest.raises(InputError, match="returned 42, which is neither None nor callable"):
+        make_engine(scripted(lambda r, n: (0, False), worker=_BadCallable))
+
+
+def test_a_raising_forward_pass_callable_fails_the_pass_not_the_run():
+    engine = make_engine(scripted(lambda r, n: (0, False), worker=_RaisingCallable))
+    engine.add_request(Request(1, list(range(10)), 3))
+    engine.run()
+    state = engine.states[1]
+    assert state.failure is FailureReason.CONNECTOR_FAILED_IN_PASS
+    assert "forward pass callable (rank 0)" in state.error and "event pool exhausted" in state.error
+    assert engine.manager.caches == [] and engine.manager.holds == []
+
+
+def test_running_out_of_iterations_is_its_own_error():
+    engine = make_engine()
+    engine.add_request(Request(1, list(range(10)), 50))
+    with pytest.raises(IterationLimitError, match="1 requests still unfinished after 5 iterations"):
+        engine.run(max_iterations=5)

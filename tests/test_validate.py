@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-from kvtool.connector.loader import load_connector
+from kvtool.connectors.registry import load_connector
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS
 from kvtool.validate.runner import run_all

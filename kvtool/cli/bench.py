@@ -12,13 +12,12 @@ import pandas as pd
 import typer
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.bench import compute, manager_suite
 from kvtool.bench.sweep import SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
-from kvtool.cli.common import ExitCode, clean_errors, fail
+from kvtool.cli.common import ExitCode, clean_errors, fail, progress_bar
 from kvtool.errors import InputError
 from kvtool.models import load_model
 from kvtool.report.bench_report import default_output_dir, rows_table, write_run
@@ -108,14 +107,11 @@ def bench(
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:
     rows: list[dict] = []
-    with Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("bench", total=len(cases), info="")
+    with progress_bar("bench", len(cases), console) as update:
         for case in cases:
-            progress.update(task, info=f"{case.backend} {case.direction} {case.model}/{case.tokens_per_block} "
-                                       f"{case.granularity}")
+            update(info=f"{case.backend} {case.direction} {case.model}/{case.tokens_per_block} {case.granularity}")
             rows.append(transfer.measure(case).as_dict())
-            progress.advance(task)
+            update(advance=1)
     return rows
 
 

@@ -11,33 +11,14 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from kvtool.cli.common import clean_errors, write_text
-from kvtool.errors import InputError
-from kvtool.manager import KvCacheManagerConfig, compute_layout
-from kvtool.models import load_model
+from kvtool.cli.common import clean_errors, manager_config, write_text
+from kvtool.manager import compute_layout
 from kvtool.report.layout_report import layout_frame, layout_tables, layout_to_dict
-from kvtool.units import parse_size
-
-DEFAULT_GPU_MEMORY = "8GiB"
-
 
 class LayoutFormat(str, Enum):
     table = "table"
     json = "json"
     csv = "csv"
-
-
-def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_memory: str | None,
-                   num_slots: int | None, default_memory: str = DEFAULT_GPU_MEMORY,
-                   device: str | None = None) -> KvCacheManagerConfig:
-    """A validated manager config from command-line values (InputError for bad ones)."""
-    if gpu_memory is not None and num_slots is not None:
-        raise InputError("give --gpu-memory or --num-slots, not both")
-    memory = None if num_slots is not None else parse_size(gpu_memory or default_memory)
-    config = KvCacheManagerConfig(load_model(model, dtype), tokens_per_block, num_slots=num_slots,
-                                  memory_bytes=memory, device=device)
-    config.validate()
-    return config
 
 
 @clean_errors

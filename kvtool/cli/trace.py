@@ -8,12 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtool.cli.common import ExitCode, clean_errors, fail
-from kvtool.cli.inspect_layout import manager_config
-from kvtool.connector.loader import load_connector
+from kvtool.cli.common import ExitCode, clean_errors, fail, manager_config, parse_options, progress_bar
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import TraceSummary, run_trace
@@ -22,16 +20,6 @@ from kvtool.errors import InputError
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 DEFAULT_NUM_SLOTS = 1024
-
-
-def parse_options(pairs: list[str]) -> dict[str, str]:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InputError(f"connector option {pair!r} is not KEY=VALUE")
-        options[key] = value
-    return options
 
 
 @trace_app.command("run")
@@ -70,13 +58,11 @@ def trace_run(
     if connector_dir is not None:
         options["dir"] = str(connector_dir)
     console = Console(stderr=True)
-    with Progress(TextColumn("[bold]trace"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("trace", total=len(requests), info="")
+    with progress_bar("trace", len(requests), console) as update:
 
         def on_iteration(engine) -> None:
             done = sum(not s.is_live for s in engine.states.values())
-            progress.update(task, completed=done, info=f"iteration {engine.iteration}")
+            update(completed=done, info=f"iteration {engine.iteration}")
 
         result = run_trace(requests, config, spec, options, on_iteration)
     Console().print(_summary_table(result.summary))

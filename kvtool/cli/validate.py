@@ -12,9 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import ExitCode, clean_errors, fail
-from kvtool.cli.trace import parse_options
-from kvtool.connector.loader import load_connector
+from kvtool.cli.common import ExitCode, clean_errors, fail, parse_options
+from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import load_model
 from kvtool.validate.compat_trtllm import COMPAT

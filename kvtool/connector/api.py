@@ -153,7 +153,9 @@ class KvCacheConnectorWorker(ABC):
                              "register_kv_caches")
 
     def register_forward_pass_callable(self) -> Callable[[], None] | None:
-        """Optionally a callable run at the end of each forward pass, on its stream."""
+        """Optionally a callable the runtime runs at the end of every forward pass (after the last
+        layer's `save_kv_layer`, before `wait_for_save`), with the forward stream current: the place
+        to record a CUDA event that says when the pass's KV is written. Asked once, at setup."""
         return None
 
     @abstractmethod

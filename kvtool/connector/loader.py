@@ -1,4 +1,7 @@
-"""Finding a connector: a built-in name, `MODULE:SCHED:WORKER`, or `path/to/file.py:SCHED:WORKER`."""
+"""Finding a connector: a registered name, `MODULE:SCHED:WORKER`, or `path/to/file.py:SCHED:WORKER`.
+
+This layer knows no connector by name: `kvtool.connectors.registry` passes its built-ins in.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +10,10 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.errors import InputError
-
-BUILTINS: dict[str, tuple[str, str, str, dict[str, str]]] = {
-    "host": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker", {"mode": "sync"}),
-    "host-async": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker", {"mode": "async"}),
-    "host-layerwise": ("kvtool.connectors.host", "HostConnectorScheduler", "HostConnectorWorker",
-                       {"mode": "layerwise"}),
-    "disk": ("kvtool.connectors.disk", "DiskConnectorScheduler", "DiskConnectorWorker", {"mode": "sync"}),
-}
-
 
 @dataclass(frozen=True)
 class ConnectorSpec:
@@ -26,17 +21,17 @@ class ConnectorSpec:
     scheduler_class: type
     worker_class: type
     module: str
-    options: dict[str, str] = field(default_factory=dict)
+    options: Mapping[str, str] = field(default_factory=dict)
 
 
-def load_connector(target: str) -> ConnectorSpec:
-    """Import the connector `target` names; InputError (with the import error) when it cannot be."""
-    if target in BUILTINS:
-        module, sched, worker, options = BUILTINS[target]
-        return _spec(target, _import_module(module, target), module, sched, worker, dict(options))
+def load_connector(target: str, registered: Mapping[str, ConnectorSpec]) -> ConnectorSpec:
+    """The connector `target` names: one of `registered`, or imported from a module or file;
+    InputError (with the import error) when it cannot be."""
+    if target in registered:
+        return registered[target]
     parts = target.rsplit(":", 2)
     if len(parts) != 3 or not all(parts):
-        raise InputError(f"connector {target!r}: use a built-in ({', '.join(BUILTINS)}), MODULE:SCHED:WORKER "
+        raise InputError(f"connector {target!r}: use a built-in ({', '.join(registered)}), MODULE:SCHED:WORKER "
                          "or path/to/file.py:SCHED:WORKER")
     where, sched, worker = parts
     module = _import_file(where, target) if where.endswith(".py") else _import_module(where, target)

@@ -102,6 +102,7 @@ class ConnectorRuntime:
         self._loads = [_RankReports() for _ in self.workers]
         self._saves = [_RankReports() for _ in self.workers]
         self._load_reports: dict[int, set[int]] = {}
+        self._end_of_pass: list[tuple[int, Callable[[], Any]]] = []
         self._save_reports: dict[int, set[int]] = {}
 
     # ---- guarded calls -----------------------------------------------------------------------
@@ -183,6 +184,28 @@ class ConnectorRuntime:
         return ok, bool(ok and result)
 
     # ---- worker side -------------------------------------------------------------------------
+    def ask_forward_pass_callables(self) -> None:
+        """Ask every worker once for its end-of-pass callable; ConnectorError when one raises or
+        answers something that is neither None nor callable."""
+        self._end_of_pass = []
+        for rank, worker in enumerate(self.workers):
+            hook = f"register_forward_pass_callable (rank {rank})"
+            ok, answer = self.call(hook, worker.register_forward_pass_callable)
+            if not ok:
+                raise ConnectorError(f"{hook} raised: {self.failures[-1].error}")
+            if answer is not None and not callable(answer):
+                raise ConnectorError(f"{hook} returned {answer!r}, which is neither None nor callable")
+            if answer is not None:
+                self._end_of_pass.append((rank, answer))
+
+    def end_forward_pass(self) -> bool:
+        """Run the callables of `ask_forward_pass_callables` (the caller makes the forward stream
+        current); False when one raised."""
+        ok = True
+        for rank, callback in self._end_of_pass:
+            ok &= self.call(f"forward pass callable (rank {rank})", callback)[0]
+        return ok
+
     def for_each_worker(self, hook: str, *args: Any) -> bool:
         ok = True
         for rank, worker in enumerate(self.workers):

@@ -1,12 +1,15 @@
 """The engine loop: schedule -> deliver -> build_connector_meta -> start_load_kv -> per layer
-(wait_for_layer_load, fake forward, save_kv_layer) -> wait_for_save -> get_finished -> commit ->
+(wait_for_layer_load, fake forward, save_kv_layer) -> the workers' forward-pass callables ->
+wait_for_save -> get_finished -> commit ->
 generation steps until max_new_tokens, then request_finished with the request's page indices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+
 import torch
 
 from kvtool.connector.api import KvCacheConnectorWorker
@@ -20,11 +23,11 @@ from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
-from kvtool.errors import ConnectorError, ConstructionError, InputError, OutOfPagesError
+from kvtool.errors import ConnectorError, ConstructionError, InputError, IterationLimitError, OutOfPagesError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
-from kvtool.types import KvCacheStatus
 from kvtool.manager.integrity import check_manager
+from kvtool.types import KvCacheStatus
 
 
 class HostStream:
@@ -118,7 +121,12 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
                                  f"{type(exc).__name__}: {exc}") from None
-        return ConnectorRuntime(scheduler, workers)
+        runtime = ConnectorRuntime(scheduler, workers)
+        try:
+            runtime.ask_forward_pass_callables()
+        except ConnectorError as exc:
+            raise InputError(f"connector {spec.name!r}: {exc}") from None
+        return runtime
 
     def _register(self, worker: KvCacheConnectorWorker) -> None:
         """The layout, or the single pool tensor for a worker that only takes one (and a layout that
@@ -180,7 +188,8 @@ class Engine:
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
         while not self.is_done():
             if self.iteration >= max_iterations:
-                raise OutOfPagesError(f"requests still unfinished after {max_iterations} iterations")
+                raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
+                                          f"{max_iterations} iterations")
             self.step()
             if on_iteration is not None:
                 on_iteration(self)
@@ -278,7 +287,14 @@ class Engine:
             self.fake.forward_layer(layer_id, items)
             if not runtime.for_each_worker("save_kv_layer", layer_id, self.stream):
                 return False
+        with self._forward_stream():
+            if not runtime.end_forward_pass():
+                return False
         return runtime.for_each_worker("wait_for_save", self.stream)
+
+    def _forward_stream(self):
+        """The forward stream made current (on a CPU, nothing to do)."""
+        return torch.cuda.stream(self.stream) if isinstance(self.stream, torch.cuda.Stream) else contextlib.nullcontext()
 
     def _fail_pass(self, batch: Batch, reason: str) -> None:
         for state in [s for s, _ in batch.context] + batch.generation:

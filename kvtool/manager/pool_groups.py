@@ -42,13 +42,23 @@ def align_up(value: int, alignment: int = POOL_ALIGNMENT) -> int:
     return ceil_div(value, alignment) * alignment
 
 
-def placed_bytes(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> int:
-    """Bytes the pools take when placed one after another at 2 MiB aligned offsets."""
-    cursor = 0
+def place_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(offset of every pool [pool group][pool], end of the last pool): pools placed one after
+    another, in pool group order and largest first inside a group, each at a 2 MiB aligned offset."""
+    cursor, offsets = 0, []
     for pool_group, slots in zip(pool_groups, num_slots):
+        group_offsets = []
         for slot_size in pool_group.slot_sizes:
-            cursor = align_up(cursor) + slot_size * slots
-    return cursor
+            cursor = align_up(cursor)
+            group_offsets.append(cursor)
+            cursor += slot_size * slots
+        offsets.append(tuple(group_offsets))
+    return tuple(offsets), cursor
+
+
+def placed_bytes(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> int:
+    """Bytes the pools take when placed as `place_pools` places them."""
+    return place_pools(pool_groups, num_slots)[1]
 
 
 def slots_for_budget(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],

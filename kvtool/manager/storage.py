@@ -16,7 +16,7 @@ from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.layout import (KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion, PoolGroupLayout,
                                    PoolLayout)
-from kvtool.manager.pool_groups import PoolGroupSpec, align_up
+from kvtool.manager.pool_groups import PoolGroupSpec, place_pools
 from kvtool.types import MemAddress, PageIndex, PoolIndex
 
 
@@ -69,16 +69,9 @@ class Pools:
 
 
 def virtual_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> Pools:
-    """Pools placed at 2 MiB aligned offsets from 0, with no memory behind them."""
-    cursor, bases = 0, []
-    for pool_group, slots in zip(pool_groups, num_slots):
-        group_bases = []
-        for slot_size in pool_group.slot_sizes:
-            cursor = align_up(cursor)
-            group_bases.append(MemAddress(cursor))
-            cursor += slot_size * slots
-        bases.append(tuple(group_bases))
-    return Pools(tuple(bases), None)
+    """Pools at the offsets `place_pools` gives them (bases count from 0), with no memory behind them."""
+    offsets, _ = place_pools(pool_groups, num_slots)
+    return Pools(tuple(tuple(MemAddress(o) for o in group) for group in offsets), None)
 
 
 def allocated_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int],

@@ -44,10 +44,10 @@ def _driver_version() -> str | None:
 
 
 def _pycuda_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return version("pycuda")
-    except Exception:  # noqa: BLE001 - not installed
+    except PackageNotFoundError:
         return None
 
 

@@ -1,0 +1,27 @@
+"""The built-in connectors by name, and `load_connector` that knows them."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from kvtool.connector import loader
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
+from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+
+
+def _builtin(name: str, scheduler: type, worker: type, mode: str) -> tuple[str, ConnectorSpec]:
+    return name, ConnectorSpec(name, scheduler, worker, scheduler.__module__, MappingProxyType({"mode": mode}))
+
+
+BUILTIN_CONNECTORS = MappingProxyType(dict([
+    _builtin("host", HostConnectorScheduler, HostConnectorWorker, "sync"),
+    _builtin("host-async", HostConnectorScheduler, HostConnectorWorker, "async"),
+    _builtin("host-layerwise", HostConnectorScheduler, HostConnectorWorker, "layerwise"),
+    _builtin("disk", DiskConnectorScheduler, DiskConnectorWorker, "sync"),
+]))
+
+
+def load_connector(target: str) -> ConnectorSpec:
+    """A built-in by name, or `MODULE:SCHED:WORKER` / `path/to/file.py:SCHED:WORKER` imported."""
+    return loader.load_connector(target, BUILTIN_CONNECTORS)
