@@ -1,6 +1,6 @@
 """Model specs: which layers a model has, their attention window, and the KV buffers per layer.
 
-A spec is built from a named preset (the table in DESIGN.md, exact numbers) or from a Hugging Face
+A spec is built from a named preset (`PRESETS` below, exact numbers) or from a Hugging Face
 style `config.json`. Buffer bytes per block = tokens_per_block x num_heads x head_dim x item size.
 """
 

@@ -81,3 +81,21 @@ def test_kvtool_has_no_import_loop():
     graph = import_graph()
     assert "kvtool.manager.kv_cache" in graph and graph["kvtool.manager.kv_cache"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+LAYERS = ("types", "errors", "blocks", "group_pages", "units", "models", "manager", "transfer", "connector",
+          "connectors", "engine", "bench", "validate", "report", "cli", "__main__")
+"""Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    return -1 if len(parts) == 1 else LAYERS.index(parts[1])
+
+
+def test_every_import_points_down_the_layers():
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if "." in m} == set(LAYERS)
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    if layer_of(b) > layer_of(a) and layer_of(a) >= 0)
+    assert upward == []
