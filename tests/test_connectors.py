@@ -52,7 +52,7 @@ def reference():
 @pytest.mark.parametrize("model", ["tiny", "tiny-vswa"])
 @pytest.mark.parametrize("connector", ["host", "host-layerwise", "disk"])
 def test_cold_miss_then_warm_hit_is_bit_exact(connector, model, reference, tmp_path):
-    engine = run(connector, model, {"dir": str(tmp_path)})
+    engine = run(connector, model, {"dir": str(tmp_path)} if connector == "disk" else None)
     hits = [engine.states[i].num_external for i in range(4)]
     assert hits == [0, 40, 40, 40]          # request 0 misses and saves; the others load the shared 10 blocks
     assert engine.integrity_errors == 0 and tokens_of(engine) == reference[model]
@@ -77,7 +77,7 @@ def test_salt_isolation(tmp_path):
     reqs = [Request(0, SHARED + [1, 2], 2, cache_salt="a"), Request(1, SHARED + [1, 2], 2, cache_salt="b", arrival=0.1),
             Request(2, SHARED + [1, 2], 2, cache_salt="a", arrival=0.2)]
     for connector in ("host", "disk"):
-        engine = run(connector, options={"dir": str(tmp_path)}, reqs=reqs)
+        engine = run(connector, options={"dir": str(tmp_path)} if connector == "disk" else None, reqs=reqs)
         assert [engine.states[i].num_external for i in range(3)] == [0, 0, 40]
 
 

@@ -40,6 +40,8 @@ class Row:
     p50_us: float
     p99_us: float
     peak_gbps: float
+    peak_spread: float
+    """(p90 - p10) / median of the peak's repeats: how steady the baseline was."""
     ratio: float
     verified: bool
 
@@ -53,7 +55,7 @@ class TransferSuite:
         self.cuda = device.type == "cuda"
         self.repeats = repeats
         self._workspaces: dict[tuple, Workspace] = {}
-        self._peaks: dict[tuple, float] = {}
+        self._peaks: dict[tuple, tuple[float, float]] = {}
         self._backends: dict[tuple[str, int], object] = {}
         self._factories: dict[str, Callable[[], object]] = {}
         self._sides: list[torch.cuda.Stream] = []
@@ -84,11 +86,11 @@ class TransferSuite:
             verified &= ws.verify(direction)
         timing = time_repeats(self._together(runs), self.repeats, self.cuda)
         moved = ws.batch_bytes * len(directions)
-        peak = self._peak(ws, case.direction)
+        peak, spread = self._peak_and_spread(ws, case.direction)
         gbps = moved / timing.median / 1e9
         return Row(case.backend, case.direction, case.granularity, case.model, case.tokens_per_block, g.nbytes,
                    moved, round(gbps, 3), round(timing.percentile_us(50), 1), round(timing.percentile_us(99), 1),
-                   round(peak, 3), round(gbps / peak, 4), verified)
+                   round(peak, 3), round(spread, 3), round(gbps / peak, 4), verified)
 
     def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], None]:
         backend = self._backend(backend_name, lane)
@@ -113,12 +115,16 @@ class TransferSuite:
         return self._workspaces[key]
 
     def _peak(self, ws: Workspace, direction: Direction) -> float:
+        return self._peak_and_spread(ws, direction)[0]
+
+    def _peak_and_spread(self, ws: Workspace, direction: Direction) -> tuple[float, float]:
+        """(GB/s, spread) of the same-size contiguous copy, measured once per direction and size."""
         key = (direction, ws.batch_bytes)
         if key not in self._peaks:
             self._peaks[key] = self._measure_peak(ws, direction)
         return self._peaks[key]
 
-    def _measure_peak(self, ws: Workspace, direction: Direction) -> float:
+    def _measure_peak(self, ws: Workspace, direction: Direction) -> tuple[float, float]:
         size = ws.batch_bytes
         if not self.cuda:
             src, dst = torch.empty(size, dtype=torch.uint8).random_(0, 256), torch.empty(size, dtype=torch.uint8)
@@ -136,7 +142,8 @@ class TransferSuite:
             copy()
         self._sync()
         timing: Timing = time_repeats(self._together(copies), self.repeats, self.cuda)
-        return size * len(copies) / timing.median / 1e9
+        spread = (timing.percentile_us(90) - timing.percentile_us(10)) / (timing.median * 1e6)
+        return size * len(copies) / timing.median / 1e9, spread
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:

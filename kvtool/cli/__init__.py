@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from kvtool.cli.bench import bench
+from kvtool.cli.common import OneLineErrorsGroup, kvtool_version
 from kvtool.cli.inspect_layout import inspect_layout
 from kvtool.cli.trace import trace_app
 from kvtool.cli.validate import validate
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="kvtool: develop, benchmark and conformance-check KV cache connectors.")
+app = typer.Typer(cls=OneLineErrorsGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="kvtool: develop, benchmark and conformance-check KV cache connectors.")
 app.command("inspect-layout")(inspect_layout)
 app.command("bench")(bench)
 app.add_typer(trace_app, name="trace")
 app.command("validate")(validate)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvtool {kvtool_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """kvtool: develop, benchmark and conformance-check KV cache connectors."""
 
 

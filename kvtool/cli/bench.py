@@ -14,16 +14,23 @@ import torch
 from rich.console import Console
 
 from kvtool.bench import compute, manager_suite
-from kvtool.bench.sweep import SweepChoice, plan
+from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
 from kvtool.cli.common import ExitCode, clean_errors, fail, progress_bar
 from kvtool.errors import InputError
 from kvtool.models import load_model
-from kvtool.report.bench_report import default_output_dir, rows_table, write_run
+from kvtool.report.bench_report import bench_notes, default_output_dir, rows_table, write_run
+from kvtool.report.run_folder import prepare_run_folder
 from kvtool.transfer import available_backends
 from kvtool.transfer.registry import backend_names
 from kvtool.units import parse_size
+
+
+def _sweep_models() -> str:
+    def listed(sweep: dict) -> str:
+        return ", ".join(f"{m} (tpb {'/'.join(map(str, t))})" for m, t in sweep["models"].items())
+    return f"on a GPU {listed(GPU_DEFAULT)}; on a CPU {listed(CPU_DEFAULT)}; --quick {listed(QUICK)}"
 
 
 class Suite(str, Enum):
@@ -46,16 +53,24 @@ def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what
 
 @clean_errors
 def bench(
-    model: Annotated[list[str], typer.Option(help="Model preset (repeatable; default: the built-in sweep).")] = [],
-    tokens_per_block: Annotated[list[int], typer.Option(help="Tokens per block (repeatable).")] = [],
-    granularity: Annotated[list[str], typer.Option(help="slot (whole pages) or layer (one layer's buffers).")] = [],
-    direction: Annotated[list[str], typer.Option(help="save, load, both or gather (repeatable).")] = [],
-    backend: Annotated[list[str], typer.Option(help="Transfer backend (repeatable; default: all available).")] = [],
-    batch_bytes: Annotated[Optional[str], typer.Option(help="Bytes per batch, e.g. 64MiB.")] = None,
-    repeats: Annotated[Optional[int], typer.Option(help="Timed repeats per case (median reported).")] = None,
+    model: Annotated[list[str], typer.Option(metavar="NAME", help=f"Model preset (repeatable) [default: {_sweep_models()}].")] = [],
+    tokens_per_block: Annotated[list[int], typer.Option(metavar="N", help="Tokens per block (repeatable) [default: per model, "
+                                                                         "as listed for --model].")] = [],
+    granularity: Annotated[list[str], typer.Option(metavar="slot|layer", help="slot (whole pages) or layer (one layer's "
+                                                   "buffers) (repeatable) [default: both].")] = [],
+    direction: Annotated[list[str], typer.Option(metavar="save|load|both|gather",
+                                                 help="Repeatable [default: all four].")] = [],
+    backend: Annotated[list[str], typer.Option(metavar="NAME", help=f"Transfer backend: {', '.join(backend_names())} "
+                                               "(repeatable) [default: every one that runs here].")] = [],
+    batch_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Bytes per batch, e.g. 64MiB [default: 64MiB "
+                                                       "on a GPU, 16MiB on a CPU or with --quick].")] = None,
+    repeats: Annotated[Optional[int], typer.Option(metavar="N", help="Timed repeats per case, median reported [default: "
+                                                   f"{GPU_DEFAULT['repeats']} on a GPU, {CPU_DEFAULT['repeats']} on a CPU, "
+                                                   f"{QUICK['repeats']} with --quick].")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A small sweep, for a smoke test.")] = False,
     format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option(help="Results folder (default results/<timestamp>/).")] = None,
+    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
+                                                   "the plot [default: results/<UTC timestamp>/].")] = None,
     suite: Annotated[Suite, typer.Option(help="transfer (the link) or manager (CPU cost per block).")] = Suite.transfer,
     with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
                                                                       "while saving.")] = False,
@@ -63,13 +78,13 @@ def bench(
     """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
     link peak measured in the same run, or the manager's cost with --suite manager. Writes
     meta.json, results.csv, results.json and a plot under --output."""
-    out_dir = output or default_output_dir()
+    out_dir = prepare_run_folder((output or default_output_dir()).resolve())
     console = Console(stderr=True)
     if suite is Suite.manager:
         rows = [r.as_dict() for r in manager_suite.run()]
         write_run(out_dir, rows, {}, "manager")
         _print(rows, format, "manager cost per block (µs) at 1x, 10x, 100x cached blocks")
-        console.print(f"results in {out_dir}")
+        console.print(f"results in {out_dir}", highlight=False)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -100,7 +115,11 @@ def bench(
     _print(rows, format, f"kvtool bench · {device.get('name')} · GB/s (median of {num_repeats})")
     if extra:
         _print(extra["compute"], format, "with a bf16 matmul running")
-    console.print(f"results in {out_dir}")
+    if format is Format.table:
+        skipped = [b for b in backend_names() if b not in available]
+        for note in bench_notes(rows, device.get("kind", "cpu"), skipped):
+            Console(width=max(150, Console().width)).print(f"note: {note}", highlight=False, markup=False)
+    console.print(f"results in {out_dir}", highlight=False)
     if not all(r["verified"] for r in rows):
         raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
 
@@ -108,10 +127,13 @@ def bench(
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:
     rows: list[dict] = []
     with progress_bar("bench", len(cases), console) as update:
-        for case in cases:
-            update(info=f"{case.backend} {case.direction} {case.model}/{case.tokens_per_block} {case.granularity}")
+        for i, case in enumerate(cases):
+            label = f"{case.backend} {case.direction} {case.model}/{case.tokens_per_block} {case.granularity}"
+            update(info=label)
             rows.append(transfer.measure(case).as_dict())
             update(advance=1)
+            if not console.is_terminal:     # a CI log gets a line per case instead of a bar
+                console.print(f"bench {i + 1}/{len(cases)}: {label}: {rows[-1]['gbps']} GB/s", highlight=False)
     return rows
 
 

@@ -12,14 +12,20 @@ from typing import Callable, Iterator, TypeVar
 
 import typer
 from rich.console import Console
+from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
+from typer.core import TyperGroup
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.options import check_options, declared_options
+from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.units import parse_size
 
 DEFAULT_GPU_MEMORY = "8GiB"
+CONNECTOR_CHOICES = f"{', '.join(BUILTIN_CONNECTORS)}, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER"
 
 
 class ExitCode(IntEnum):
@@ -30,6 +36,40 @@ class ExitCode(IntEnum):
 
 F = TypeVar("F", bound=Callable)
 _INPUT_ERRORS = (InputError, OutOfMemoryError, UnsupportedTierError)
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """The root command: a usage error from the command-line parser (a bad value, an unknown
+    option) is one line on stderr and exit 2, like kvtool's own errors."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except cli_errors.NoArgsIsHelpError as exc:
+            print(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            code = int(ExitCode.USAGE)
+        except cli_errors.UsageError as exc:
+            where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            print(f"kvtool: error: {exc.format_message()}{where}", file=sys.stderr)
+            code = int(ExitCode.USAGE)
+        except cli_errors.ClickException as exc:
+            print(f"kvtool: error: {exc.format_message()}", file=sys.stderr)
+            code = exc.exit_code
+        except typer.Abort:
+            print("kvtool: aborted", file=sys.stderr)
+            code = 130
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def kvtool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvtool")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
@@ -75,6 +115,42 @@ def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_mem
                                   memory_bytes=memory, device=device)
     config.validate()
     return config
+
+
+def connector_options(spec: ConnectorSpec, pairs: list[str], connector_dir: Path | None = None) -> dict[str, str]:
+    """The KEY=VALUE options for `spec`, checked against the options it declares (InputError for an
+    unknown one); `connector_dir` is the `dir` option, so only for a connector that has one. For a
+    connector that declares no options, a warning line names what is passed unchecked."""
+    options = parse_options(pairs)
+    declared = declared_options(spec.scheduler_class)
+    if connector_dir is not None:
+        if declared is not None and "dir" not in {o.name for o in declared}:
+            raise InputError(f"--connector-dir is the disk connector's folder; connector {spec.name!r} has no "
+                             "dir option")
+        options["dir"] = str(connector_dir)
+    if declared is None:
+        if options:
+            warn(f"connector {spec.name!r} declares no options (kvtool_options); passing "
+                 f"{', '.join(options)} unchecked")
+    else:
+        check_options(spec.name, declared, options)
+    return options
+
+
+def print_connector_help(spec: ConnectorSpec) -> None:
+    """The options `spec` declares, one per line (its built-in presets named), on stdout."""
+    declared = declared_options(spec.scheduler_class)
+    print(f"connector {spec.name} ({spec.scheduler_class.__name__}, {spec.worker_class.__name__})")
+    if spec.options:
+        print("  preset: " + ", ".join(f"{k}={v}" for k, v in spec.options.items()))
+    if declared is None:
+        print("  declares no options (set kvtool_options on the scheduler class to have them checked)")
+    for option in declared or ():
+        print(f"  --connector-opt {option.describe()}")
+
+
+def warn(message: str) -> None:
+    print(f"kvtool: warning: {message}", file=sys.stderr)
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:

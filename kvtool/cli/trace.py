@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import ExitCode, clean_errors, fail, manager_config, parse_options, progress_bar
+from kvtool.cli.common import (CONNECTOR_CHOICES, ExitCode, clean_errors, connector_options, fail, manager_config, parse_options,
+                               progress_bar)
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
@@ -33,8 +34,7 @@ def trace_run(
     max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
     max_num_tokens: Annotated[int, typer.Option(help="Tokens per iteration at most (the token budget).")] = 8192,
     chunk_size: Annotated[Optional[int], typer.Option(help="Prefill chunk size (default: budget only).")] = None,
-    connector: Annotated[str, typer.Option(help="none, host, host-async, host-layerwise, disk, "
-                                                "MODULE:SCHED:WORKER or file.py:SCHED:WORKER.")] = "none",
+    connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
     connector_dir: Annotated[Optional[Path], typer.Option(help="Folder of the disk connector.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
     no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
@@ -54,9 +54,11 @@ def trace_run(
         SchedulerConfig(max_batch_size, max_num_tokens, chunk_size, local_reuse=not no_local_reuse),
         seed=seed, num_ranks=num_ranks)
     spec = None if connector == "none" else load_connector(connector)
-    options = parse_options(connector_opt)
-    if connector_dir is not None:
-        options["dir"] = str(connector_dir)
+    if connector_dir is not None and spec is None:
+        raise InputError("--connector-dir is the disk connector's folder: give --connector disk")
+    options = connector_options(spec, connector_opt, connector_dir) if spec else parse_options(connector_opt)
+    if options and spec is None:
+        raise InputError("--connector-opt needs a --connector")
     console = Console(stderr=True)
     with progress_bar("trace", len(requests), console) as update:
 

@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import ExitCode, clean_errors, fail, parse_options
+from kvtool.cli.common import (CONNECTOR_CHOICES, ExitCode, clean_errors, connector_options, fail,
+                               print_connector_help)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import load_model
@@ -29,11 +30,12 @@ _STYLE = {Verdict.PASS: "green", Verdict.FAIL: "red", Verdict.ERROR: "red", Verd
 
 @clean_errors
 def validate(
-    target: Annotated[str, typer.Argument(help="host, disk, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER.")] = "host",
+    target: Annotated[str, typer.Argument(help=f"{CONNECTOR_CHOICES}.")] = "host",
     model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
     tokens_per_block: Annotated[int, typer.Option(help="Tokens per block.")] = 4,
     scenario: Annotated[list[str], typer.Option(help="Run only this scenario (repeatable; see --list).")] = [],
     list_scenarios: Annotated[bool, typer.Option("--list", help="List the scenarios and checks, then exit.")] = False,
+    connector_help: Annotated[bool, typer.Option("--connector-help", help="List TARGET's options, then exit.")] = False,
     junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here (for CI).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
@@ -45,6 +47,9 @@ def validate(
     2 for usage errors or a TARGET that cannot be imported or constructed."""
     if list_scenarios:
         _print_list()
+        return
+    if connector_help:
+        print_connector_help(load_connector(_absolute(target)))
         return
     for name in scenario:
         if name not in SCENARIOS:
@@ -61,7 +66,7 @@ def validate(
     models = model or DEFAULT_MODELS
     for name in models:
         load_model(name)
-    options = tuple(parse_options(connector_opt).items())
+    options = tuple(connector_options(spec, connector_opt).items())
     contexts = [Context(spec, m, tokens_per_block, options, seed) for m in models]
     _require_constructible(contexts[0])
     console = Console(stderr=True)

@@ -23,8 +23,9 @@ from typing import Sequence
 import torch
 
 from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.metadata import PageTransfer
-from kvtool.connectors.store_scheduler import BlockStoreScheduler
+from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker
 from kvtool.errors import ConnectorError
 from kvtool.manager.layout import KvCacheLayout
@@ -96,6 +97,10 @@ def store_root(llm_args: LlmArgs) -> Path:
 
 
 class DiskConnectorScheduler(BlockStoreScheduler):
+    kvtool_options = STORE_OPTIONS + (
+        ConnectorOption("dir", "the folder holding block files (shared by every run that names it)", DEFAULT_DIR),
+    )
+
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         self.root = store_root(llm_args)

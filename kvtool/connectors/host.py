@@ -14,8 +14,9 @@ from typing import Sequence
 import torch
 
 from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.metadata import PageTransfer
-from kvtool.connectors.store_scheduler import BlockStoreScheduler
+from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker
 from kvtool.errors import InputError
 from kvtool.manager.layout import KvCacheLayout
@@ -80,6 +81,10 @@ class SlotIndex:
 
 
 class HostConnectorScheduler(BlockStoreScheduler):
+    kvtool_options = STORE_OPTIONS + (
+        ConnectorOption("capacity", "host memory for stored blocks, e.g. 1GiB", DEFAULT_CAPACITY, check=parse_size),
+    )
+
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         size = entries_per_group(llm_args)

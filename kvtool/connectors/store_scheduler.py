@@ -20,13 +20,27 @@ from typing import Any
 from kvtool.blocks import num_blocks
 from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, SchedulerOutput
 from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.options import ConnectorOption
 from kvtool.connector.request import Request
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key, root_key
+from kvtool.transfer.registry import backend_names
 from kvtool.types import BAD_PAGE_INDEX
 
+
+def _known_backend(name: str) -> None:
+    if name not in backend_names():
+        raise ValueError(f"no transfer backend {name!r}; known: {', '.join(backend_names())}")
+
+
+STORE_OPTIONS = (
+    ConnectorOption("mode", "when blocks move: around the pass (sync), in the background (async), "
+                            "or one layer at a time (layerwise)", "sync", tuple(m.value for m in StoreMode)),
+    ConnectorOption("backend", "the transfer backend that moves the bytes (see kvtool bench)", "torch",
+                    check=_known_backend),
+)
 
 
 @dataclass
@@ -54,6 +68,8 @@ class _Tracker:
 
 
 class BlockStoreScheduler(KvCacheConnectorScheduler):
+    kvtool_options = STORE_OPTIONS
+
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         self.tokens_per_block = llm_args.kv_cache_config.tokens_per_block

@@ -15,6 +15,7 @@ import torch
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime, require_gpu_tier_only
 from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
@@ -105,6 +106,9 @@ class Engine:
                        groups, model.dtype.name, None, {**spec.options, **options}, rank, self.config.num_ranks)
 
     def _attach(self, spec: ConnectorSpec, options: dict[str, str]) -> ConnectorRuntime:
+        declared = declared_options(spec.scheduler_class)
+        if declared is not None:
+            check_options(spec.name, declared, options)
         try:
             scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
             workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self.config.num_ranks)]

@@ -3,66 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 from rich.table import Table
 
 from kvtool.errors import InputError
+from kvtool.report.run_folder import write_meta
 
 ROW_KEYS = ("backend", "direction", "granularity", "model", "tokens_per_block", "chunk_bytes", "batch_bytes",
-            "gbps", "p50_us", "p99_us", "peak_gbps", "ratio", "verified")
-
-
-def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "platform": platform.platform(), "cpu": platform.processor() or platform.machine()}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(name=props.name, kind="cuda", cuda=torch.version.cuda, sms=props.multi_processor_count,
-                    memory_bytes=props.total_memory, driver=_driver_version(), pycuda=_pycuda_version())
-    else:
-        info.update(name=platform.processor() or platform.machine(), kind="cpu", cuda=None, driver=None,
-                    pycuda=_pycuda_version())
-    return info
-
-
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
-        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _pycuda_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("pycuda")
-    except PackageNotFoundError:
-        return None
-
-
-def git_commit() -> str | None:
-    """HEAD (with -dirty), or $KVTOOL_COMMIT where the checkout has no .git (the GPU machine)."""
-    if os.environ.get("KVTOOL_COMMIT"):
-        return os.environ["KVTOOL_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return done.stdout.strip() + ("-dirty" if dirty else "") if done.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+            "gbps", "p50_us", "p99_us", "peak_gbps", "peak_spread", "ratio", "verified")
 
 
 def default_output_dir() -> Path:
@@ -71,12 +23,8 @@ def default_output_dir() -> Path:
 
 def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], suite: str) -> dict[str, Any]:
     """All outputs of one run under `directory`; returns the device section."""
-    device = device_info()
+    device = write_meta(directory, suite)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {"device": device, "commit": git_commit(), "command": sys.argv, "suite": suite,
-                "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (directory / "results.json").write_text(json.dumps({"device": device, "rows": rows, **extra}, indent=2) + "\n")
         pd.DataFrame(rows).to_csv(directory / "results.csv", index=False)
         for name, more in extra.items():
@@ -119,7 +67,13 @@ def plot(rows: list[dict], path: Path, device_name: str) -> None:
 
 _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "model": "model",
           "tokens_per_block": "tpb", "chunk_bytes": "chunk", "batch_bytes": "batch", "gbps": "GB/s",
-          "p50_us": "p50 µs", "p99_us": "p99 µs", "peak_gbps": "peak GB/s", "ratio": "ratio", "verified": "ok"}
+          "p50_us": "p50 µs", "p99_us": "p99 µs", "peak_gbps": "peak GB/s", "peak_spread": "±peak",
+          "ratio": "ratio", "verified": "ok"}
+LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
+          "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
+          "chunk: bytes per page copy; batch: bytes per timed batch; ratio: GB/s / peak GB/s, where the peak is "
+          "one contiguous pinned copy of the same size in the same run; ±peak: (p90 - p10) / median of the "
+          "peak's repeats; ok: every byte verified")
 _SIZES = {"chunk_bytes", "batch_bytes"}
 _TEXT = {"backend", "direction", "granularity", "model", "operation"}
 
@@ -139,6 +93,8 @@ def _cell(key: str, value: Any) -> str:
         return _size(int(value))
     if isinstance(value, bool):
         return "yes" if value else "[red]NO[/red]"
+    if key == "ratio" and isinstance(value, float) and value > 1:
+        return f"[yellow]{value:.3f}![/yellow]"
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)
@@ -149,3 +105,21 @@ def _size(num_bytes: int) -> str:
         if num_bytes >= scale and num_bytes % (scale // 16 or 1) == 0:
             return f"{num_bytes / scale:g}{unit}"
     return str(num_bytes)
+
+
+def bench_notes(rows: list[dict], device_kind: str, skipped_backends: list[str]) -> list[str]:
+    """What a reader of the table needs to know about this run: the legend, what a CPU run
+    measures, which backends did not run, and rows whose ratio the peak's noise explains."""
+    notes = [LEGEND]
+    if device_kind == "cpu":
+        notes.append("no CUDA GPU here: 'GPU' pages and the host store are both ordinary memory, so these rows "
+                     "measure memory copies on this CPU, not a PCIe or NVLink link")
+    if skipped_backends:
+        notes.append(f"not run here: {', '.join(skipped_backends)} (CUDA backends: they need a CUDA driver and "
+                     "pip install 'kvtool[cuda]')")
+    fast = [r for r in rows if r.get("ratio", 0) > 1]
+    if fast:
+        spread = max(r.get("peak_spread", 0.0) for r in fast)
+        notes.append(f"{len(fast)} rows (marked !) beat their peak: the peak varied by up to {spread:.0%} between "
+                     "repeats; rerun on an idle machine or with more --repeats")
+    return notes
