@@ -75,6 +75,8 @@ class ModelSpec:
     name: str
     dtype: DType
     layers: tuple[LayerSpec, ...]
+    origin: str = "preset"
+    """Where the spec and its name come from: "preset", or the config file and the key named after."""
 
     @property
     def num_layers(self) -> int:
@@ -151,9 +153,11 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     if not isinstance(raw, dict):
         raise InputError(f"model config {path} must hold a JSON object")
     try:
-        return _spec_from_hf_dict(raw, default_name=path.parent.name or path.stem)
+        spec = _spec_from_hf_dict(raw, default_name=str(path))
     except InputError as exc:
         raise InputError(f"model config {path}: {exc}") from None
+    key = next((k for k in ("_name_or_path", "model_type") if raw.get(k)), None)
+    return replace(spec, origin=f"{path}, named after its {key}" if key else f"{path}, named after the file")
 
 
 def _spec_from_hf_dict(raw: dict[str, Any], default_name: str) -> ModelSpec:

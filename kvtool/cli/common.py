@@ -4,12 +4,14 @@ take (manager config, connector options) and the progress bar."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import sys
 from enum import IntEnum
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+import pandas as pd
 import typer
 from rich.console import Console
 from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
@@ -21,7 +23,7 @@ from kvtool.connector.options import check_options, declared_options
 from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError
 from kvtool.manager import KvCacheManagerConfig
-from kvtool.models import load_model
+from kvtool.models import ModelSpec, load_model
 from kvtool.units import parse_size
 
 DEFAULT_GPU_MEMORY = "8GiB"
@@ -110,9 +112,10 @@ def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_mem
     """A validated manager config from command-line values (InputError for bad ones)."""
     if gpu_memory is not None and num_slots is not None:
         raise InputError("give --gpu-memory or --num-slots, not both")
-    memory = None if num_slots is not None else parse_size(gpu_memory or default_memory)
-    config = KvCacheManagerConfig(load_model(model, dtype), tokens_per_block, num_slots=num_slots,
-                                  memory_bytes=memory, device=device)
+    memory = None if num_slots is not None else parse_size(default_memory if gpu_memory is None else gpu_memory)
+    spec = load_model(model, dtype)
+    note_model_origin(spec)
+    config = KvCacheManagerConfig(spec, tokens_per_block, num_slots=num_slots, memory_bytes=memory, device=device)
     config.validate()
     return config
 
@@ -149,6 +152,12 @@ def print_connector_help(spec: ConnectorSpec) -> None:
         print(f"  --connector-opt {option.describe()}")
 
 
+def note_model_origin(spec: ModelSpec) -> None:
+    """Say on stderr which name a model read from a config file got, and from what."""
+    if spec.origin != "preset":
+        print(f"kvtool: model {spec.name!r} from {spec.origin}", file=sys.stderr)
+
+
 def warn(message: str) -> None:
     print(f"kvtool: warning: {message}", file=sys.stderr)
 
@@ -176,3 +185,32 @@ def progress_bar(label: str, total: int, console: Console) -> Iterator[Callable[
             progress.update(task, completed=completed, advance=advance, **fields)
 
         yield update
+
+
+class OutputFormat(str, enum.Enum):
+    """What a command prints on stdout (machine-readable files go to --output DIR)."""
+
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+FORMAT_HELP = "What to print on stdout: table, json or csv."
+OUTPUT_HELP = "Run folder for meta.json and every machine-readable file ({files})."
+LEGACY_FILE_SUFFIXES = (".json", ".csv", ".txt", ".xml")
+
+
+def is_legacy_output_file(output: Path | None) -> bool:
+    """`--output` naming a file, as before the run-folder convention (kept for one release)."""
+    return output is not None and (output.is_file() or output.suffix.lower() in LEGACY_FILE_SUFFIXES)
+
+
+def deprecated(old: str, new: str) -> None:
+    warn(f"{old} is deprecated and goes away in the next release; use {new}")
+
+
+def frame_text(frame: pd.DataFrame, format: OutputFormat) -> str:
+    """A table as JSON records or CSV text (the `table` format is each command's own)."""
+    if format is OutputFormat.json:
+        return frame.to_json(orient="records", indent=2) + "\n"
+    return frame.to_csv(index=False)

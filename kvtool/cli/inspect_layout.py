@@ -4,44 +4,57 @@ from __future__ import annotations
 
 import io
 import json
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from kvtool.cli.common import clean_errors, manager_config, write_text
+from kvtool.cli.common import (FORMAT_HELP, OUTPUT_HELP, OutputFormat, clean_errors, deprecated,
+                               is_legacy_output_file, manager_config, write_text)
 from kvtool.manager import compute_layout
 from kvtool.report.layout_report import layout_frame, layout_tables, layout_to_dict
+from kvtool.report.run_folder import prepare_run_folder, write_json, write_meta
 
-class LayoutFormat(str, Enum):
-    table = "table"
-    json = "json"
-    csv = "csv"
 
 
 @clean_errors
 def inspect_layout(
     model: Annotated[str, typer.Option(help="Preset name or path to a Hugging Face config.json.")] = "llama-3.1-8b",
-    tokens_per_block: Annotated[int, typer.Option(help="Tokens per block.")] = 32,
+    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block.")] = 32,
     dtype: Annotated[Optional[str], typer.Option(help="KV dtype (bf16, fp16, fp32, fp8, int8); default: the model's.")] = None,
-    gpu_memory: Annotated[Optional[str], typer.Option(help="Memory for all pools, e.g. 8GiB (default 8GiB).")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools, e.g. 8GiB "
+                                                      "[default: 8GiB].")] = None,
     num_slots: Annotated[Optional[int], typer.Option(help="Slots per pool group (instead of --gpu-memory).")] = None,
-    format: Annotated[LayoutFormat, typer.Option("--format", help="table, json or csv.")] = LayoutFormat.table,
-    output: Annotated[Optional[Path], typer.Option(help="Write to this file instead of stdout.")] = None,
+    format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
+    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+        files="layout.json, layout.csv"))] = None,
 ) -> None:
     """Show the layout a connector receives: layer groups, regions, pool groups, totals.
 
     Computed without allocating: pool bases are virtual offsets, 2 MiB aligned.
     """
+    legacy = is_legacy_output_file(output)
+    if legacy:
+        deprecated("--output FILE", "--output DIR (layout.json, layout.csv, meta.json) or shell redirection")
+    folder = prepare_run_folder(output) if output is not None and not legacy else None
     layout = compute_layout(manager_config(model, tokens_per_block, dtype, gpu_memory, num_slots))
-    if format is LayoutFormat.json:
-        text = json.dumps(layout_to_dict(layout), indent=2)
-    elif format is LayoutFormat.csv:
-        text = layout_frame(layout).to_csv(index=False)
-    else:
-        buffer = io.StringIO()
-        Console(file=buffer, width=160, force_terminal=False).print(layout_tables(layout))
-        text = buffer.getvalue()
-    write_text(text, output, Console())
+    text = _layout_text(layout, format)
+    if legacy:
+        write_text(text, output, Console())
+        return
+    write_text(text, None, Console())
+    if folder is not None:
+        write_json(folder / "layout.json", layout_to_dict(layout))
+        write_text(layout_frame(layout).to_csv(index=False), folder / "layout.csv", Console())
+        write_meta(folder, "inspect-layout")
+
+
+def _layout_text(layout, format: OutputFormat) -> str:
+    if format is OutputFormat.json:
+        return json.dumps(layout_to_dict(layout), indent=2)
+    if format is OutputFormat.csv:
+        return layout_frame(layout).to_csv(index=False)
+    buffer = io.StringIO()
+    Console(file=buffer, width=160, force_terminal=False).print(layout_tables(layout))
+    return buffer.getvalue()

@@ -8,15 +8,18 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
+import pandas as pd
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import (CONNECTOR_CHOICES, ExitCode, clean_errors, connector_options, fail,
+from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
+                               connector_options, deprecated, fail, frame_text, note_model_origin,
                                print_connector_help)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import load_model
+from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_meta
 from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.junit import junit_xml, write
@@ -32,12 +35,17 @@ _STYLE = {Verdict.PASS: "green", Verdict.FAIL: "red", Verdict.ERROR: "red", Verd
 def validate(
     target: Annotated[str, typer.Argument(help=f"{CONNECTOR_CHOICES}.")] = "host",
     model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
-    tokens_per_block: Annotated[int, typer.Option(help="Tokens per block.")] = 4,
+    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (small, so that every "
+                                                  "scenario spans many blocks).")] = 4,
     scenario: Annotated[list[str], typer.Option(help="Run only this scenario (repeatable; see --list).")] = [],
     list_scenarios: Annotated[bool, typer.Option("--list", help="List the scenarios and checks, then exit.")] = False,
     connector_help: Annotated[bool, typer.Option("--connector-help", help="List TARGET's options, then exit.")] = False,
-    junit: Annotated[Optional[Path], typer.Option(help="Write JUnit XML here (for CI).")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    junit: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write JUnit XML here (for CI).")] = None,
+    format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
+    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+        files="results.json, results.csv, junit.xml"))] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
+                                                     help="Deprecated: use --output DIR.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
     compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
@@ -58,6 +66,12 @@ def validate(
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
     if timeout <= 0:
         raise InputError(f"--timeout must be positive, got {timeout}")
+    if json_out is not None:
+        deprecated("--json FILE", "--output DIR (results.json) or --format json")
+        check_writable_file(json_out, "--json")
+    if junit is not None:
+        check_writable_file(junit, "--junit")
+    folder = prepare_run_folder(output) if output is not None else None
     if compat is not None:
         if compat not in COMPAT:
             raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
@@ -65,18 +79,23 @@ def validate(
     spec = load_connector(_absolute(target))
     models = model or DEFAULT_MODELS
     for name in models:
-        load_model(name)
+        note_model_origin(load_model(name))
     options = tuple(connector_options(spec, connector_opt).items())
     contexts = [Context(spec, m, tokens_per_block, options, seed) for m in models]
     _require_constructible(contexts[0])
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False))
-    Console(width=max(140, Console().width)).print(_table(results, target))
+    _print_results(results, target, models, format)
     if junit:
         write(junit, junit_xml(results, target))
     if json_out:
         write(json_out, json.dumps(_document(results, target, models), indent=2) + "\n")
+    if folder is not None:
+        write(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
+        write(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
+        write(folder / "junit.xml", junit_xml(results, target))
+        write_meta(folder, "validate", target=target)
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(f"{len(failed)} of {len(results)} checks failed", ExitCode.CHECK_FAILED)
@@ -105,6 +124,20 @@ def _progress_line(results: list[CheckResult]) -> str:
     r = results[0]
     marks = " ".join(f"{x.check}:{x.verdict.value}" for x in results)
     return f"{r.scenario}[{r.model}] {marks}"
+
+
+def _print_results(results: list[CheckResult], target: str, models: list[str], format: OutputFormat) -> None:
+    if format is OutputFormat.table:
+        Console(width=max(140, Console().width)).print(_table(results, target))
+    elif format is OutputFormat.json:
+        print(json.dumps(_document(results, target, models), indent=2))
+    else:
+        print(frame_text(_frame(results), format), end="")
+
+
+def _frame(results: list[CheckResult]) -> pd.DataFrame:
+    rows = [{**r.as_dict(), "evidence": "; ".join(r.evidence)} for r in results]
+    return pd.DataFrame(rows)
 
 
 def _table(results: list[CheckResult], target: str) -> Table:

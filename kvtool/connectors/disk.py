@@ -16,6 +16,7 @@ import hashlib
 import os
 import struct
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +33,7 @@ from kvtool.manager.layout import KvCacheLayout
 from kvtool.transfer.api import PageSpace
 
 DEFAULT_DIR = "kvtool-disk-cache"
+STALE_TEMP_SECONDS = 60.0
 MAGIC = b"KVTOOLB1"
 _HEADER = struct.Struct("<8sI32sQ32s")   # magic, layer group, block key, payload bytes, payload sha256
 
@@ -61,8 +63,10 @@ def read_block(path: Path, key: bytes, layer_group_id: int, payload_bytes: int) 
     payload = data[_HEADER.size:]
     if magic != MAGIC or group != layer_group_id or stored_key != key:
         raise CorruptBlock(f"{path}: header does not describe this block")
-    if size != payload_bytes or len(payload) != size:
-        raise CorruptBlock(f"{path}: payload is {len(payload)} bytes, expected {payload_bytes}")
+    if size != payload_bytes:
+        raise CorruptBlock(f"{path}: header records a {size}-byte payload; this layout's pages hold {payload_bytes}")
+    if len(payload) != size:
+        raise CorruptBlock(f"{path}: file holds {len(payload)} payload bytes; its header records {size}")
     if hashlib.sha256(payload).digest() != digest:
         raise CorruptBlock(f"{path}: checksum mismatch")
     return payload
@@ -92,6 +96,21 @@ def write_block(path: Path, key: bytes, layer_group_id: int, payload: bytes) -> 
         os.close(dir_fd)
 
 
+def sweep_stale_temp_files(root: Path, older_than_seconds: float = STALE_TEMP_SECONDS) -> int:
+    """Delete temporary files that a killed writer left behind; returns how many. A file younger
+    than `older_than_seconds` may belong to a writer still running (another process), so it stays."""
+    swept = 0
+    cutoff = time.time() - older_than_seconds
+    for tmp in root.glob("*/.*.tmp"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                swept += 1
+        except FileNotFoundError:
+            pass    # its writer finished (renamed it) or another sweeper took it
+    return swept
+
+
 def store_root(llm_args: LlmArgs) -> Path:
     return Path(llm_args.connector_options.get("dir", DEFAULT_DIR)) / layout_signature(llm_args)
 
@@ -108,6 +127,7 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in self.groups}
         self._verified: dict[Path, tuple[int, int]] = {}
         self.num_corrupt = 0
+        self.num_swept_temp_files = sweep_stale_temp_files(self.root)
 
     def lookup(self, key: bytes, layer_group_id: int) -> Path | None:
         path = block_path(self.root, key, layer_group_id)
@@ -126,8 +146,13 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         return path
 
     def reserve(self, key: bytes, layer_group_id: int) -> Path | None:
+        """Where to save the block; None when a sound copy is already there. A corrupt copy is
+        quarantined here, so that one save heals it (not only the first corrupt block of a chain,
+        which is all that lookups reach)."""
         path = block_path(self.root, key, layer_group_id)
-        return None if path.exists() else path
+        if path.exists() and self.lookup(key, layer_group_id) is not None:
+            return None
+        return path
 
     def _quarantine(self, path: Path, reason: Exception) -> None:
         self.num_corrupt += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,6 @@ def _bool(raw: dict[str, Any], key: str) -> bool:
 
 
 def _arrival(value: Any) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise InputError(f"arrival must be a number of seconds >= 0, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise InputError(f"arrival must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
