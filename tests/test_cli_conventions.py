@@ -227,3 +227,8 @@ def test_a_chain_with_several_corrupt_blocks_heals_in_one_run(tmp_path):
 
 def test_the_default_disk_folder_is_ignored_by_git():
     assert "kvtool-disk-cache/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_an_error_after_the_progress_bar_is_still_one_line():
+    done = kvtool("trace", "run", WORKLOAD, "--num-slots", "2")
+    assert done.returncode == 2 and "the KV cache is too small" in one_error_line(done.stderr)

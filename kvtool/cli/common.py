@@ -175,7 +175,11 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
 @contextlib.contextmanager
 def progress_bar(label: str, total: int, console: Console) -> Iterator[Callable[..., None]]:
     """A transient bar on `console`; yields `update(info=, completed=, advance=)` to move it (fields
-    left out stay as they are)."""
+    left out stay as they are). Without a terminal (a CI log) there is no bar: a live display
+    there would only leave a blank line in front of whatever comes next."""
+    if not console.is_terminal:
+        yield lambda info=None, completed=None, advance=None: None
+        return
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task(label, total=total, info="")
