@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.connectors import disk
-from kvtool.connectors.disk import block_path, sweep_stale_temp_files, write_block
+from kvtool.connectors.disk import sweep_stale_temp_files, write_block
 from tests.test_connectors import requests, run
 
 runner = CliRunner()

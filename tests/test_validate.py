@@ -16,7 +16,7 @@ from kvtool.cli import app
 from kvtool.connectors.registry import load_connector
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS
-from kvtool.validate.runner import run_all
+from kvtool.validate.runner import run_all, run_isolated
 from kvtool.validate.scenarios import SCENARIOS
 from tests.helpers.broken_connectors import BROKEN
 
@@ -139,3 +139,13 @@ def test_without_compat_the_tensorrt_llm_import_fails_cleanly():
     target = "tests/data/trtllm_style_connector.py:BlockFilesLeader:BlockFilesWorker"
     result = runner.invoke(app, ["validate", target])
     assert result.exit_code == 2 and "No module named 'tensorrt_llm'" in result.stderr
+
+
+def test_a_file_connector_runs_in_a_fork_server_process(tmp_path):
+    """What a CUDA machine uses: the scenario's process is not a fork of this one, so the connector
+    travels by its target and is imported again there."""
+    source = tmp_path / "my_connector.py"
+    source.write_text("from kvtool.connectors.host import HostConnectorScheduler as S, HostConnectorWorker as W\n")
+    spec = load_connector(f"{source}:S:W")
+    results = run_isolated("cold-warm", Context(spec, "tiny"), timeout=120, start_method="forkserver")
+    assert [(r.check, r.verdict.value) for r in results] == [("integrity", "pass"), ("warm-hit", "pass")]

@@ -14,9 +14,8 @@ from typing import Callable, Iterator, TypeVar
 import pandas as pd
 import typer
 from rich.console import Console
-from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
-from typer.core import TyperGroup
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typer.core import TyperGroup
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
@@ -25,6 +24,11 @@ from kvtool.errors import InputError, KvToolError, OutOfMemoryError, Unsupported
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import ModelSpec, load_model
 from kvtool.units import parse_size
+
+try:
+    from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
+except ImportError:                                       # older typer runs on click itself
+    from click import exceptions as cli_errors
 
 DEFAULT_GPU_MEMORY = "8GiB"
 CONNECTOR_CHOICES = f"{', '.join(BUILTIN_CONNECTORS)}, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER"
@@ -40,6 +44,9 @@ F = TypeVar("F", bound=Callable)
 _INPUT_ERRORS = (InputError, OutOfMemoryError, UnsupportedTierError)
 
 
+_NO_ARGS_IS_HELP = getattr(cli_errors, "NoArgsIsHelpError", ())   # click >= 8.2
+
+
 class OneLineErrorsGroup(TyperGroup):
     """The root command: a usage error from the command-line parser (a bad value, an unknown
     option) is one line on stderr and exit 2, like kvtool's own errors."""
@@ -47,7 +54,7 @@ class OneLineErrorsGroup(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except cli_errors.NoArgsIsHelpError as exc:
+        except _NO_ARGS_IS_HELP as exc:
             print(exc.ctx.get_help() if exc.ctx else exc.format_message())
             code = int(ExitCode.USAGE)
         except cli_errors.UsageError as exc:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
 import pandas as pd
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -18,7 +20,7 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
                                print_connector_help)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
-from kvtool.models import load_model
+from kvtool.models import PRESETS, load_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_meta
 from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
@@ -50,6 +52,8 @@ def validate(
     compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
+    device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
+                                                  "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -62,10 +66,11 @@ def validate(
     for name in scenario:
         if name not in SCENARIOS:
             raise InputError(f"unknown scenario {name!r}; see kvtool validate --list")
+    device = _device(device)
     if tokens_per_block <= 0:
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
-    if timeout <= 0:
-        raise InputError(f"--timeout must be positive, got {timeout}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
     if json_out is not None:
         deprecated("--json FILE", "--output DIR (results.json) or --format json")
         check_writable_file(json_out, "--json")
@@ -77,15 +82,15 @@ def validate(
             raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
         COMPAT[compat]()
     spec = load_connector(_absolute(target))
-    models = model or DEFAULT_MODELS
+    models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed) for m in models]
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device) for m in models]
     _require_constructible(contexts[0])
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
-                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False))
+                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
     _print_results(results, target, models, format)
     if junit:
         write(junit, junit_xml(results, target))
@@ -99,6 +104,21 @@ def validate(
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(f"{len(failed)} of {len(results)} checks failed", ExitCode.CHECK_FAILED)
+
+
+def _resolved_model(name: str) -> str:
+    """A config path made absolute now: scenarios run in temporary folders."""
+    return name if name in PRESETS or not Path(name).exists() else str(Path(name).resolve())
+
+
+def _device(name: str | None) -> str:
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
+    return name
 
 
 def _require_constructible(ctx: Context) -> None:

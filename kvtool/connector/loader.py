@@ -23,6 +23,21 @@ class ConnectorSpec:
     module: str
     options: Mapping[str, str] = field(default_factory=dict)
 
+    def __reduce__(self):
+        # A connector imported from a file lives in a module no other process can import by
+        # name: such a spec travels as its target and is imported again on arrival.
+        if self.module.startswith(FILE_MODULE_PREFIX):
+            return _from_file_target, (self.name, dict(self.options))
+        return ConnectorSpec, (self.name, self.scheduler_class, self.worker_class, self.module, dict(self.options))
+
+
+FILE_MODULE_PREFIX = "kvtool_connector_"
+
+
+def _from_file_target(target: str, options: dict[str, str]) -> ConnectorSpec:
+    spec = load_connector(target, {})
+    return ConnectorSpec(spec.name, spec.scheduler_class, spec.worker_class, spec.module, options)
+
 
 def load_connector(target: str, registered: Mapping[str, ConnectorSpec]) -> ConnectorSpec:
     """The connector `target` names: one of `registered`, or imported from a module or file;
@@ -67,7 +82,7 @@ def _import_file(path: str, target: str):
     file = Path(path)
     if not file.is_file():
         raise InputError(f"connector {target!r}: no file {path}")
-    name = f"kvtool_connector_{file.stem}"
+    name = f"{FILE_MODULE_PREFIX}{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -53,10 +53,29 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
+def _passthrough_decorator(*args, **kwargs):
+    """`@click.command(...)`, `@click.option(...)`: the decorated function, unchanged."""
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return args[0]
+    return lambda function: function
+
+
+def _install_click_stub() -> None:
+    """TensorRT-LLM's example connectors import click for their own `main()` (which starts an engine,
+    so validate never calls it); typer no longer brings click, so give them decorators that do
+    nothing, unless the real click is installed."""
+    if "click" in sys.modules or importlib.util.find_spec("click") is not None:
+        return
+    _module("click", command=_passthrough_decorator, option=_passthrough_decorator,
+            argument=_passthrough_decorator, group=_passthrough_decorator, Path=lambda *a, **k: str,
+            Choice=lambda *a, **k: str, echo=print)
+
+
 def install() -> bool:
     """Provide the shim modules; False (and nothing changed) when TensorRT-LLM is importable."""
     if "tensorrt_llm" in sys.modules or importlib.util.find_spec("tensorrt_llm") is not None:
         return False
+    _install_click_stub()
     connector = dict(KvCacheConnectorScheduler=api.KvCacheConnectorScheduler,
                      KvCacheConnectorWorker=api.KvCacheConnectorWorker, SchedulerOutput=api.SchedulerOutput,
                      RequestData=api.RequestData)

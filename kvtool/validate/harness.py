@@ -29,6 +29,8 @@ class Context:
     tokens_per_block: int = 4
     options: tuple[tuple[str, str], ...] = ()
     seed: int = 0
+    device: str = "cpu"
+    """Where the KV pages live: "cpu", or "cuda" (pages, poisoning, canary and checks on the GPU)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class Run:
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
                   max_batch_size: int, max_transmission_iterations: int) -> EngineConfig:
-    manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device="cpu",
+    manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
     return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
                         verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations)

@@ -1,8 +1,15 @@
-"""Running scenarios: each in a forked process, in a fresh working directory, under a timeout, so a
-connector that hangs or crashes is reported instead of waited on."""
+"""Running scenarios: each in its own process, in a fresh working directory, under a timeout, so a
+connector that hangs or crashes is reported instead of waited on.
+
+On a machine with CUDA the processes come from a fork server, not from forking this process: once
+a process has initialised CUDA (a connector's pinned buffer does), a forked child cannot use CUDA at
+all. The fork server is a clean process that preloads torch and kvtool once. Without CUDA, plain
+fork is safe and starts a scenario faster.
+"""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import tempfile
@@ -45,9 +52,10 @@ def _setup(ctx: Context) -> list[CheckResult]:
                         [error] if error else ["the layout was accepted"])]
 
 
-def run_isolated(name: str, ctx: Context, timeout: float) -> list[CheckResult]:
-    """`run_scenario` in a child process; a timeout or a dead child is an ERROR result."""
-    mp = multiprocessing.get_context("fork")
+def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | None = None) -> list[CheckResult]:
+    """`run_scenario` in a child process; a timeout or a dead child is an ERROR result.
+    `start_method` defaults to forkserver where CUDA exists, fork elsewhere."""
+    mp = _scenario_processes(start_method or ("forkserver" if torch.cuda.is_available() else "fork"))
     receive, send = mp.Pipe(duplex=False)
     child = mp.Process(target=_child, args=(send, name, ctx), daemon=True)
     started = time.perf_counter()
@@ -69,6 +77,14 @@ def run_isolated(name: str, ctx: Context, timeout: float) -> list[CheckResult]:
     why = (f"did not finish within {timeout:g} s (a connector hook hung?)" if child.exitcode in (None, -9)
            else f"the scenario's process died (exit code {child.exitcode})")
     return [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
+
+
+@functools.lru_cache(maxsize=None)
+def _scenario_processes(start_method: str):
+    mp = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        mp.set_forkserver_preload(["torch", "kvtool.validate.runner"])
+    return mp
 
 
 def _child(send, name: str, ctx: Context) -> None:
