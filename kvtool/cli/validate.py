@@ -51,6 +51,8 @@ def validate(
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
     compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
+    load_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous load "
+                                                "may stay in flight before load-completes fails it.")] = 5.0,
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
@@ -71,6 +73,8 @@ def validate(
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
     if not math.isfinite(timeout) or timeout <= 0:
         raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if not math.isfinite(load_timeout) or load_timeout <= 0:
+        raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
     if json_out is not None:
         deprecated("--json FILE", "--output DIR (results.json) or --format json")
         check_writable_file(json_out, "--json")
@@ -86,7 +90,7 @@ def validate(
     for name in models:
         note_model_origin(load_model(name))
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed, device) for m in models]
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout) for m in models]
     _require_constructible(contexts[0])
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,

@@ -59,6 +59,10 @@ class EngineConfig:
     num_ranks: int = 1
     verify_all_after_iteration: bool = False
     max_transmission_iterations: int = 64
+    max_transmission_seconds: float | None = None
+    """When set, an asynchronous load fails after this many wall-clock seconds in transmission
+    (instead of after `max_transmission_iterations` iterations: idle iterations take well under a
+    millisecond, so counting them judges a slow store unfairly)."""
     pad_generation_batch_to: int = 0
     """Pad generation batches with dummy requests up to this size (as CUDA-graph padding does)."""
     iteration_seconds: float = 0.01
@@ -368,9 +372,14 @@ class Engine:
             self.emit(SaveFinished, request_id=state.request_id)
 
     def _fail_stuck_transmissions(self) -> None:
-        limit = self.config.max_transmission_iterations
+        seconds, limit = self.config.max_transmission_seconds, self.config.max_transmission_iterations
+        now = time.monotonic()
         for state in self.live_states:
-            if state.phase is Phase.TRANSMISSION and self.iteration - state.transmission_since > limit:
+            if state.phase is not Phase.TRANSMISSION:
+                continue
+            if seconds is not None and now - state.transmission_started_at > seconds:
+                self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {seconds:g} s")
+            elif seconds is None and self.iteration - state.transmission_since > limit:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
 
     def _check_progress(self, batch: Batch, phases_before: list) -> None:

@@ -59,6 +59,8 @@ class RequestState:
     """Tokens reported in SchedulerOutput so far; -1 before the first report."""
     reported_blocks: dict[int, int] = field(default_factory=dict)
     transmission_since: int = -1
+    transmission_started_at: float = 0.0
+    """time.monotonic() when the asynchronous load began."""
     hold: PageHold | None = None
     error: str | None = None
     """What went wrong, for people (set with `failure`)."""

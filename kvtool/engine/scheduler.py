@@ -19,6 +19,8 @@ again next iteration (its local match may have grown); the connector is not aske
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -204,6 +206,7 @@ class Scheduler:
             batch.drop(state)
             state.phase = Phase.TRANSMISSION
             state.transmission_since = self.iteration
+            state.transmission_started_at = time.monotonic()
             self.connector.start_async_load(state.request_id)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -31,6 +31,8 @@ class Context:
     seed: int = 0
     device: str = "cpu"
     """Where the KV pages live: "cpu", or "cuda" (pages, poisoning, canary and checks on the GPU)."""
+    load_timeout: float = 5.0
+    """Wall-clock seconds an asynchronous load may take before `load-completes` fails it."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
     return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
-                        verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations)
+                        verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations,
+                        max_transmission_seconds=ctx.load_timeout)
 
 
 def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
@@ -103,7 +106,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
             on_iteration(e)
 
     try:
-        engine.run(max_iterations=2000, on_iteration=each)
+        # An idle iteration waiting on a load sleeps 0.5 ms: allow enough of them for the load timeout.
+        engine.run(max_iterations=2000 + int(ctx.load_timeout * 4000), on_iteration=each)
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         result.error = f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
@@ -158,12 +162,24 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
         evidence += [i.describe() for i in engine.fake.issues[:5]]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
+        evidence += failed_by_connector(r)
         expected = reference_tokens(ctx, requests)
         for rid, state in r.states.items():
             if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
                 evidence.append(f"request {rid}: generated {state.request.generated_token_ids} but a run without "
                                 f"the connector generates {expected[rid]}")
     return result(scenario, ctx, "integrity", not evidence, evidence)
+
+
+def failed_by_connector(r: Run) -> list[str]:
+    """Requests the connector made fail: nothing they would have produced was proven, so each one
+    counts against it. Not counted here: an abort a scenario asked for, and a load that never
+    landed (`load-completes` judges that)."""
+    return [f"request {rid} failed ({state.error}): a request the connector fails is not served correctly"
+            for rid, state in r.states.items() if state.failure not in _NOT_INTEGRITY_FAILURES]
+
+
+_NOT_INTEGRITY_FAILURES = (None, FailureReason.ABORTED, FailureReason.STUCK_IN_TRANSMISSION)
 
 
 def judge_warm_hit(scenario: str, ctx: Context, r: Run, warm_ids: list[int]) -> CheckResult:

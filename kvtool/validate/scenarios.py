@@ -13,6 +13,9 @@ from typing import Callable
 from kvtool.engine.engine import Engine
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
+from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.pool_groups import plan_pool_groups
+from kvtool.models import load_model
 from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
                                      judge_warm_hit, reference_tokens, result, run, skipped, tokens)
 from kvtool.validate.results import CheckResult
@@ -100,13 +103,30 @@ def contract(ctx: Context) -> list[CheckResult]:
 
 
 # ---- the protocol's edge cases -----------------------------------------------------------------
-def _squeeze(ctx: Context, num_slots: int, local_reuse: bool = False, **kwargs):
-    """Request 1 repeats request 0's prompt while request 9 (ten blocks) takes most pages: with 14
-    slots, 1's reserve succeeds and its first chunk does not (it is deferred); with 13, its reserve fails."""
+def pages_per_block(ctx: Context) -> int:
+    """Pages one block of these scenarios' short requests (ten blocks) takes in the busiest pool
+    group: 1 for one full-attention group, 2 where two layer groups share a pool group, ..."""
+    model, tpb = load_model(ctx.model), ctx.tokens_per_block
+    groups = plan_layer_groups(model, tpb)
+    by_id = {g.layer_group_id: g for g in groups}
+    per_pool = [sum(by_id[g].num_live_blocks(10 * tpb, tpb) for g in pg.layer_group_ids)
+                for pg in plan_pool_groups(groups)]
+    return max(1, round(max(per_pool) / 10))
+
+
+def squeeze_slots(ctx: Context, blocks: int) -> int:
+    """Slots per pool group that hold `blocks` blocks of a request in this model's layout."""
+    return blocks * pages_per_block(ctx)
+
+
+def _squeeze(ctx: Context, num_blocks: int, local_reuse: bool = False, **kwargs):
+    """Request 1 repeats request 0's prompt while request 9 (ten blocks) takes most pages: with room
+    for 14 blocks, 1's reserve succeeds and its first chunk does not (it is deferred); with 13, its
+    reserve fails. The room is sized from the layout (a block may need a page in several groups)."""
     T = ctx.tokens_per_block
     prompt = tokens(30, 4 * T + 2)
     reqs = [Req(0, prompt), Req(9, tokens(31, 10 * T), max_new_tokens=1, arrival=1.0), Req(1, prompt, arrival=1.0)]
-    return reqs, run(ctx, reqs, num_slots=num_slots, local_reuse=local_reuse, **kwargs)
+    return reqs, run(ctx, reqs, num_slots=squeeze_slots(ctx, num_blocks), local_reuse=local_reuse, **kwargs)
 
 
 def _exercised(r, request_id: int, what: str, happened: bool) -> list[str]:
@@ -151,7 +171,7 @@ def overtaken_head(ctx: Context) -> list[CheckResult]:
     fillers = [Req(10 + i, tokens(60 + i, 5 * T), max_new_tokens=1, arrival=1.0) for i in range(3)]
     reqs = [Req(0, shared + tail)] + fillers + [Req(8, shared + tokens(52, 8 * T - 2), max_new_tokens=1, arrival=2.0),
                                                 Req(1, shared + tail, arrival=2.0)]
-    r = run(ctx, reqs, num_slots=14, local_reuse=True)
+    r = run(ctx, reqs, num_slots=squeeze_slots(ctx, 14), local_reuse=True)
     happened = not r.error and any(c[0] == 1 and c[1] == 0 and c[2] < 4 * T for c in r.runtime.cancels) \
         and r.state(1).num_external > 0
     out = [judge_integrity("overtaken-head", ctx, [(r, reqs)]), judge_holds_nothing("overtaken-head", ctx, r)]
@@ -170,7 +190,7 @@ def free_before_delivery(ctx: Context) -> list[CheckResult]:
     prompt = tokens(30, 4 * T + 2)
     reqs, r = _squeeze(ctx, 14, on_iteration=abort_deferred)
     reqs = reqs + [Req(2, prompt, arrival=3.0)]
-    followup, r2 = reqs, run(ctx, reqs, num_slots=14, on_iteration=abort_deferred)
+    followup, r2 = reqs, run(ctx, reqs, num_slots=squeeze_slots(ctx, 14), on_iteration=abort_deferred)
     happened = not r2.error and r2.state(1).error == "aborted" and any(c[0] == 1 for c in r2.runtime.cancels)
     integrity = judge_integrity("free-before-delivery", ctx, [(r2, followup)])
     out = [judge_holds_nothing("free-before-delivery", ctx, r2, followup_ok=not integrity.failed), integrity]

@@ -169,6 +169,14 @@ class StaleAfterFailureWorker(HostConnectorWorker):
         super().wait_for_save(stream)
 
 
+# integrity (failed requests): every pass that loads something raises, so every warm request FAILS
+class LoadRaisesWorker(HostConnectorWorker):
+    def start_load_kv(self, stream):
+        if self.meta.loads:
+            raise RuntimeError("cannot reach the store")
+        super().start_load_kv(stream)
+
+
 # answers-in-contract: answers (0, True) for prompts shorter than a block
 class ZeroAsync(HostConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -200,6 +208,7 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "integrity (deferral)": ("ForgetsOnDeferral", "Worker"),
     "integrity (clamp)": ("DropsOfferOnTailCancel", "Worker"),
     "integrity (overtaken head)": ("HeadShift", "Worker"),
+    "integrity (failed requests)": ("HostConnectorScheduler", "LoadRaisesWorker"),
     "load-completes": ("NeverFinishesLoad", "NeverFinishesLoadWorker"),
     "finished-ids": ("AsyncScheduler", "RepeatsFinishedWorker"),
     "survives-hook-failure": ("HostConnectorScheduler", "StaleAfterFailureWorker"),
@@ -208,4 +217,8 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "registration": ("HostConnectorScheduler", "LayoutRejecter"),
 }
 
-__all__ = ["BROKEN", "KvCacheConnectorWorker"]
+ALSO_FAILS = {  # label -> further checks its defect rightly fails too
+    "integrity (failed requests)": {"survives-hook-failure"},   # its loads raise in every pass, not only once
+}
+
+__all__ = ["ALSO_FAILS", "BROKEN", "KvCacheConnectorWorker"]
