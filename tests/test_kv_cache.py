@@ -4,10 +4,11 @@ import pytest
 
 from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager import ReuseScope
+from kvtool.manager.integrity import check_manager
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, PageStatus
-from kvtool.manager.integrity import check_manager
+from tests.helpers.managers import make_manager
 
 B = BAD_PAGE_INDEX
 
@@ -270,3 +271,16 @@ def test_releasing_a_page_another_cache_still_uses_frees_nothing():
     a.close()                                         # 1, 0 droppable; then b drops 2 and 3 too
     assert b.resize(40, 32) and b.get_page_indices(0) == [B] * 6 + [4, 5, 6, 1]   # 3 free, evict LRU
     check_manager(manager)
+
+
+def test_poisoning_covers_freed_slots_too():
+    manager = make_manager(num_slots=8, poison_new_pages=True)
+    cache = manager.create_kv_cache("a", [])
+    cache.resume()
+    assert cache.resize(6)                      # two blocks; the partial second one is never committed
+    cache.commit(list(range(4)))
+    (region,) = manager.layout.group(0).regions
+    slot = cache.get_page_indices(0)[1]
+    region.as_tensor()[slot].fill_(7)           # what the model wrote
+    cache.close()                                # block 1 is partial: its slot goes back to the free list
+    assert bool((region.as_tensor()[slot] == 0xA5).all())

@@ -26,8 +26,9 @@ class KvCacheManagerConfig:
     disk_cache_bytes: int = 0
     swa_scratch_reuse: bool = True
     poison_new_pages: bool = False
-    """Fill every slot with 0xA5 when it is handed out, so reading bytes nobody wrote (stale bytes
-    of an earlier request included) is caught; kvtool validate turns it on."""
+    """Fill every slot with 0xA5 when it is handed out and when it is freed, so reading bytes nobody
+    wrote (stale bytes of an earlier request, or a page read after its release) is caught; kvtool
+    validate turns it on."""
 
     def validate(self) -> None:
         """InputError for values no manager can be built from."""

@@ -70,7 +70,11 @@ class KvCacheManager:
         pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
         self.page_table = PageTable([SlotAllocator(n) for n in self.num_slots], pool_group_of, self.tree)
         if config.poison_new_pages:
+            # Freed slots too: a connector that still reads a page after it was released (a save
+            # one pass late) then saves poison, which a later load reveals, instead of stale bytes
+            # that might happen to be right.
             self.page_table.on_allocate = self._poison
+            self.page_table.on_free = self._poison
         self._caches: dict[int, KvCache] = {}
         self._holds: dict[int, PageHold] = {}
         self._cache_context = CacheContext(self.page_table, self.tree, self.layer_groups, self.tokens_per_block,

@@ -58,6 +58,8 @@ class PageTable:
         self._droppable: list[dict[Priority, OrderedDict[int, Page]]] = [{} for _ in allocators]
         self.num_evictions = 0
         self.on_allocate: Callable[[Page], None] | None = None
+        self.on_free: Callable[[Page], None] | None = None
+        """Called with a page whose slot goes back to the free list (its bytes are nobody's now)."""
         self.on_evict: Callable[[Page, int], None] | None = None
         """Called with the evicted page (its slot already free) and the block ordinal it held."""
 
@@ -164,5 +166,7 @@ class PageTable:
             self.on_evict(page, node.block_ordinal)
 
     def _free(self, page: Page) -> None:
+        if self.on_free is not None:
+            self.on_free(page)
         del self._pages[page.pool_group_index][page.slot]
         self.allocators[page.pool_group_index].free(page.slot)
