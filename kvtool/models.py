@@ -150,6 +150,8 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         raise InputError(f"cannot read model config {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"model config {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InputError(f"model config {path} is nested too deeply to be a model config") from None
     if not isinstance(raw, dict):
         raise InputError(f"model config {path} must hold a JSON object")
     try:
@@ -221,4 +223,10 @@ def _positive_int(cfg: dict[str, Any], key: str) -> int:
     value = cfg[key]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InputError(f"{key} must be a positive integer, got {value!r}")
+    if value > CONFIG_LIMITS.get(key, 1 << 20):
+        raise InputError(f"{key} = {value} is beyond any real model (at most {CONFIG_LIMITS.get(key, 1 << 20)})")
     return value
+
+
+CONFIG_LIMITS = {"num_hidden_layers": 4096}
+"""Upper bounds that keep a mistyped config from building billions of layer specs (others: 2**20)."""

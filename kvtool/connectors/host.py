@@ -64,6 +64,14 @@ class SlotIndex:
         self._entries[key] = slot
         return slot
 
+    def discard(self, key: bytes) -> None:
+        """Drop `key` and free its slot (an entry whose bytes were never written)."""
+        slot = self._entries.pop(key, None)
+        if slot is not None and not self._pins[slot]:
+            self._free.append(slot)
+        elif slot is not None:
+            self._entries[key] = slot    # a pending load holds it: it must stay until unpinned
+
     def pin(self, slot: int) -> None:
         self._pins[slot] += 1
 
@@ -97,6 +105,9 @@ class HostConnectorScheduler(BlockStoreScheduler):
     def reserve(self, key: bytes, layer_group_id: int) -> tuple[int, int] | None:
         slot = self.indexes[layer_group_id].reserve(key)
         return None if slot is None else (layer_group_id, slot)
+
+    def discard(self, key: bytes, layer_group_id: int, location: tuple[int, int]) -> None:
+        self.indexes[layer_group_id].discard(key)
 
     def pin(self, location: tuple[int, int]) -> None:
         self.indexes[location[0]].pin(location[1])

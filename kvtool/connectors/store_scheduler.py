@@ -60,6 +60,8 @@ class _Tracker:
     held_pins: list[Any] = field(default_factory=list)
     """Pins of emitted loads, released once the load has surely run (a later iteration)."""
     loads_emitted_at: int = -1
+    landed_tokens: int = 0
+    """Tokens whose KV earlier, completed passes wrote (the latest report's computed position)."""
 
     def extend_keys(self, tokens_per_block: int) -> None:
         for j in range(len(self.keys), len(self.tokens) // tokens_per_block):
@@ -81,6 +83,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self.num_saved_blocks = 0
         self.num_loaded_blocks = 0
         self._num_metas = 0
+        self._unlanded: dict[int, list[PageTransfer]] = {}
+        """Saves of the latest metadata, per request: indexed at `reserve`, written only if the
+        pass that carries them completes."""
 
     # ---- the store, per connector ------------------------------------------------------------
     @abstractmethod
@@ -96,6 +101,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
 
     def unpin(self, location: Any) -> None:
         """Undo one `pin`."""
+
+    def discard(self, key: bytes, layer_group_id: int, location: Any) -> None:
+        """Forget an entry `reserve` handed out whose bytes never landed (its pass failed). A store
+        that publishes an entry only once its bytes are written (disk) has nothing to undo."""
 
     # ---- the API -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -169,6 +178,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return start, max(start, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
+        # The previous pass is over: a request it failed was reported through request_finished
+        # (which discarded its saves) before this call, so the saves still listed have landed.
+        self._unlanded = {}
         self._num_metas += 1
         meta = StoreMetadata()
         for data in scheduler_output.new_requests:
@@ -182,6 +194,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 tracker.pending_loads = []
                 tracker.loads_emitted_at = self._num_metas
         meta.async_saves, self._finished = self._finished, {}
+        for save in meta.saves:
+            self._unlanded.setdefault(save.request_id, []).append(save)
         return meta
 
     def _observe(self, data: RequestData, is_new: bool, meta: StoreMetadata) -> None:
@@ -198,6 +212,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         if tracker.held_pins and 0 <= tracker.loads_emitted_at < self._num_metas:
             self._release_pins(tracker)
         start = data.computed_position
+        tracker.landed_tokens = start
         if tracker.delivered and not tracker.delivered_reported:
             start = max(start, tracker.delivered[1])
             tracker.delivered_reported = True
@@ -229,6 +244,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
 
     def request_finished_by_layer_group(self, request: Request,
                                         cache_block_ids_by_layer_group: GroupPages) -> bool:
+        unlanded = self._unlanded.pop(request.request_id, [])
+        if not request.is_finished:   # ended early (failed or aborted), maybe in the pass of these saves
+            for save in unlanded:
+                self.discard(save.key, save.layer_group_id, save.location)
         tracker = self._trackers.pop(request.request_id, None)
         if tracker is None:
             return False
@@ -240,7 +259,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.pages = GroupPages(cache_block_ids_by_layer_group)
         tracker.tokens = request.get_tokens(0)
         tracker.extend_keys(self.tokens_per_block)
-        saves = [s for j in range(len(tracker.keys)) for s in self._save_block(tracker, j)]
+        # A request that ended early may have failed in its last pass: only blocks written by
+        # passes before that one hold its KV.
+        num_blocks = len(tracker.keys) if request.is_finished else tracker.landed_tokens // self.tokens_per_block
+        saves = [s for j in range(min(num_blocks, len(tracker.keys))) for s in self._save_block(tracker, j)]
         if not saves:
             return False
         self._finished[request.request_id] = saves

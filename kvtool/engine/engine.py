@@ -26,7 +26,8 @@ from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.errors import ConnectorError, ConstructionError, InputError, IterationLimitError, OutOfPagesError
 from kvtool.manager.config import KvCacheManagerConfig
-from kvtool.manager.manager import KvCacheManager
+from kvtool.group_pages import GroupPages
+from kvtool.manager.manager import KvCacheManager, PageHold
 from kvtool.manager.integrity import check_manager
 from kvtool.types import KvCacheStatus
 
@@ -93,6 +94,8 @@ class Engine:
         self.clock = 0.0
         self.iteration = 0
         self.events = EventStream()
+        self._failed_saves: dict[int, PageHold] = {}
+        """Pages of failed requests whose asynchronous save is still in flight."""
         self.manager.page_table.on_evict = self._on_evict
         self.connector = self._attach(connector, connector_options or {}) if connector else None
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
@@ -283,6 +286,9 @@ class Engine:
             self._loaded(self.states.get(request_id))
         for request_id in saved:
             self._saved(self.states.get(request_id))
+            hold = self._failed_saves.pop(request_id, None)
+            if hold is not None:
+                hold.release()
 
     def _worker_pass(self, metadata, items: list[PassItem]) -> bool:
         runtime = self.connector
@@ -407,9 +413,12 @@ class Engine:
                 offer.closed = True
                 self.scheduler.cancel(state, offer.start, offer.end)
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
-                pages = state.kv.page_indices_by_group() if state.kv is not None and \
-                    state.kv.status is not KvCacheStatus.CLOSED else {g.layer_group_id: [] for g in self.manager.layer_groups}
-                self.connector.finish(state.request, pages)
+                is_open = state.kv is not None and state.kv.status is not KvCacheStatus.CLOSED
+                pages = state.kv.page_indices_by_group() if is_open else \
+                    GroupPages({g.layer_group_id: [] for g in self.manager.layer_groups})
+                ok, is_async = self.connector.finish(state.request, pages)
+                if ok and is_async and is_open:   # its save reads these pages: keep them until it lands
+                    self._failed_saves[state.request_id] = self.manager.hold_pages(state.kv)
         self._close(state, Phase.FAILED, reason, detail)
 
     def _close(self, state: RequestState, phase: Phase, failure: FailureReason | None = None,

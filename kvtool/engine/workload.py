@@ -44,6 +44,8 @@ def parse_request(line: str) -> Request:
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise InputError("JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise InputError("each line must be a JSON object")
     unknown = set(raw) - _FIELDS

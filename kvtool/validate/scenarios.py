@@ -225,11 +225,13 @@ def hook_raises(ctx: Context) -> list[CheckResult]:
     """Run twice, with and without a failure injected into `wait_for_layer_load` in the pass that
     loads the warm request (else its first pass): only what goes wrong *because* of the failure
     counts against survival. After the failure a sentinel takes every free slot for a few
-    iterations, so a connector that writes into the failed request's released pages is caught."""
+    iterations, so a connector that writes into the failed request's released pages is caught; and
+    later requests repeat both failed prompts, so a connector that indexed the failed pass's saves
+    (which never landed) serves what it never stored."""
     T = ctx.tokens_per_block
-    prompt = tokens(90, 6 * T + 1)
-    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, tokens(91, 5 * T), arrival=1.0),
-            Req(3, prompt, arrival=3.0)]
+    prompt, other = tokens(90, 6 * T + 1), tokens(91, 5 * T)
+    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, other, arrival=1.0),
+            Req(3, prompt, arrival=3.0), Req(4, other, arrival=4.0)]
     runs = []
     for fail in (False, True):   # the baseline sees the same sentinel at the same point, without the failure
         injected: list[int] = []

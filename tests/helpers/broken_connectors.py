@@ -177,6 +177,13 @@ class LoadRaisesWorker(HostConnectorWorker):
         super().start_load_kv(stream)
 
 
+# survives-hook-failure (unlanded saves): keeps the index entries of a failed pass's saves, whose bytes
+# never landed (the bug the reference host connector had): a later request on that prompt loads garbage
+class IndexesUnlandedSaves(HostConnectorScheduler):
+    def discard(self, key, layer_group_id, location):
+        pass
+
+
 # answers-in-contract: answers (0, True) for prompts shorter than a block
 class ZeroAsync(HostConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -212,6 +219,7 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "load-completes": ("NeverFinishesLoad", "NeverFinishesLoadWorker"),
     "finished-ids": ("AsyncScheduler", "RepeatsFinishedWorker"),
     "survives-hook-failure": ("HostConnectorScheduler", "StaleAfterFailureWorker"),
+    "survives-hook-failure (unlanded saves)": ("IndexesUnlandedSaves", "Worker"),
     "answers-in-contract": ("ZeroAsync", "Worker"),
     "salt-isolation": ("SaltBlind", "Worker"),
     "registration": ("HostConnectorScheduler", "LayoutRejecter"),
