@@ -65,3 +65,13 @@ def test_a_deeply_nested_workload_line_is_an_input_error(tmp_path):
     result = runner.invoke(app, ["trace", "run", str(path)])
     assert_clean(result)
     assert result.exit_code == 2 and "nested too deeply" in result.stderr
+
+
+def test_sizes_beyond_the_machine_are_refused_before_allocating():
+    for args in (["trace", "run", "workloads/shared_prefix.jsonl", "--gpu-memory", "1000TiB"],
+                 ["trace", "run", "workloads/shared_prefix.jsonl", "--tokens-per-block", str(2**40)],
+                 ["bench", "--quick", "--batch-bytes", "1000TiB"],
+                 ["bench", "--quick", "--tokens-per-block", str(2**40)]):
+        result = runner.invoke(app, args)
+        assert_clean(result)
+        assert result.exit_code == 2 and "more than this machine's memory" in result.stderr, args

@@ -178,3 +178,11 @@ def test_a_slow_but_correct_async_load_is_not_a_false_alarm():
     results = run_all([Context(spec, "tiny")], ["async-load"], 60, isolated=False)
     verdicts = {r.check: r.verdict.value for r in results if r.scenario == "async-load"}
     assert verdicts["load-completes"] == "pass" and verdicts["integrity"] == "pass", results
+
+
+def test_a_dropped_offer_is_said_in_words():
+    results = validate_in_process("tests.helpers.broken_connectors:ForgetsOnDeferral:Worker", ["deferral"])
+    (integrity,) = [r for r in results if r.check == "integrity" and r.model == "tiny"]
+    assert integrity.failed
+    assert any(e.startswith("request 1: offer made at iteration ") and "dropped the offer" in e
+               for e in integrity.evidence), integrity.evidence

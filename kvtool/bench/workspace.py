@@ -9,6 +9,7 @@ import torch
 
 from kvtool.errors import InputError, LogicError
 from kvtool.manager import KvCacheManagerConfig, compute_layout
+from kvtool.manager.storage import require_memory
 from kvtool.models import load_model
 from kvtool.transfer.api import CopyOp, PageSpace
 from kvtool.types import TextEnum
@@ -90,10 +91,14 @@ class Workspace:
 
 
 def make_workspace(g: Geometry, batch_bytes: int, device: torch.device, seed: int = 0) -> Workspace:
+    """A region, a host store and a staging buffer for batches of `batch_bytes`; OutOfMemoryError
+    (before allocating) when they cannot fit."""
     num_pages = max(1, batch_bytes // g.nbytes)
     num_slots = max(2 * num_pages, num_pages + 16)
     if num_slots * g.stride > MAX_REGION_BYTES:
         num_slots = max(num_pages, MAX_REGION_BYTES // g.stride)
+    require_memory(num_slots * g.stride + num_pages * g.nbytes, device)
+    require_memory(2 * num_pages * g.nbytes, torch.device("cpu"))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     region = _random(num_slots * g.stride, device, seed)
     pin = device.type == "cuda"

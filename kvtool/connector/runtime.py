@@ -110,7 +110,7 @@ class ConnectorRuntime:
         """Run a connector hook; (False, None) and a recorded failure when it raises."""
         try:
             return True, fn(*args)
-        except Exception as exc:  # noqa: BLE001 - a connector's exception must never crash the runtime
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit included)
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             self.failures.append(HookFailure(hook, request_id, f"{type(exc).__name__}: {exc} "
                                                                f"({frame.filename}:{frame.lineno})"))

@@ -200,11 +200,19 @@ class Engine:
         while not self.is_done():
             if self.iteration >= max_iterations:
                 raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
-                                          f"{max_iterations} iterations")
+                                          f"{max_iterations} iterations: {self._stuck_description()}")
             self.step()
             if on_iteration is not None:
                 on_iteration(self)
         return self.stats
+
+    def _stuck_description(self) -> str:
+        """What the unfinished requests wait for, in the connector's terms (the first three)."""
+        waits = {Phase.TRANSMISSION: "its asynchronous load, which get_finished never reported",
+                 Phase.SAVING: "its asynchronous save, which get_finished never reported",
+                 Phase.WAITING: "pages (deferred)", Phase.CONTEXT: "prefill", Phase.GENERATION: "generation"}
+        parts = [f"request {s.request_id} waits for {waits.get(s.phase, s.phase.value)}" for s in self.live_states[:3]]
+        return "; ".join(parts)
 
     def step(self) -> Batch:
         self.iteration += 1

@@ -7,17 +7,24 @@ on CUDA when available) and for a virtual layout (bases are 2 MiB aligned offset
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import LogicError, OutOfPagesError
+from kvtool.errors import LogicError, OutOfMemoryError, OutOfPagesError
 from kvtool.manager.layer_groups import LayerGroupSpec
-from kvtool.manager.layout import (KvCacheLayerGroupLayout, KvCacheLayout, KvCacheRegion, PoolGroupLayout,
-                                   PoolLayout)
+from kvtool.manager.layout import (
+    KvCacheLayerGroupLayout,
+    KvCacheLayout,
+    KvCacheRegion,
+    PoolGroupLayout,
+    PoolLayout,
+)
 from kvtool.manager.pool_groups import PoolGroupSpec, place_pools
 from kvtool.types import MemAddress, PageIndex, PoolIndex
+from kvtool.units import format_size
 
 
 class SlotAllocator:
@@ -76,13 +83,29 @@ def virtual_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) 
 
 def allocated_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int],
                     device: torch.device) -> Pools:
-    """One uint8 tensor per pool on `device` (largest pool first inside each group)."""
+    """One uint8 tensor per pool on `device` (largest pool first inside each group); OutOfMemoryError,
+    before allocating anything, when they cannot fit in the device's memory."""
+    require_memory(sum(s * n for pg, n in zip(pool_groups, num_slots) for s in pg.slot_sizes), device)
     tensors = tuple(
         tuple(torch.zeros(slot_size * slots, dtype=torch.uint8, device=device) for slot_size in pg.slot_sizes)
         for pg, slots in zip(pool_groups, num_slots)
     )
     bases = tuple(tuple(MemAddress(t.data_ptr()) for t in group) for group in tensors)
     return Pools(bases, tensors)
+
+
+def require_memory(num_bytes: int, device: torch.device) -> None:
+    """OutOfMemoryError when `num_bytes` exceed what `device` has (free GPU memory, or physical
+    host memory): a clear error instead of an allocator traceback, or a machine driven into swap."""
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+        where = f"free memory on {device}"
+    else:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = "this machine's memory"
+    if num_bytes > available:
+        raise OutOfMemoryError(f"{format_size(num_bytes)} needed, more than {where} ({format_size(available)}): "
+                               "lower --gpu-memory, --num-slots, --batch-bytes or the tokens per block")
 
 
 def build_layout(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],

@@ -11,7 +11,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.events import EventLog, Finished, LoadStarted, SaveFinished, SaveStarted
+from kvtool.engine.events import Ask, Deliver, EventLog, Finished, LoadStarted, SaveFinished, SaveStarted
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
@@ -162,13 +162,26 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
         evidence += [i.describe() for i in engine.fake.issues[:5]]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
-        evidence += failed_by_connector(r)
+        evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r)
         expected = reference_tokens(ctx, requests)
         for rid, state in r.states.items():
             if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
                 evidence.append(f"request {rid}: generated {state.request.generated_token_ids} but a run without "
                                 f"the connector generates {expected[rid]}")
     return result(scenario, ctx, "integrity", not evidence, evidence)
+
+
+def late_deliveries_gone_wrong(r: Run) -> list[str]:
+    """Requests whose loaded bytes are wrong and whose offer was delivered in a later iteration than
+    it was made: said in words, because the usual cause is a connector that forgets its offers at
+    every build_connector_meta (under the V2 runtime an offer outlives the iteration it was made in)."""
+    asked = {e.request_id: e.iteration for e in r.events.of(Ask)}
+    wrong = set(r.engine.fake.errors_by_request)
+    return [f"request {e.request_id}: offer made at iteration {asked[e.request_id]}, delivered at iteration "
+            f"{e.iteration}, and the loaded bytes are wrong: the connector dropped the offer before it was "
+            "delivered (an offer outlives the iteration it was made in)"
+            for e in r.events.of(Deliver)
+            if e.request_id in wrong and e.num_external and asked.get(e.request_id, e.iteration) < e.iteration]
 
 
 def failed_by_connector(r: Run) -> list[str]:
