@@ -23,6 +23,7 @@ from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import ModelSpec, load_model
+from kvtool.report.run_folder import write_file
 from kvtool.units import parse_size
 
 try:
@@ -106,11 +107,7 @@ def write_text(text: str, output: Path | None, console: Console) -> None:
     if output is None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
         return
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text)
-    except OSError as exc:
-        raise InputError(f"cannot write {output}: {exc.strerror or exc}") from None
+    write_file(output, text)
 
 
 def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_memory: str | None,

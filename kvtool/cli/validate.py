@@ -21,10 +21,10 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model
-from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_meta
+from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
 from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
-from kvtool.validate.junit import junit_xml, write
+from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict
 from kvtool.validate.runner import run_all
 from kvtool.validate.scenarios import SCENARIOS
@@ -97,13 +97,13 @@ def validate(
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
     _print_results(results, target, models, format)
     if junit:
-        write(junit, junit_xml(results, target))
+        write_file(junit, junit_xml(results, target))
     if json_out:
-        write(json_out, json.dumps(_document(results, target, models), indent=2) + "\n")
+        write_file(json_out, json.dumps(_document(results, target, models), indent=2) + "\n")
     if folder is not None:
-        write(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
-        write(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
-        write(folder / "junit.xml", junit_xml(results, target))
+        write_file(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
+        write_file(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
+        write_file(folder / "junit.xml", junit_xml(results, target))
         write_meta(folder, "validate", target=target)
     failed = [r for r in results if r.failed]
     if failed:

@@ -56,9 +56,14 @@ def write_meta(directory: Path, suite: str, **extra: Any) -> dict[str, Any]:
 
 
 def write_json(path: Path, document: Any) -> None:
+    write_file(path, json.dumps(document, indent=2) + "\n")
+
+
+def write_file(path: Path, text: str) -> None:
+    """`text` into `path` (parents created); InputError naming the path when it cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(document, indent=2) + "\n")
+        path.write_text(text)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 

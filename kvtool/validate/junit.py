@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
-from kvtool.errors import InputError
 from kvtool.validate.results import CheckResult, Verdict
 
 
@@ -32,10 +30,3 @@ def junit_xml(results: list[CheckResult], target: str) -> str:
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
-
-def write(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
