@@ -75,3 +75,11 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating():
         result = runner.invoke(app, args)
         assert_clean(result)
         assert result.exit_code == 2 and "more than this machine's memory" in result.stderr, args
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_once(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"request_id": 7, "prompt": [1, 2, 3, 4], "max_new_tokens": 1000000}\n')
+    result = runner.invoke(app, ["trace", "run", str(path), "--num-slots", "64"])
+    assert_clean(result)
+    assert result.exit_code == 2 and "request 7 (4 prompt + 1000000 new tokens) needs" in result.stderr

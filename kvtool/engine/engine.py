@@ -177,10 +177,23 @@ class Engine:
     def add_request(self, request: Request) -> RequestState:
         if request.request_id in self.states:
             raise InputError(f"request id {request.request_id} is used twice")
+        self._require_room_for(request)
         state = RequestState(request)
         self.states[request.request_id] = state
         self._order.append(state)
         return state
+
+    def _require_room_for(self, request: Request) -> None:
+        """InputError now for a request that could not fit even in an empty cache (it would wait forever)."""
+        tokens = request.prompt_len + max(request.max_new_tokens - 1, 0)   # the last token is never fed back
+        by_id = {g.layer_group_id: g for g in self.manager.layer_groups}
+        for pg in self.manager.pool_groups:
+            need = sum(by_id[g].num_live_blocks(tokens, self.manager.tokens_per_block) for g in pg.layer_group_ids)
+            have = self.manager.num_slots[pg.pool_group_index]
+            if need > have:
+                raise InputError(f"the KV cache is too small: request {request.request_id} ({request.prompt_len} prompt "
+                                 f"+ {request.max_new_tokens} new tokens) needs {need} pages in pool group "
+                                 f"{pg.pool_group_index}, which has {have}")
 
     def abort(self, request_id: int) -> None:
         """Free a request wherever it is (before delivery, its whole offer is cancelled)."""
