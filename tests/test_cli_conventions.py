@@ -232,3 +232,16 @@ def test_the_default_disk_folder_is_ignored_by_git():
 def test_an_error_after_the_progress_bar_is_still_one_line():
     done = kvtool("trace", "run", WORKLOAD, "--num-slots", "2")
     assert done.returncode == 2 and "the KV cache is too small" in one_error_line(done.stderr)
+
+
+def test_a_shard_folder_replaced_by_a_file_is_a_miss_with_a_warning(tmp_path):
+    first = run("disk", options={"dir": str(tmp_path)})
+    shards = sorted(p for p in first.connector.scheduler.root.iterdir() if p.is_dir())
+    victim = shards[0]
+    for f in victim.iterdir():
+        f.unlink()
+    victim.rmdir()
+    victim.write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="is not a folder"):
+        again = run("disk", options={"dir": str(tmp_path)})
+    assert again.integrity_errors == 0 and all(s.failure is None for s in again.states.values())

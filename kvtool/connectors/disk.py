@@ -127,6 +127,7 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in self.groups}
         self._verified: dict[Path, tuple[int, int]] = {}
         self.num_corrupt = 0
+        self._warned_shards: set[Path] = set()
         self.num_swept_temp_files = sweep_stale_temp_files(self.root)
 
     def lookup(self, key: bytes, layer_group_id: int) -> Path | None:
@@ -134,6 +135,9 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         try:
             stat = path.stat()
         except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            self._warn_not_a_folder(path.parent)
             return None
         if self._verified.get(path) == (stat.st_size, stat.st_mtime_ns):
             return path
@@ -150,9 +154,18 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         quarantined here, so that one save heals it (not only the first corrupt block of a chain,
         which is all that lookups reach)."""
         path = block_path(self.root, key, layer_group_id)
+        if path.parent.exists() and not path.parent.is_dir():
+            self._warn_not_a_folder(path.parent)
+            return None
         if path.exists() and self.lookup(key, layer_group_id) is not None:
             return None
         return path
+
+    def _warn_not_a_folder(self, shard: Path) -> None:
+        if shard not in self._warned_shards:
+            self._warned_shards.add(shard)
+            warnings.warn(f"kvtool disk connector: {shard} is not a folder; its blocks are misses and are not "
+                          "saved", RuntimeWarning, stacklevel=3)
 
     def _quarantine(self, path: Path, reason: Exception) -> None:
         self.num_corrupt += 1
