@@ -7,7 +7,6 @@ import contextlib
 import enum
 import functools
 import sys
-from enum import IntEnum
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -35,7 +34,7 @@ DEFAULT_GPU_MEMORY = "8GiB"
 CONNECTOR_CHOICES = f"{', '.join(BUILTIN_CONNECTORS)}, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER"
 
 
-class ExitCode(IntEnum):
+class ExitCode(enum.IntEnum):
     OK = 0
     CHECK_FAILED = 1
     USAGE = 2
@@ -78,8 +77,9 @@ def kvtool_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("kvtool")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    except PackageNotFoundError:       # run from a checkout (PYTHONPATH), as on the GPU machine
+        from kvtool import __version__
+        return f"{__version__} (from a checkout)"
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
