@@ -14,7 +14,7 @@ from kvtool.cli.common import (FORMAT_HELP, OUTPUT_HELP, OutputFormat, clean_err
                                is_legacy_output_file, manager_config, write_text)
 from kvtool.manager import compute_layout
 from kvtool.report.layout_report import layout_frame, layout_tables, layout_to_dict
-from kvtool.report.run_folder import prepare_run_folder, write_json, write_meta
+from kvtool.report.run_folder import prepare_run_folder, write_file, write_json, write_meta
 
 
 
@@ -46,7 +46,7 @@ def inspect_layout(
     write_text(text, None, Console())
     if folder is not None:
         write_json(folder / "layout.json", layout_to_dict(layout))
-        write_text(layout_frame(layout).to_csv(index=False), folder / "layout.csv", Console())
+        write_file(folder / "layout.csv", layout_frame(layout).to_csv(index=False))
         write_meta(folder, "inspect-layout")
 
 

@@ -13,14 +13,14 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, manager_config, parse_options,
-                               progress_bar, write_text)
+                               progress_bar)
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import TraceSummary, run_trace
 from kvtool.engine.workload import load_workload
 from kvtool.errors import InputError
-from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json, write_meta
+from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_json, write_meta
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 DEFAULT_NUM_SLOTS = 1024
@@ -88,8 +88,7 @@ def trace_run(
         write_json(json_out, result.summary.as_dict())
     if folder is not None:
         write_json(folder / "summary.json", result.summary.as_dict())
-        write_text(frame_text(pd.DataFrame([result.summary.as_dict()]), OutputFormat.csv), folder / "summary.csv",
-                   console)
+        write_file(folder / "summary.csv", frame_text(pd.DataFrame([result.summary.as_dict()]), OutputFormat.csv))
         write_meta(folder, "trace")
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)

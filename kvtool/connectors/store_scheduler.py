@@ -261,8 +261,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.extend_keys(self.tokens_per_block)
         # A request that ended early may have failed in its last pass: only blocks written by
         # passes before that one hold its KV.
-        num_blocks = len(tracker.keys) if request.is_finished else tracker.landed_tokens // self.tokens_per_block
-        saves = [s for j in range(min(num_blocks, len(tracker.keys))) for s in self._save_block(tracker, j)]
+        num_written = len(tracker.keys) if request.is_finished else tracker.landed_tokens // self.tokens_per_block
+        saves = [s for j in range(min(num_written, len(tracker.keys))) for s in self._save_block(tracker, j)]
         if not saves:
             return False
         self._finished[request.request_id] = saves

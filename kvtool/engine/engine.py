@@ -25,10 +25,11 @@ from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.errors import ConnectorError, ConstructionError, InputError, IterationLimitError, OutOfPagesError
-from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.group_pages import GroupPages
-from kvtool.manager.manager import KvCacheManager, PageHold
+from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.integrity import check_manager
+from kvtool.manager.manager import KvCacheManager, PageHold
+from kvtool.manager.pool_groups import pages_per_pool_group
 from kvtool.types import KvCacheStatus
 
 
@@ -186,10 +187,10 @@ class Engine:
     def _require_room_for(self, request: Request) -> None:
         """InputError now for a request that could not fit even in an empty cache (it would wait forever)."""
         tokens = request.prompt_len + max(request.max_new_tokens - 1, 0)   # the last token is never fed back
-        by_id = {g.layer_group_id: g for g in self.manager.layer_groups}
-        for pg in self.manager.pool_groups:
-            need = sum(by_id[g].num_live_blocks(tokens, self.manager.tokens_per_block) for g in pg.layer_group_ids)
-            have = self.manager.num_slots[pg.pool_group_index]
+        manager = self.manager
+        needs = pages_per_pool_group(manager.layer_groups, manager.pool_groups, tokens, manager.tokens_per_block)
+        for pg, need in zip(manager.pool_groups, needs):
+            have = manager.num_slots[pg.pool_group_index]
             if need > have:
                 raise InputError(f"the KV cache is too small: request {request.request_id} ({request.prompt_len} prompt "
                                  f"+ {request.max_new_tokens} new tokens) needs {need} pages in pool group "

@@ -61,6 +61,15 @@ def placed_bytes(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -
     return place_pools(pool_groups, num_slots)[1]
 
 
+def pages_per_pool_group(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],
+                         num_tokens: int, tokens_per_block: int) -> list[int]:
+    """Pages a sequence of `num_tokens` holds in each pool group: every live block of every layer
+    group sharing it (stale blocks of windowed groups need none)."""
+    by_id = {g.layer_group_id: g for g in groups}
+    return [sum(by_id[g].num_live_blocks(num_tokens, tokens_per_block) for g in pg.layer_group_ids)
+            for pg in pool_groups]
+
+
 def slots_for_budget(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],
                      memory_bytes: int, tokens_per_block: int, typical_tokens: int) -> list[int]:
     """Slots per pool group so that the pools fit `memory_bytes`.
@@ -69,9 +78,7 @@ def slots_for_budget(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[Pool
     pool group: all its blocks for full attention, only the live window for sliding groups.
     Raises OutOfMemoryError when some pool group would get no slot at all.
     """
-    by_id = {g.layer_group_id: g for g in groups}
-    pages = [sum(by_id[g].num_live_blocks(typical_tokens, tokens_per_block) for g in pg.layer_group_ids)
-             for pg in pool_groups]
+    pages = pages_per_pool_group(groups, pool_groups, typical_tokens, tokens_per_block)
     bytes_per_share = sum(p * pg.slot_bytes for p, pg in zip(pages, pool_groups))
     scale = memory_bytes / bytes_per_share
     num_slots = [int(p * scale) for p in pages]

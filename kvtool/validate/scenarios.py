@@ -16,7 +16,7 @@ from kvtool.engine.engine import Engine
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.manager.layer_groups import plan_layer_groups
-from kvtool.manager.pool_groups import plan_pool_groups
+from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
                                      judge_warm_hit, reference_tokens, result, run, skipped, tokens)
@@ -108,11 +108,9 @@ def contract(ctx: Context) -> list[CheckResult]:
 def pages_per_block(ctx: Context) -> int:
     """Pages one block of these scenarios' short requests (ten blocks) takes in the busiest pool
     group: 1 for one full-attention group, 2 where two layer groups share a pool group, ..."""
-    model, tpb = load_model(ctx.model), ctx.tokens_per_block
-    groups = plan_layer_groups(model, tpb)
-    by_id = {g.layer_group_id: g for g in groups}
-    per_pool = [sum(by_id[g].num_live_blocks(10 * tpb, tpb) for g in pg.layer_group_ids)
-                for pg in plan_pool_groups(groups)]
+    tpb = ctx.tokens_per_block
+    groups = plan_layer_groups(load_model(ctx.model), tpb)
+    per_pool = pages_per_pool_group(groups, plan_pool_groups(groups), 10 * tpb, tpb)
     return max(1, round(max(per_pool) / 10))
 
 
