@@ -75,21 +75,20 @@ class Run:
 
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
-                  max_batch_size: int, max_transmission_iterations: int) -> EngineConfig:
+                  max_batch_size: int) -> EngineConfig:
+    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time."""
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
     return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
-                        verify_all_after_iteration=True, max_transmission_iterations=max_transmission_iterations,
-                        max_transmission_seconds=ctx.load_timeout)
+                        verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout)
 
 
 def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
-        local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64,
-        max_transmission_iterations: int = 40, connector: bool = True,
+        local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64, connector: bool = True,
         setup: Callable[[Engine], None] | None = None,
         on_iteration: Callable[[Engine], None] | None = None) -> Run:
     """Replay `requests`; the connector under test is attached unless `connector` is False."""
-    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, max_transmission_iterations)
+    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
     engine.events.subscribe(result.events)
@@ -258,7 +257,7 @@ def registration_error(ctx: Context) -> str | None:
     """The registration failure for this model, if the connector cannot take its layout.
     A connector that cannot even be constructed raises ConstructionError (a usage error)."""
     try:
-        Engine(engine_config(ctx, 8, None, False, 8, 8), ctx.spec, dict(ctx.options))
+        Engine(engine_config(ctx, 8, None, False, 8), ctx.spec, dict(ctx.options))
     except ConstructionError:
         raise
     except InputError as exc:

@@ -203,7 +203,7 @@ def async_load(ctx: Context) -> list[CheckResult]:
     T = ctx.tokens_per_block
     prompt = tokens(70, 7 * T + 1)
     reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt, arrival=1.0)]
-    r = run(ctx, reqs, max_transmission_iterations=20)
+    r = run(ctx, reqs)
     checks = judge_async("async-load", ctx, r)
     if not any(c.check == "load-completes" for c in checks):
         checks.append(skipped("async-load", ctx, "load-completes", "the connector loaded synchronously"))
