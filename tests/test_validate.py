@@ -28,6 +28,8 @@ MODELS = ("tiny", "tiny-vswa")
 WHERE = {  # scenario-specific integrity bugs must show in their scenario
     "integrity (chunked prefill)": "chunked-prefill", "integrity (VSWA, slot -1)": "vswa-live-pages",
     "integrity (deferral)": "deferral", "integrity (clamp)": "clamp", "integrity (overtaken head)": "overtaken-head",
+    "integrity (local match)": "local-prefix", "integrity (moved blocks)": "moved-blocks",
+    "integrity (multi-turn)": "multi-turn",
 }
 
 
@@ -186,3 +188,38 @@ def test_a_dropped_offer_is_said_in_words():
     assert integrity.failed
     assert any(e.startswith("request 1: offer made at iteration ") and "dropped the offer" in e
                for e in integrity.evidence), integrity.evidence
+
+
+_LEAVING = {  # where the connector leaves -> (code, exit code, words the one line must hold)
+    "import": ("import os\nos._exit(0)\n", "", 2, "ended its process (exit code 0) while importing it"),
+    "import-sys": ("import sys\nsys.exit(0)\n", "", 2, "called sys.exit(0) while importing it"),
+    "constructor": ("", "        import sys; sys.exit(3)\n", 2,
+                    "called sys.exit(3) while constructing its scheduler and worker"),
+    "constructor-hangs": ("", "        import time; time.sleep(60)\n", 2,
+                          "did not finish constructing its scheduler and worker within 2 s"),
+}
+
+
+@pytest.mark.parametrize("where", list(_LEAVING))
+def test_a_connector_that_leaves_or_hangs_while_loading_is_exit_2_naming_where(tmp_path, where):
+    module_code, constructor_code, code, words = _LEAVING[where]
+    file = tmp_path / "leaving.py"
+    file.write_text(module_code + "from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker\n"
+                    "class S(HostConnectorScheduler):\n    def __init__(self, llm_args):\n" + constructor_code +
+                    "        super().__init__(llm_args)\n")
+    started = time.perf_counter()
+    result = runner.invoke(app, ["validate", f"{file}:S:HostConnectorWorker", "--timeout", "2",
+                                 "--scenario", "cold-warm"])
+    assert result.exit_code == code, result.output
+    assert words in result.output and "Traceback" not in result.output
+    assert time.perf_counter() - started < 30
+
+
+def test_a_hook_that_ends_the_process_fails_the_scenario(tmp_path):
+    file = tmp_path / "leaving.py"
+    file.write_text("import os\nfrom kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker\n"
+                    "class W(HostConnectorWorker):\n    def start_load_kv(self, stream):\n        os._exit(0)\n")
+    result = runner.invoke(app, ["validate", f"{file}:HostConnectorScheduler:W", "--scenario", "cold-warm",
+                                 "--format", "csv"])
+    assert result.exit_code == 1, result.output
+    assert "the scenario's process died (exit code 0)" in result.output

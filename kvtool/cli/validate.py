@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,13 +15,14 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, note_model_origin,
-                               print_connector_help)
+                               parse_options, print_connector_help)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
 from kvtool.validate.compat_trtllm import COMPAT
-from kvtool.validate.harness import Context, registration_error
+from kvtool.validate.harness import Context
+from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict
 from kvtool.validate.runner import run_all
@@ -63,6 +62,9 @@ def validate(
         _print_list()
         return
     if connector_help:
+        _install_compat(compat)
+        preflight(_absolute(target), _probe(DEFAULT_MODELS[0], tokens_per_block, [], compat), compat, timeout,
+                  construct=False)
         print_connector_help(load_connector(_absolute(target)))
         return
     for name in scenario:
@@ -81,17 +83,16 @@ def validate(
     if junit is not None:
         check_writable_file(junit, "--junit")
     folder = prepare_run_folder(output) if output is not None else None
-    if compat is not None:
-        if compat not in COMPAT:
-            raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
-        COMPAT[compat]()
-    spec = load_connector(_absolute(target))
+    _install_compat(compat)
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))
+    # The target is imported and built in a child first: one that exits or hangs there is exit 2.
+    preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
+              compat, timeout)
+    spec = load_connector(_absolute(target))
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout) for m in models]
-    _require_constructible(contexts[0])
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat) for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
@@ -125,15 +126,18 @@ def _device(name: str | None) -> str:
     return name
 
 
-def _require_constructible(ctx: Context) -> None:
-    """Exit 2 (ConstructionError) when the connector's classes cannot even be built."""
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir:
-        os.chdir(workdir)
-        try:
-            registration_error(ctx)
-        finally:
-            os.chdir(here)
+def _install_compat(compat: str | None) -> None:
+    if compat is not None:
+        if compat not in COMPAT:
+            raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
+        COMPAT[compat]()
+
+
+def _probe(model: str, tokens_per_block: int, connector_opt: list[str], compat: str | None, seed: int = 0,
+           device: str = "cpu") -> Context:
+    """The context the preflight child builds the connector in (it finds the spec itself)."""
+    return Context(None, model, tokens_per_block, tuple(parse_options(connector_opt).items()), seed, device,
+                   compat=compat)
 
 
 def _absolute(target: str) -> str:

@@ -259,14 +259,20 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.pages = GroupPages(cache_block_ids_by_layer_group)
         tracker.tokens = request.get_tokens(0)
         tracker.extend_keys(self.tokens_per_block)
-        # A request that ended early may have failed in its last pass: only blocks written by
-        # passes before that one hold its KV.
-        num_written = len(tracker.keys) if request.is_finished else tracker.landed_tokens // self.tokens_per_block
+        num_written = self._written_tokens(tracker, request) // self.tokens_per_block
         saves = [s for j in range(min(num_written, len(tracker.keys))) for s in self._save_block(tracker, j)]
         if not saves:
             return False
         self._finished[request.request_id] = saves
         return True
+
+    def _written_tokens(self, tracker: _Tracker, request: Request) -> int:
+        """Tokens whose KV is in the pages of a request that just ended. The last sampled token's
+        KV was never computed (nothing ran after it was sampled). A request that ended early may
+        have failed in its last pass: only the passes before that one wrote."""
+        if request.is_finished:
+            return len(tracker.tokens) - (request.num_generated_tokens > 0)
+        return tracker.landed_tokens
 
     def _release_pins(self, tracker: _Tracker) -> None:
         for location in tracker.held_pins:

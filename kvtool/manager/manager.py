@@ -158,6 +158,11 @@ class KvCacheManager:
     def num_droppable(self, pool_group_index: int) -> int:
         return self.page_table.num_droppable(pool_group_index)
 
+    def evict_reusable(self) -> int:
+        """Drop every reusable page no request uses (what memory pressure would do, at once): the
+        local cache forgets those prefixes. Returns the number of pages evicted."""
+        return sum(self.page_table.evict_all(pg.pool_group_index) for pg in self.pool_groups)
+
     def _forget(self, cache: KvCache) -> None:
         self._caches.pop(id(cache), None)
 

@@ -149,6 +149,14 @@ class PageTable:
         if not bucket:
             del self._droppable[page.pool_group_index][page.priority]
 
+    def evict_all(self, pool_group: PoolGroupIndex) -> int:
+        """Evict every droppable page of `pool_group` (in eviction order); returns how many."""
+        count = 0
+        while self._droppable[pool_group]:
+            self._evict_one(pool_group)
+            count += 1
+        return count
+
     def _evict_one(self, pool_group: PoolGroupIndex) -> None:
         buckets = self._droppable[pool_group]
         if not buckets:

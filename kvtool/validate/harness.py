@@ -33,6 +33,8 @@ class Context:
     """Where the KV pages live: "cpu", or "cuda" (pages, poisoning, canary and checks on the GPU)."""
     load_timeout: float = 5.0
     """Wall-clock seconds an asynchronous load may take before `load-completes` fails it."""
+    compat: str | None = None
+    """The `--compat` modules a child process installs before importing the connector."""
 
 
 @dataclass(frozen=True)

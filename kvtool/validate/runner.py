@@ -1,18 +1,11 @@
-"""Running scenarios: each in its own process, in a fresh working directory, under a timeout, so a
-connector that hangs or crashes is reported instead of waited on.
-
-On a machine with CUDA the processes come from a fork server, not from forking this process: once
-a process has initialised CUDA (a connector's pinned buffer does), a forked child cannot use CUDA at
-all. The fork server is a clean process that preloads torch and kvtool once. Without CUDA, plain
-fork is safe and starts a scenario faster.
-"""
+"""Running scenarios: each in its own process (see `processes`), in a fresh working directory,
+under a timeout, so a connector that hangs or crashes is reported instead of waited on."""
 
 from __future__ import annotations
 
-import functools
 import gc
-import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -20,7 +13,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
+from kvtool.validate.processes import scenario_processes
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
 
@@ -60,9 +55,9 @@ def _setup(ctx: Context) -> list[CheckResult]:
 def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | None = None) -> list[CheckResult]:
     """`run_scenario` in a child process; a timeout or a dead child is an ERROR result.
     `start_method` defaults to forkserver where CUDA exists, fork elsewhere."""
-    mp = _scenario_processes(start_method or ("forkserver" if torch.cuda.is_available() else "fork"))
+    mp = scenario_processes(start_method)
     receive, send = mp.Pipe(duplex=False)
-    child = mp.Process(target=_child, args=(send, name, ctx), daemon=True)
+    child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=True)
     started = time.perf_counter()
     child.start()
     send.close()
@@ -84,20 +79,14 @@ def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | No
     return [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
 
 
-@functools.lru_cache(maxsize=None)
-def _scenario_processes(start_method: str):
-    mp = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        mp.set_forkserver_preload(["torch", "kvtool.validate.runner"])
-    return mp
-
-
-def _child(send, name: str, ctx: Context) -> None:
+def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
     # A forked child must not enter the OpenMP pool its parent may have started (it would hang);
     # with one thread torch runs everything inline. The scenarios are small.
     torch.set_num_threads(1)
     try:
-        send.send(run_scenario(name, ctx))
+        if compat:
+            COMPAT[compat]()   # before the connector's classes are imported again by unpickling
+        send.send(run_scenario(name, pickle.loads(ctx_blob)))
     finally:
         send.close()
         os._exit(0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvtool.engine.engine import Engine
+from kvtool.engine.events import Ask
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.manager.layer_groups import plan_layer_groups
@@ -198,6 +199,77 @@ def free_before_delivery(ctx: Context) -> list[CheckResult]:
     return out + _common("free-before-delivery", ctx, r2)
 
 
+# ---- what a hook's arguments can be: local matches, shared blocks, follow-up turns -------------
+def _evict_local_cache_after(wave: float):
+    """An on_iteration hook: once every request arriving at or before `wave` is gone, evict the
+    local cache's reusable pages (once), so later requests find their prefix only in the connector."""
+    done: list[bool] = []
+
+    def evict(engine: Engine) -> None:
+        early = [s for s in engine.states.values() if s.request.arrival <= wave]
+        if not done and early and not any(s.is_live for s in early) and not engine.manager.holds:
+            engine.manager.evict_reusable()
+            done.append(True)
+    return evict
+
+
+def local_prefix(ctx: Context) -> list[CheckResult]:
+    """The connector is asked with a local match (`num_computed_tokens` > 0), on a block boundary and
+    inside a block, while another live request shares those pages: it must offer and load only what
+    lies past the match, into the pages past it."""
+    T = ctx.tokens_per_block
+    b, b2 = tokens(110, 8 * T), tokens(111, 8 * T)
+    reqs = [Req(0, b), Req(1, b2),
+            Req(2, b[:2 * T] + tokens(112, T), arrival=1.0), Req(3, b2[:3 * T + 1], arrival=1.0),
+            Req(4, b[:2 * T] + tokens(113, 2 * T), arrival=2.0), Req(5, b, arrival=2.0), Req(6, b2, arrival=2.0)]
+    r = run(ctx, reqs, local_reuse=True, on_iteration=_evict_local_cache_after(0.0))
+    asked = {e.request_id: e for e in r.events.of(Ask)}
+    happened = not r.error and all(asked.get(i) and asked[i].num_computed_tokens > 0 and r.state(i).num_external
+                                   for i in (5, 6))
+    out = [judge_integrity("local-prefix", ctx, [(r, reqs)]), judge_warm_hit("local-prefix", ctx, r, [2, 3, 5, 6])]
+    out[0].evidence += _exercised(r, 5, "asked with a local match on a block boundary, more delivered", happened) + \
+        _exercised(r, 6, "asked with a local match inside a block, more delivered", happened)
+    return out + _common("local-prefix", ctx, r)
+
+
+def moved_blocks(ctx: Context) -> list[CheckResult]:
+    """Equal tokens are not equal KV: a block's KV depends on everything before it. Later prompts
+    hold the first prompt's blocks at other positions, or at the same positions after another first
+    block, or one block repeated; only a true prefix may be served."""
+    T = ctx.tokens_per_block
+    x, y, z, w, v = (tokens(120 + i, T) for i in range(5))
+    reqs = [Req(0, x + y + z + w + x[:2]),
+            Req(1, y + z + w + x + y[:1], arrival=1.0),      # every block moved one position down
+            Req(2, v + y + z + w + x[:2], arrival=1.0),      # the same blocks at the same places, after another head
+            Req(3, x + x + x + y[:3], arrival=1.0),          # the first block, repeated
+            Req(4, x + y + v + w + x[:2], arrival=2.0)]      # diverges, then converges again
+    r = run(ctx, reqs)
+    served = {i: r.state(i).num_external for i in (1, 2, 3, 4)} if not r.error else {}
+    out = [judge_integrity("moved-blocks", ctx, [(r, reqs)])]
+    out[0].evidence += [f"tokens served for prompts that share only moved blocks or a true prefix: {served}"]
+    return out + _common("moved-blocks", ctx, r)
+
+
+def multi_turn(ctx: Context) -> list[CheckResult]:
+    """Chat follow-ups: the next prompt is the previous prompt, its answer and new tokens. The last
+    answer token's KV was never computed (nothing ran after it was sampled), so a connector that
+    saves the finished request's tokens as written serves an unwritten position. Turns end on a
+    block boundary and inside a block; another follow-up extends a prompt that ended mid-block."""
+    T = ctx.tokens_per_block
+    first = [Req(0, tokens(130, 4 * T - 2)), Req(1, tokens(131, 3 * T + 1)), Req(2, tokens(132, 3 * T + 2)),
+             Req(3, tokens(137, 3 * T))]
+    answers = reference_tokens(ctx, first)
+    turns = [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id]) + tokens(133 + q.request_id, 2 * T),
+                 arrival=1.0) for q in first[:2]]
+    others = [Req(12, first[2].tokens + tokens(136, 2 * T), arrival=1.0),   # extends a prompt that ended mid-block
+              Req(13, first[3].tokens + tokens(138, T), arrival=1.0),       # ... one that ended on a boundary
+              Req(14, first[0].tokens[:2 * T], arrival=1.0)]                # a prefix ending on a boundary
+    reqs = first + turns + others
+    r = run(ctx, reqs)
+    out = [judge_integrity("multi-turn", ctx, [(r, reqs)]), judge_warm_hit("multi-turn", ctx, r, [10, 11, 12, 13, 14])]
+    return out + _common("multi-turn", ctx, r)
+
+
 # ---- asynchronous paths and failures -----------------------------------------------------------
 def async_load(ctx: Context) -> list[CheckResult]:
     T = ctx.tokens_per_block
@@ -341,6 +413,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("clamp", "the whole prompt is offered; the last position is cancelled", clamp),
     Scenario("overtaken-head", "the local cache overtook the offer's head: the head is cancelled", overtaken_head),
     Scenario("free-before-delivery", "a request freed after the ask, before delivery", free_before_delivery),
+    Scenario("local-prefix", "asked with a local match, on a block boundary and inside a block, while another "
+                             "request shares those pages: only what lies past the match is loaded", local_prefix),
+    Scenario("moved-blocks", "blocks equal in tokens but not in prefix (moved, repeated, after another head) "
+                             "are never served", moved_blocks),
+    Scenario("multi-turn", "follow-ups extend a prompt and its answer, or a prompt that ended mid-block",
+             multi_turn),
     Scenario("async-load", "asynchronous loads complete within 20 iterations", async_load),
     Scenario("async-save", "asynchronous saves: get_finished ids, pages alive until reported", async_save),
     Scenario("hook-raises", "a worker hook raises mid-pass: the runtime survives, later requests are "

@@ -36,3 +36,17 @@ def test_the_whole_kit_passes_on_device_pages(connector, tmp_path):
     done = validate(connector, "--device", "cuda", "--output", str(tmp_path / "run"), tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert (tmp_path / "run" / "results.json").exists()
+
+
+def test_compat_modules_reach_fork_server_processes(tmp_path):
+    """A fork server's children import nothing from the parent: --compat must be installed there too."""
+    target = f"{REPO / 'tests/data/trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker"
+    done = validate("--compat", "trtllm", target, "--model", "tiny", "--scenario", "cold-warm", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_a_connector_that_exits_at_import_is_exit_2_under_the_fork_server(tmp_path):
+    file = tmp_path / "leaving.py"
+    file.write_text("import os\nos._exit(0)\n")
+    done = validate(f"{file}:S:W", tmp_path=tmp_path)
+    assert done.returncode == 2 and "ended its process (exit code 0) while importing it" in done.stderr

@@ -10,7 +10,7 @@ from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, root_key
+from kvtool.manager.block_keys import ReuseScope, block_key, root_key
 from kvtool.types import BAD_PAGE_INDEX
 
 
@@ -200,6 +200,42 @@ class SaltBlind(HostConnectorScheduler):
         return tracker
 
 
+# integrity (local match): assumes the local match ends on a block boundary, so with a match that
+# ends inside a block it plans from the next boundary and answers a count that starts there
+class AssumesAlignedMatch(HostConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        aligned = -(-num_computed_tokens // self.tokens_per_block) * self.tokens_per_block
+        return super().get_num_new_matched_tokens(request, aligned)
+
+
+# integrity (moved blocks): keys a block by its own tokens, not chained to the blocks before it
+class UnchainedKeys(HostConnectorScheduler):
+    def _tracker(self, request_id, cache_salt):
+        tracker = super()._tracker(request_id, cache_salt)
+        tracker.extend_keys = lambda tpb, t=tracker: _extend_unchained(t, tpb)
+        return tracker
+
+
+def _extend_unchained(tracker, tokens_per_block):
+    for j in range(len(tracker.keys), len(tracker.tokens) // tokens_per_block):
+        tracker.keys.append(block_key(tracker.scope_key, tracker.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
+
+
+# integrity (multi-turn): an asynchronous save of a finished request that counts its last sampled
+# token as written (its KV was never computed; the bug the reference host-async connector had)
+class SavesUnwrittenAnswer(HostConnectorScheduler):
+    def __init__(self, llm_args):
+        super().__init__(_async_args(llm_args))
+
+    def _written_tokens(self, tracker, request):
+        return len(tracker.tokens) if request.is_finished else tracker.landed_tokens
+
+
+class AsyncWorker(HostConnectorWorker):
+    def __init__(self, llm_args):
+        super().__init__(_async_args(llm_args))
+
+
 # registration: refuses every layout
 class LayoutRejecter(HostConnectorWorker):
     def register_kv_cache_layout(self, layout):
@@ -215,6 +251,9 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "integrity (deferral)": ("ForgetsOnDeferral", "Worker"),
     "integrity (clamp)": ("DropsOfferOnTailCancel", "Worker"),
     "integrity (overtaken head)": ("HeadShift", "Worker"),
+    "integrity (local match)": ("AssumesAlignedMatch", "Worker"),
+    "integrity (moved blocks)": ("UnchainedKeys", "Worker"),
+    "integrity (multi-turn)": ("SavesUnwrittenAnswer", "AsyncWorker"),
     "integrity (failed requests)": ("HostConnectorScheduler", "LoadRaisesWorker"),
     "load-completes": ("NeverFinishesLoad", "NeverFinishesLoadWorker"),
     "finished-ids": ("AsyncScheduler", "RepeatsFinishedWorker"),
