@@ -53,6 +53,11 @@ class BufferSpec:
     role: Role
     num_heads: int
     head_dim: int
+    first_head: int = 0
+    """Global index of this buffer's first head: a tensor-parallel rank holds heads
+    [first_head, first_head + num_heads) of the model's."""
+    latent: bool = False
+    """An MLA latent: one compressed head, replicated on every tensor-parallel rank."""
 
     def head_bytes(self, dtype: DType) -> int:
         return self.head_dim * dtype.itemsize
@@ -77,6 +82,14 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     origin: str = "preset"
     """Where the spec and its name come from: "preset", or the config file and the key named after."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    """The tensor-parallel shard this spec describes (see `shard_model`)."""
+
+    @property
+    def shard_name(self) -> str:
+        """The name, with the tensor-parallel shard when there is one: "llama-3.1-8b tp1/2"."""
+        return self.name if self.tp_size == 1 else f"{self.name} tp{self.tp_rank}/{self.tp_size}"
 
     @property
     def num_layers(self) -> int:
@@ -89,9 +102,33 @@ class ModelSpec:
         return tokens_per_block * buffer.bytes_per_token(self.dtype)
 
 
+def shard_model(model: ModelSpec, tp_size: int, tp_rank: int) -> ModelSpec:
+    """What tensor-parallel rank `tp_rank` of `tp_size` holds: each KV buffer's heads split evenly
+    (rank r gets heads [r * h / N, (r + 1) * h / N)), an MLA latent whole on every rank.
+    InputError when `tp_size` does not divide a buffer's heads or the rank is out of range."""
+    if tp_size < 1:
+        raise InputError(f"--tp must be at least 1, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise InputError(f"--rank must be in [0, {tp_size}) for --tp {tp_size}, got {tp_rank}")
+    if model.tp_size != 1:
+        raise InputError(f"{model.name} is already a tensor-parallel shard")
+    return replace(model, layers=tuple(replace(layer, buffers=tuple(_shard(model, b, tp_size, tp_rank)
+                                                                    for b in layer.buffers))
+                                       for layer in model.layers), tp_size=tp_size, tp_rank=tp_rank)
+
+
+def _shard(model: ModelSpec, buffer: BufferSpec, tp_size: int, tp_rank: int) -> BufferSpec:
+    if buffer.latent or tp_size == 1:
+        return buffer
+    if buffer.num_heads % tp_size:
+        raise InputError(f"--tp {tp_size} does not divide the {buffer.num_heads} KV heads of {model.name}")
+    per_rank = buffer.num_heads // tp_size
+    return replace(buffer, num_heads=per_rank, first_head=tp_rank * per_rank)
+
+
 def _kv_buffers(num_kv_heads: int, head_dim: int, mla: bool) -> tuple[BufferSpec, ...]:
     if mla:
-        return (BufferSpec(Role.KEY, num_kv_heads, head_dim),)
+        return (BufferSpec(Role.KEY, num_kv_heads, head_dim, latent=True),)
     return (BufferSpec(Role.KEY, num_kv_heads, head_dim), BufferSpec(Role.VALUE, num_kv_heads, head_dim))
 
 

@@ -27,8 +27,9 @@ def test_json_for_llama_pins_the_region():
     assert group["layer_ids"] == list(range(32)) and group["window_size"] is None
     (region,) = group["regions"]
     assert region["size"] == region["stride"] == 4194304
-    assert region["buffers"][:3] == [{"layer_id": 0, "role": "key"}, {"layer_id": 0, "role": "value"},
-                                     {"layer_id": 1, "role": "key"}]
+    assert region["buffers"][:3] == [{"layer_id": 0, "role": "key", "heads": [0, 8]},
+                                     {"layer_id": 0, "role": "value", "heads": [0, 8]},
+                                     {"layer_id": 1, "role": "key", "heads": [0, 8]}]
     assert len(region["buffers"]) == 64
     (pool_group,) = doc["pool_groups"]
     assert set(pool_group) >= {"pool_group_index", "num_slots", "layer_group_ids", "pools"}

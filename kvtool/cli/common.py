@@ -21,7 +21,7 @@ from kvtool.connector.options import check_options, declared_options
 from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError
 from kvtool.manager import KvCacheManagerConfig
-from kvtool.models import ModelSpec, load_model
+from kvtool.models import ModelSpec, load_model, shard_model
 from kvtool.report.run_folder import write_file
 from kvtool.units import parse_size
 
@@ -112,13 +112,15 @@ def write_text(text: str, output: Path | None, console: Console) -> None:
 
 def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_memory: str | None,
                    num_slots: int | None, default_memory: str = DEFAULT_GPU_MEMORY,
-                   device: str | None = None) -> KvCacheManagerConfig:
-    """A validated manager config from command-line values (InputError for bad ones)."""
+                   device: str | None = None, tp: tuple[int, int] = (1, 0)) -> KvCacheManagerConfig:
+    """A validated manager config from command-line values (InputError for bad ones); `tp` is
+    (tensor-parallel size, rank): the config of that rank's shard."""
     if gpu_memory is not None and num_slots is not None:
         raise InputError("give --gpu-memory or --num-slots, not both")
     memory = None if num_slots is not None else parse_size(default_memory if gpu_memory is None else gpu_memory)
     spec = load_model(model, dtype)
     note_model_origin(spec)
+    spec = shard_model(spec, *tp) if tp != (1, 0) else spec
     config = KvCacheManagerConfig(spec, tokens_per_block, num_slots=num_slots, memory_bytes=memory, device=device)
     config.validate()
     return config

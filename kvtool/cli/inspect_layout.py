@@ -26,6 +26,9 @@ def inspect_layout(
     gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools, e.g. 8GiB "
                                                       "[default: 8GiB].")] = None,
     num_slots: Annotated[Optional[int], typer.Option(help="Slots per pool group (instead of --gpu-memory).")] = None,
+    tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel ranks: each holds 1/N of the KV heads "
+                                    "(an MLA latent whole); N must divide the heads.")] = 1,
+    rank: Annotated[int, typer.Option(metavar="R", help="Which tensor-parallel rank's layout to show (0 … N-1).")] = 0,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="layout.json, layout.csv"))] = None,
@@ -38,7 +41,7 @@ def inspect_layout(
     if legacy:
         deprecated("--output FILE", "--output DIR (layout.json, layout.csv, meta.json) or shell redirection")
     folder = prepare_run_folder(output) if output is not None and not legacy else None
-    layout = compute_layout(manager_config(model, tokens_per_block, dtype, gpu_memory, num_slots))
+    layout = compute_layout(manager_config(model, tokens_per_block, dtype, gpu_memory, num_slots, tp=(tp, rank)))
     text = _layout_text(layout, format)
     if legacy:
         write_text(text, output, Console())

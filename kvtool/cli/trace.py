@@ -20,6 +20,7 @@ from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import TraceSummary, run_trace
 from kvtool.engine.workload import load_workload
 from kvtool.errors import InputError
+from kvtool.models import shard_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_json, write_meta
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
@@ -45,7 +46,11 @@ def trace_run(
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
     no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
-    num_ranks: Annotated[int, typer.Option(help="Worker ranks (each gets its own connector worker).")] = 1,
+    num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
+                                           "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
+                                           "pools and connector worker.")] = 1,
+    tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel: each rank holds 1/N of the KV heads "
+                                    "(N = --num-ranks, dividing the heads).")] = 1,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="summary.json, summary.csv"))] = None,
@@ -54,7 +59,7 @@ def trace_run(
 ) -> None:
     """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
     for name, value in (("max-batch-size", max_batch_size), ("max-num-tokens", max_num_tokens),
-                        ("chunk-size", chunk_size), ("num-ranks", num_ranks)):
+                        ("chunk-size", chunk_size), ("num-ranks", num_ranks), ("tp", tp)):
         if value is not None and value <= 0:
             raise InputError(f"--{name} must be positive, got {value}")
     if json_out is not None:
@@ -66,7 +71,9 @@ def trace_run(
         manager_config(model, tokens_per_block, None, gpu_memory,
                        num_slots if num_slots is not None or gpu_memory is not None else DEFAULT_NUM_SLOTS),
         SchedulerConfig(max_batch_size, max_num_tokens, chunk_size, local_reuse=not no_local_reuse),
-        seed=seed, num_ranks=num_ranks)
+        seed=seed, num_ranks=num_ranks, tp_size=tp, ranks_as_processes=True)
+    if tp > 1:
+        shard_model(config.manager.model, tp, 0)   # exit 2 now when --tp does not divide the heads
     spec = None if connector == "none" else load_connector(connector)
     if connector_dir is not None and spec is None:
         raise InputError("--connector-dir is the disk connector's folder: give --connector disk")

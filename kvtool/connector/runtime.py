@@ -88,9 +88,13 @@ class _RankReports:
 
 
 class ConnectorRuntime:
-    def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker]) -> None:
+    def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker],
+                 num_ranks: int | None = None) -> None:
+        """`workers` are the ranks in this process (0, 1, ...); `num_ranks` counts the others too,
+        whose `get_finished` answers arrive through `collect_finished(remote=...)`."""
         self.scheduler = scheduler
         self.workers = list(workers)
+        self.num_ranks = num_ranks or len(self.workers)
         self.violations: list[ContractViolation] = []
         self.failures: list[HookFailure] = []
         self.num_cancelled_tokens = 0
@@ -99,8 +103,8 @@ class ConnectorRuntime:
         self._new_saving: list[int] = []
         self.num_async_loads = 0
         self.num_async_saves = 0
-        self._loads = [_RankReports() for _ in self.workers]
-        self._saves = [_RankReports() for _ in self.workers]
+        self._loads = [_RankReports() for _ in range(self.num_ranks)]
+        self._saves = [_RankReports() for _ in range(self.num_ranks)]
         self._load_reports: dict[int, set[int]] = {}
         self._end_of_pass: list[tuple[int, Callable[[], Any]]] = []
         self._save_reports: dict[int, set[int]] = {}
@@ -216,15 +220,23 @@ class ConnectorRuntime:
         for worker in self.workers:
             worker.bind_connector_meta(metadata)
 
-    def collect_finished(self) -> tuple[list[int], list[int], bool]:
-        """Ask every rank; (ids saved on all ranks, ids loaded on all ranks, every call ok)."""
+    def ids_to_report(self) -> tuple[list[int], list[int]]:
+        """The ids the coming `collect_finished` hands every rank's get_finished (saves, loads)."""
+        return list(self._new_saving), list(self._new_loading)
+
+    def collect_finished(self, remote: dict[int, Any] | None = None) -> tuple[list[int], list[int], bool]:
+        """Ask every rank in this process, and take the answers of the others (`remote`: rank ->
+        what its get_finished returned, None when it raised); (ids saved on all ranks, ids loaded
+        on all ranks, every call ok)."""
         saving, loading = self._new_saving, self._new_loading
         self._new_saving, self._new_loading = [], []
+        answers = {rank: self.call(f"get_finished (rank {rank})", worker.get_finished, list(saving), list(loading))
+                   for rank, worker in enumerate(self.workers)}
+        answers.update({rank: (result is not None, result) for rank, result in (remote or {}).items()})
         ok = True
-        for rank, worker in enumerate(self.workers):
+        for rank, (good, result) in sorted(answers.items()):
             self._saves[rank].given.update(saving)
             self._loads[rank].given.update(loading)
-            good, result = self.call(f"get_finished (rank {rank})", worker.get_finished, list(saving), list(loading))
             ok &= good
             if good:
                 saved, loaded = self._checked_finished(rank, result)
@@ -250,7 +262,7 @@ class ConnectorRuntime:
                 tally.setdefault(rid, set()).add(rank)
 
     def _complete(self, tally: dict[int, set[int]]) -> list[int]:
-        done = [rid for rid, ranks in tally.items() if len(ranks) == len(self.workers)]
+        done = [rid for rid, ranks in tally.items() if len(ranks) == self.num_ranks]
         for rid in done:
             del tally[rid]
         return done

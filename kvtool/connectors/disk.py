@@ -199,7 +199,12 @@ class DiskConnectorWorker(BlockStoreWorker):
         for i, t in enumerate(transfers):
             group = staging[t.layer_group_id]
             payload = group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes()
-            write_block(t.location, t.key, t.layer_group_id, payload)
+            write_block(self._own(t), t.key, t.layer_group_id, payload)
+
+    def _own(self, transfer: PageTransfer) -> Path:
+        """This rank's file of the block. The scheduler (rank 0) names rank 0's files; a
+        tensor-parallel rank's shard lives under its own layout signature, beside them."""
+        return block_path(self.root, transfer.key, transfer.layer_group_id)
 
     def _read(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
         """Files of `transfers` in CPU staging rows, verified; read once per batch (layer by layer
@@ -209,7 +214,7 @@ class DiskConnectorWorker(BlockStoreWorker):
         staging, rows = self._staging(transfers)
         for i, t in enumerate(transfers):
             try:
-                payload = read_block(t.location, t.key, t.layer_group_id, self._payload_bytes[t.layer_group_id])
+                payload = read_block(self._own(t), t.key, t.layer_group_id, self._payload_bytes[t.layer_group_id])
             except (CorruptBlock, OSError) as exc:
                 raise ConnectorError(f"block file changed after it was offered: {exc}") from None
             group = staging[t.layer_group_id]

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtool.connector.api import KvCacheConnectorWorker
-from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
+from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
-from kvtool.connector.runtime import ConnectorRuntime, require_gpu_tier_only
+from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only
 from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
                                   SaveStarted)
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
+from kvtool.engine.worker_setup import pool_tensor, rank_llm_args, register_worker
+from kvtool.engine.ranks import Followers, PassOrder, RankReport, RankSetup, free_port, rank_manager_config
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
@@ -69,6 +71,14 @@ class EngineConfig:
     """Pad generation batches with dummy requests up to this size (as CUDA-graph padding does)."""
     iteration_seconds: float = 0.01
     check_integrity_every_iteration: bool = False
+    tp_size: int = 1
+    """Tensor-parallel ranks: each rank's pools hold 1/tp_size of the KV heads (1: every rank
+    holds them all)."""
+    ranks_as_processes: bool = False
+    """Ranks 1..num_ranks-1 run as processes in a torch.distributed group (see `ranks`); False:
+    every rank's worker lives in this process and sees rank 0's pages."""
+    rank_timeout_s: float = 60.0
+    """How long a collective waits for a rank before the run ends naming it."""
 
 
 @dataclass
@@ -87,7 +97,9 @@ class Engine:
         if connector is not None:
             require_gpu_tier_only(config.manager.host_cache_bytes, config.manager.disk_cache_bytes)
         self.config = config
-        self.manager = KvCacheManager(config.manager)
+        if config.tp_size != 1 and (not config.ranks_as_processes or config.tp_size != config.num_ranks):
+            raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
+        self.manager = KvCacheManager(rank_manager_config(config.manager, config.tp_size, 0))
         self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed)
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}
@@ -98,20 +110,33 @@ class Engine:
         self._failed_saves: dict[int, PageHold] = {}
         """Pages of failed requests whose asynchronous save is still in flight."""
         self.manager.page_table.on_evict = self._on_evict
-        self.connector = self._attach(connector, connector_options or {}) if connector else None
+        self._received: list[PassItem] = []
+        self._forgotten: list[int] = []
+        self.followers = self._start_followers(connector, connector_options or {})
+        try:
+            self.connector = self._attach(connector, connector_options or {}) if connector else None
+        except Exception:
+            self.close()
+            raise
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
         self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else HostStream()
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
-        model = self.config.manager.model
-        groups = tuple(LayerGroupInfo(g.layer_group_id, tuple(g.layer_ids), g.window_size, g.num_sink_tokens,
-                                      g.bytes_per_page) for g in self.manager.layer_groups)
-        kv_config = KvCacheConfig(self.manager.tokens_per_block, tuple(l.window_size for l in model.layers),
-                                  max(l.num_sink_tokens for l in model.layers))
-        return LlmArgs(model.name, kv_config, KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__,
-                                                                     spec.worker_class.__name__),
-                       groups, model.dtype.name, None, {**spec.options, **options}, rank, self.config.num_ranks)
+        return rank_llm_args(self.manager, spec, options, rank, self.config.num_ranks)
+
+    def _start_followers(self, spec: ConnectorSpec | None, options: dict[str, str]) -> Followers | None:
+        config = self.config
+        if not config.ranks_as_processes or config.num_ranks == 1:
+            return None
+        self.manager.page_log = []
+        return Followers(RankSetup(config.manager, tuple(self.manager.num_slots), config.tp_size, config.num_ranks,
+                                   config.seed, spec, tuple(options.items()), free_port(), config.rank_timeout_s))
+
+    def close(self) -> None:
+        """Stop the follower ranks, if any (idempotent)."""
+        if self.followers is not None:
+            self.followers.close()
 
     def _attach(self, spec: ConnectorSpec, options: dict[str, str]) -> ConnectorRuntime:
         declared = declared_options(spec.scheduler_class)
@@ -119,7 +144,7 @@ class Engine:
             check_options(spec.name, declared, options)
         try:
             scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
-            workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self.config.num_ranks)]
+            workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self._num_local_ranks)]
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
@@ -127,13 +152,13 @@ class Engine:
                                     f"{type(exc).__name__}: {exc}") from None
         for worker in workers:
             try:
-                self._register(worker)
+                register_worker(worker, self.manager)
             except ConnectorError as exc:
                 raise InputError(f"connector {spec.name!r}: {exc}") from None
             except Exception as exc:  # noqa: BLE001
                 raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
                                  f"{type(exc).__name__}: {exc}") from None
-        runtime = ConnectorRuntime(scheduler, workers)
+        runtime = ConnectorRuntime(scheduler, workers, self.config.num_ranks)
         try:
             runtime.ask_forward_pass_callables()
         except ConnectorError as exc:
@@ -141,29 +166,14 @@ class Engine:
         return runtime
 
     def _register(self, worker: KvCacheConnectorWorker) -> None:
-        """The layout, or the single pool tensor for a worker that only takes one (and a layout that
-        is one layer group with one whole-slot region)."""
-        layout = self.manager.layout
-        cls = type(worker)
-        if getattr(cls, "register_kv_cache_layout", None) is not KvCacheConnectorWorker.register_kv_cache_layout \
-                or not hasattr(cls, "register_kv_caches"):
-            worker.register_kv_cache_layout(layout)
-            return
-        groups = layout.layer_groups
-        if cls.register_kv_caches is KvCacheConnectorWorker.register_kv_caches or len(groups) != 1 \
-                or len(groups[0].regions) != 1:
-            worker.register_kv_cache_layout(layout)   # the actionable error
-            return
-        worker.register_kv_caches(self.pool_tensor())
+        register_worker(worker, self.manager)
+
+    @property
+    def _num_local_ranks(self) -> int:
+        return 1 if self.followers is not None else self.config.num_ranks
 
     def pool_tensor(self) -> torch.Tensor:
-        """The single pool as `[num_slots, num_layers, roles, tokens_per_block, heads, head_dim]`."""
-        region = self.manager.layout.layer_groups[0].regions[0]
-        spec = region.buffer_specs[0]
-        model = self.config.manager.model
-        roles = len(model.layers[0].buffers)
-        return region.as_tensor(model.dtype.torch_dtype).view(
-            region.num_slots, model.num_layers, roles, self.manager.tokens_per_block, spec.num_heads, spec.head_dim)
+        return pool_tensor(self.manager)
 
     # ---- events ------------------------------------------------------------------------------
     def emit(self, kind: type[EngineEvent], **fields) -> None:
@@ -239,15 +249,19 @@ class Engine:
         batch = self.scheduler.schedule(running, waiting, self.iteration)
         self.stats.num_deferrals += sum(s.num_deferrals for s in waiting) - deferrals_before
         for state in batch.received:
-            self.fake.write_context(PassItem(state.request_id, state.request.get_tokens(),
-                                             state.kv.page_indices_by_group(), 0, state.position, False))
+            item = PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(), 0,
+                            state.position, False)
+            self.fake.write_context(item)
+            self._received.append(item)
             state.kv.commit(state.request.prompt_token_ids[:state.position])
         dummies = self._dummies(batch)
         items = self._pass_items(batch) + [item for _, item in dummies]
         if self.connector is not None:
             self._connector_pass(batch, items)
-        elif items:
+        elif items or self.followers is not None:
+            self._send_order(None, items, True)
             self._forward(items)
+            self._merge(self._gather(), items)
         for dummy, _ in dummies:
             dummy.close()
         self._finish_pass(batch, items)
@@ -297,8 +311,12 @@ class Engine:
         runtime = self.connector
         output = build_scheduler_output(batch, self.iteration)
         ok, metadata = runtime.build_meta(output)
+        saving, loading = runtime.ids_to_report()
+        self._send_order(metadata, items, ok, saving, loading)
         ok = ok and self._worker_pass(metadata, items)
-        saved, loaded, finished_ok = runtime.collect_finished()
+        reports = self._gather()
+        ok = self._merge(reports, items) and ok
+        saved, loaded, finished_ok = runtime.collect_finished({r.rank: r.finished for r in reports})
         if not ok or not finished_ok:
             self._fail_pass(batch, runtime.failures[-1].describe())
         for state in batch.first_chunks:
@@ -311,6 +329,35 @@ class Engine:
             hold = self._failed_saves.pop(request_id, None)
             if hold is not None:
                 hold.release()
+
+    # ---- the follower ranks --------------------------------------------------------------------
+    def _send_order(self, metadata, items: list[PassItem], run_pass: bool, saving: list[int] = (),
+                    loading: list[int] = ()) -> None:
+        if self.followers is None:
+            return
+        order = PassOrder(self.iteration, metadata, items, self._received, self.manager.page_log, list(saving),
+                          list(loading), self._forgotten, run_pass)
+        self._received, self._forgotten, self.manager.page_log = [], [], []
+        self.followers.broadcast(order)
+
+    def _gather(self) -> list[RankReport]:
+        return self.followers.gather() if self.followers is not None else []
+
+    def _merge(self, reports: list[RankReport], items: list[PassItem]) -> bool:
+        """Fold the followers' reports in: their hook failures, integrity issues and (tensor
+        parallel) token digests. False when a follower's hook raised."""
+        ok = True
+        by_id = {item.request_id: item for item in items}
+        for report in reports:
+            for hook, error in report.failures:
+                if self.connector is not None:
+                    self.connector.failures.append(HookFailure(hook, None, error))
+                ok = False
+            self.fake.merge(report.issues, report.errors_by_request, report.rank)
+            if self.config.tp_size > 1:
+                for request_id, checksum in report.checksums.items():
+                    by_id[request_id].checksum = (by_id[request_id].checksum + checksum) & CHECKSUM_MASK
+        return ok
 
     def _worker_pass(self, metadata, items: list[PassItem]) -> bool:
         runtime = self.connector
@@ -460,6 +507,7 @@ class Engine:
         state.phase = phase
         state.error = reason
         self.fake.forget(state.request_id)
+        self._forgotten.append(state.request_id)
         if phase is Phase.FAILED:
             self.stats.num_failed += 1
             self.stats.failures.append(f"request {state.request_id}: {reason}")
@@ -474,4 +522,5 @@ class Engine:
     @property
     def integrity_errors(self) -> int:
         return self.fake.num_integrity_errors
+
 

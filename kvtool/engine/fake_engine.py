@@ -9,7 +9,7 @@ have written. Mismatches are counted and the first ones recorded with their coor
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -23,6 +23,7 @@ from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
+CHECKSUM_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class IntegrityIssue:
     expected: str
     found: str
     what: str = "mismatch"
+    rank: int = 0
 
     def describe(self) -> str:
-        return (f"request {self.request_id}, layer group {self.layer_group_id}, block {self.block_ordinal}, "
+        where = f"rank {self.rank}, " if self.rank else ""
+        return (f"{where}request {self.request_id}, layer group {self.layer_group_id}, block {self.block_ordinal}, "
                 f"layer {self.layer_id}, {self.role}, position {self.position}, head {self.head}: "
                 f"{self.what} (expected {self.expected}, found {self.found})")
 
@@ -65,6 +68,7 @@ class _LayerBuffer:
     buffer: BufferId
     num_heads: int
     head_bytes: int
+    first_head: int
 
 
 @dataclass
@@ -90,7 +94,7 @@ class FakeEngine:
                 for index, (buffer, spec) in enumerate(zip(region.buffers, region.buffer_specs)):
                     head_bytes = region.buffer_bytes // (self.layout.tokens_per_block * spec.num_heads)
                     self._buffers.setdefault(buffer.layer_id, []).append(
-                        _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes))
+                        _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes, spec.first_head))
         self.layer_ids = sorted(self._buffers)
 
     # ---- public ------------------------------------------------------------------------------
@@ -107,17 +111,25 @@ class FakeEngine:
             readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
             found = self._verify(layer_id, group, item.request_id, pages, hashes, readable)
             if item.samples and found is not None:
-                item.checksum += self._checksum(found, readable, self._positions_in_live_blocks(
-                    group, pages, item.end, item.end), layer_id)
+                item.checksum = (item.checksum + self._checksum(found, readable, self._positions_in_live_blocks(
+                    group, pages, item.end, item.end), layer_id)) & CHECKSUM_MASK
 
     @staticmethod
     def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
         """Order-sensitive digest of the bytes the last position attends to: a block moved to another
-        position changes it, as it would change a real model's output."""
+        position changes it, as it would change a real model's output. A sum over the bytes modulo
+        2**64, so the digests of tensor-parallel shards add up to the whole model's."""
         keep = torch.from_numpy(np.isin(positions, attended)).to(found.device)
         rows = found[keep].to(torch.int64).sum(dim=1)
         weights = torch.from_numpy(positions[np.isin(positions, attended)] * 2654435761 + 2 * layer_id + 1).to(found.device)
-        return int((rows * weights).sum()) & ((1 << 63) - 1)
+        return int((rows * weights).sum()) & CHECKSUM_MASK
+
+    def merge(self, issues: list[IntegrityIssue], errors_by_request: Counter, rank: int) -> None:
+        """Count another rank's integrity errors here (its issues marked with the rank)."""
+        self.num_integrity_errors += sum(errors_by_request.values())
+        self.errors_by_request.update(errors_by_request)
+        room = MAX_RECORDED_ISSUES - len(self.issues)
+        self.issues.extend(replace(issue, rank=rank) for issue in issues[:max(room, 0)])
 
     def sample(self, item: PassItem) -> int:
         return sample_token(int(self._prefix_hashes(item).array()[item.end - 1]), item.checksum, VOCAB_SIZE)
@@ -176,7 +188,7 @@ class FakeEngine:
         for lb in self._buffers[layer_id]:
             view = self._view(lb)
             expected = expected_tensor(hashes.array()[positions_np], layer_id, lb.buffer.role, lb.num_heads,
-                                       lb.head_bytes, view.device)
+                                       lb.head_bytes, view.device, lb.first_head)
             offsets = torch.from_numpy(positions_np % tpb).to(view.device)
             view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets] = expected
 
@@ -195,7 +207,7 @@ class FakeEngine:
             offsets = torch.from_numpy(positions % tpb).to(view.device)
             found = view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets]
             expected = expected_tensor(hashes.array()[positions], layer_id, lb.buffer.role, lb.num_heads,
-                                       lb.head_bytes, view.device)
+                                       lb.head_bytes, view.device, lb.first_head)
             bad = (found != expected).any(dim=-1)
             if bool(bad.any()):
                 self._record(request_id, group, layer_id, lb, positions, bad, expected, found)
@@ -234,7 +246,7 @@ class FakeEngine:
                 break
             p = int(positions[row])
             self.issues.append(IntegrityIssue(
-                request_id, group.layer_group_id, p // tpb, layer_id, lb.buffer.role.value, p, head,
+                request_id, group.layer_group_id, p // tpb, layer_id, lb.buffer.role.value, p, lb.first_head + head,
                 bytes(expected[row, head, :8].cpu().tolist()).hex(), bytes(found[row, head, :8].cpu().tolist()).hex()))
 
     def _issue(self, request_id: int, group: LayerGroupSpec, ordinal: int, layer_id: int, role: str,

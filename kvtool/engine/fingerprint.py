@@ -57,15 +57,18 @@ class PrefixHashes:
         return self._array
 
 
-def coordinate_keys(layer_id: int, role: Role, num_heads: int) -> np.ndarray:
+def coordinate_keys(layer_id: int, role: Role, num_heads: int, first_head: int = 0) -> np.ndarray:
+    """Keys of global heads [first_head, first_head + num_heads): a tensor-parallel shard's bytes
+    are exactly its slice of the whole model's, so a rank holding another rank's heads is caught."""
     base = (int(layer_id) << 24) | (_ROLE_INDEX[role] << 16)
-    return mix64(np.arange(num_heads, dtype=np.uint64) | np.uint64(base))
+    return mix64(np.arange(first_head, first_head + num_heads, dtype=np.uint64) | np.uint64(base))
 
 
 def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int,
-                   head_bytes: int) -> np.ndarray:
+                   head_bytes: int, first_head: int = 0) -> np.ndarray:
     """uint8 [positions, heads, head_bytes]: the fingerprint bytes of those positions."""
-    fingerprints = mix64(prefix_hashes[:, None] ^ coordinate_keys(layer_id, role, num_heads)[None, :])
+    keys = coordinate_keys(layer_id, role, num_heads, first_head)
+    fingerprints = mix64(prefix_hashes[:, None] ^ keys[None, :])
     num_words = ceil_div(head_bytes, 8)
     with np.errstate(over="ignore"):
         words = fingerprints[:, :, None] ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))[None, None, :]
@@ -74,8 +77,8 @@ def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_hea
 
 
 def expected_tensor(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int, head_bytes: int,
-                    device: torch.device) -> torch.Tensor:
-    array = np.ascontiguousarray(expected_bytes(prefix_hashes, layer_id, role, num_heads, head_bytes))
+                    device: torch.device, first_head: int = 0) -> torch.Tensor:
+    array = np.ascontiguousarray(expected_bytes(prefix_hashes, layer_id, role, num_heads, head_bytes, first_head))
     return torch.from_numpy(array).to(device)
 
 

@@ -93,9 +93,12 @@ def run_trace(requests: list[Request], config: EngineConfig, connector: Connecto
     engine = Engine(config, connector, connector_options)
     log = EventLog()
     engine.events.subscribe(log)
-    for request in requests:
-        engine.add_request(request)
-    engine.run(on_iteration=on_iteration)
+    try:
+        for request in requests:
+            engine.add_request(request)
+        engine.run(on_iteration=on_iteration)
+    finally:
+        engine.close()
     invariant_errors = _invariant_errors(engine)
     summary = _summary(engine, log, requests, connector, time.perf_counter() - started, invariant_errors)
     return TraceResult(summary, _issues(engine, invariant_errors), log)

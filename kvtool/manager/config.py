@@ -25,6 +25,8 @@ class KvCacheManagerConfig:
     host_cache_bytes: int = 0
     disk_cache_bytes: int = 0
     swa_scratch_reuse: bool = True
+    num_slots_by_pool_group: tuple[int, ...] | None = None
+    """Exact slots per pool group, overriding both sizings: another rank's pools, mirrored."""
     poison_new_pages: bool = False
     """Fill every slot with 0xA5 when it is handed out and when it is freed, so reading bytes nobody
     wrote (stale bytes of an earlier request, or a page read after its release) is caught; kvtool
@@ -34,7 +36,7 @@ class KvCacheManagerConfig:
         """InputError for values no manager can be built from."""
         if self.tokens_per_block <= 0:
             raise InputError(f"tokens per block must be positive, got {self.tokens_per_block}")
-        if (self.num_slots is None) == (self.memory_bytes is None):
+        if self.num_slots_by_pool_group is None and (self.num_slots is None) == (self.memory_bytes is None):
             raise InputError("give exactly one of num_slots and memory_bytes")
         if self.num_slots is not None and self.num_slots <= 0:
             raise InputError(f"num_slots must be positive, got {self.num_slots}")

@@ -36,6 +36,8 @@ def plan_num_slots(config: KvCacheManagerConfig) -> list[int]:
     config.validate()
     groups = plan_layer_groups(config.model, config.tokens_per_block)
     pool_groups = plan_pool_groups(groups)
+    if config.num_slots_by_pool_group is not None:
+        return list(config.num_slots_by_pool_group)
     if config.num_slots is not None:
         return [config.num_slots] * len(pool_groups)
     assert config.memory_bytes is not None
@@ -49,7 +51,7 @@ def compute_layout(config: KvCacheManagerConfig) -> KvCacheLayout:
     pool_groups = plan_pool_groups(groups)
     num_slots = plan_num_slots(config)
     return build_layout(groups, pool_groups, num_slots, virtual_pools(pool_groups, num_slots),
-                        config.tokens_per_block, config.model.name, config.model.dtype.name)
+                        config.tokens_per_block, config.model.shard_name, config.model.dtype.name)
 
 
 class KvCacheManager:
@@ -63,9 +65,11 @@ class KvCacheManager:
         self.pool_groups = plan_pool_groups(self.layer_groups)
         self.num_slots = plan_num_slots(config)
         self.device = torch.device(config.device) if config.device else default_device()
+        self.page_log: list[tuple] | None = None
+        """When a list, every byte operation on a page (poison, copy) is appended to it."""
         pools = allocated_pools(self.pool_groups, self.num_slots, self.device)
         self.layout = build_layout(self.layer_groups, self.pool_groups, self.num_slots, pools,
-                                   config.tokens_per_block, config.model.name, config.model.dtype.name)
+                                   config.tokens_per_block, config.model.shard_name, config.model.dtype.name)
         self.tree = RadixTree(config.tokens_per_block)
         pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
         self.page_table = PageTable([SlotAllocator(n) for n in self.num_slots], pool_group_of, self.tree)
@@ -135,13 +139,30 @@ class KvCacheManager:
         return hold
 
     def _poison(self, page: Page) -> None:
-        for region in self.layout.group(page.layer_group_id).regions:
-            region.as_tensor()[page.slot].fill_(POISON_BYTE)
+        self.poison_slot(page.layer_group_id, page.slot)
+
+    def poison_slot(self, layer_group_id: LayerGroupId, slot: PageIndex) -> None:
+        """Fill one page's bytes with POISON_BYTE in every region of its layer group."""
+        if self.page_log is not None:
+            self.page_log.append(("poison", int(layer_group_id), int(slot)))
+        for region in self.layout.group(layer_group_id).regions:
+            region.as_tensor()[slot].fill_(POISON_BYTE)
 
     def copy_page(self, layer_group_id: LayerGroupId, src: PageIndex, dst: PageIndex) -> None:
+        if self.page_log is not None:
+            self.page_log.append(("copy", int(layer_group_id), int(src), int(dst)))
         for region in self.layout.group(layer_group_id).regions:
             view = region.as_tensor()
             view[dst].copy_(view[src])
+
+    def replay_page_ops(self, ops: list[tuple]) -> None:
+        """Apply another manager's `page_log` to these pools (a rank mirroring rank 0's byte
+        operations on its own shard: poisoning and copy-on-write)."""
+        for op in ops:
+            if op[0] == "poison":
+                self.poison_slot(LayerGroupId(op[1]), PageIndex(op[2]))
+            else:
+                self.copy_page(LayerGroupId(op[1]), PageIndex(op[2]), PageIndex(op[3]))
 
     # ---- introspection -----------------------------------------------------------------------
     @property

@@ -41,10 +41,16 @@ def _group_dict(group: KvCacheLayerGroupLayout) -> dict[str, Any]:
         "regions": [
             {"base": r.base, "size": r.size, "stride": r.stride, "num_slots": r.num_slots,
              "buffer_bytes": r.buffer_bytes,
-             "buffers": [{"layer_id": b.layer_id, "role": b.role.value} for b in r.buffers]}
+             "buffers": [{"layer_id": b.layer_id, "role": b.role.value, "heads": _heads(spec)}
+                         for b, spec in zip(r.buffers, r.buffer_specs)]}
             for r in group.regions
         ],
     }
+
+
+def _heads(spec) -> list[int]:
+    """[first, end) of the model's global KV heads this buffer holds (a tensor-parallel shard)."""
+    return [spec.first_head, spec.first_head + spec.num_heads]
 
 
 def total_bytes(layout: KvCacheLayout) -> int:
@@ -84,7 +90,10 @@ def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
 
 def _buffers_summary(region: KvCacheRegion) -> str:
     first, last = region.buffers[0], region.buffers[-1]
-    return (f"{len(region.buffers)} × {format_size(region.buffer_bytes)}: "
+    spec = region.buffer_specs[0]
+    heads = f", heads {spec.first_head}–{spec.first_head + spec.num_heads - 1}" if spec.num_heads > 1 or spec.first_head \
+        else ""
+    return (f"{len(region.buffers)} × {format_size(region.buffer_bytes)}{heads}: "
             f"{first.layer_id} {first.role.value} … {last.layer_id} {last.role.value}")
 
 

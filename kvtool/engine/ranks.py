@@ -1,0 +1,269 @@
+"""Ranks as processes: rank 0 runs the scheduler, the manager and the connector's scheduler side;
+ranks 1..N-1 are follower processes joined in a `torch.distributed` group (gloo on CPU, NCCL for
+GPU pools), each with its own KV pools (its tensor-parallel shard), its own fake engine and its own
+connector worker.
+
+Each iteration rank 0 broadcasts a `PassOrder` (the connector metadata, the pass items, the byte
+operations its manager did on pages, the ids given to `get_finished`); every rank runs the worker
+hooks and its fake forward on its own shard; rank 0 gathers one `RankReport` per follower. The
+runtime acts on a finished id only once every rank reported it. Collectives run under a timeout,
+and a follower that dies or hangs ends the run with one line naming the rank and its last hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import socket
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
+from kvtool.engine.worker_setup import rank_llm_args, register_worker
+from kvtool.errors import ConnectorError
+from kvtool.manager.config import KvCacheManagerConfig
+from kvtool.manager.manager import KvCacheManager
+from kvtool.models import shard_model
+
+HOOK_NAME_BYTES = 64
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a follower needs to build its rank: the manager config of rank 0 (its model unsharded),
+    the slots per pool group rank 0 got, the tensor-parallel size, the connector."""
+
+    manager: KvCacheManagerConfig
+    num_slots: tuple[int, ...]
+    tp_size: int
+    num_ranks: int
+    seed: int
+    spec: ConnectorSpec | None
+    options: tuple[tuple[str, str], ...]
+    port: int
+    timeout_s: float
+
+
+def rank_manager_config(config: KvCacheManagerConfig, tp_size: int, rank: int) -> KvCacheManagerConfig:
+    """Rank `rank`'s manager config: its shard of the model (the whole model where ranks only
+    replicate, tp_size 1)."""
+    if tp_size == 1:
+        return config
+    return replace(config, model=shard_model(config.model, tp_size, rank))
+
+
+@dataclass
+class PassOrder:
+    """Everything a follower needs to run one pass exactly as rank 0 does."""
+
+    iteration: int
+    metadata: Any
+    items: list[PassItem]
+    received: list[PassItem]
+    page_ops: list[tuple]
+    saving: list[int]
+    loading: list[int]
+    forgotten: list[int]
+    run_pass: bool = True
+    """False when rank 0 skips the pass (build_connector_meta raised): only get_finished runs."""
+
+
+@dataclass
+class RankReport:
+    rank: int
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    """(hook, error) for each hook that raised."""
+    finished: Any = None
+    """What get_finished returned (None when it raised)."""
+    checksums: dict[int, int] = field(default_factory=dict)
+    issues: list[IntegrityIssue] = field(default_factory=list)
+    errors_by_request: Counter = field(default_factory=Counter)
+
+
+class RankGroupError(ConnectorError):
+    """A follower rank died, hung or could not start."""
+
+
+# ---- rank 0's side ---------------------------------------------------------------------------
+class Followers:
+    """Ranks 1..N-1 as processes, seen from rank 0."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        self.setup = setup
+        mp = multiprocessing.get_context("spawn")
+        self._hooks = [mp.Array("c", HOOK_NAME_BYTES) for _ in range(setup.num_ranks)]
+        self._processes = [mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
+                           for rank in range(1, setup.num_ranks)]
+        for process in self._processes:
+            process.start()
+        try:
+            _init_group(0, setup)
+        except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
+            self.close(force=True)
+            raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
+        self._closed = False
+
+    def broadcast(self, order: PassOrder) -> None:
+        """Send `order` to every follower (rank 0 then runs its own pass, and `gather`s).
+        RankGroupError naming the rank when one is gone."""
+        import torch.distributed as dist
+        try:
+            dist.broadcast_object_list([order], src=0)
+        except Exception:  # noqa: BLE001 - any transport error means a follower is gone
+            raise self._gone() from None
+
+    def gather(self) -> list[RankReport]:
+        """One report per follower, rank 1 first."""
+        import torch.distributed as dist
+        reports: list[Any] = [None] * self.setup.num_ranks
+        try:
+            dist.gather_object(None, reports, dst=0)
+        except Exception:  # noqa: BLE001
+            raise self._gone() from None
+        return [r for r in reports[1:]]
+
+    def _gone(self) -> RankGroupError:
+        for rank, process in enumerate(self._processes, start=1):
+            process.join(0.5)
+            if not process.is_alive():
+                hook = self._hooks[rank].value.decode(errors="replace") or "setup"
+                self.close(force=True)
+                return RankGroupError(f"rank {rank} ended (exit code {process.exitcode}) during {hook}")
+        self.close(force=True)
+        return RankGroupError(f"a rank did not answer within {self.setup.timeout_s:g} s")
+
+    def close(self, force: bool = False) -> None:
+        """Tell the followers to stop (or kill them) and leave the process group."""
+        import torch.distributed as dist
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if not force and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                force = True
+        for process in self._processes:
+            process.join(None if not force else 0.1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_group(rank: int, setup: RankSetup) -> None:
+    import torch.distributed as dist
+    backend = "nccl" if setup.manager.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank,
+                            world_size=setup.num_ranks, timeout=datetime.timedelta(seconds=setup.timeout_s))
+
+
+# ---- a follower ------------------------------------------------------------------------------
+def follow(rank: int, setup: RankSetup, hook_name) -> None:
+    """A follower's whole life: build the rank, then run every order rank 0 broadcasts."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    _init_group(rank, setup)
+    executor = RankExecutor(rank, setup, hook_name)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        order = box[0]
+        if order is None:
+            break
+        report = executor.run(order)
+        dist.gather_object(report, None, dst=0)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+class RankExecutor:
+    """One follower rank: its pools (shard), fake engine and connector worker."""
+
+    def __init__(self, rank: int, setup: RankSetup, hook_name=None) -> None:
+        self.rank = rank
+        config = replace(rank_manager_config(setup.manager, setup.tp_size, rank),
+                         num_slots_by_pool_group=setup.num_slots)
+        self.manager = KvCacheManager(config)
+        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed)
+        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else None
+        self._hook_name = hook_name
+        self.worker = None
+        self._end_of_pass = None
+        if setup.spec is not None:
+            self._enter("constructing the worker")
+            self.worker = setup.spec.worker_class(rank_llm_args(self.manager, setup.spec, dict(setup.options),
+                                                                rank, setup.num_ranks))
+            self._enter("register_kv_cache_layout")
+            register_worker(self.worker, self.manager)
+            self._end_of_pass = self.worker.register_forward_pass_callable()
+        self._enter("")
+
+    def _enter(self, hook: str) -> None:
+        if self._hook_name is not None:
+            self._hook_name.value = hook.encode()[:HOOK_NAME_BYTES - 1]
+
+    def run(self, order: PassOrder) -> RankReport:
+        report = RankReport(self.rank)
+        self.manager.replay_page_ops(order.page_ops)
+        for item in order.received:
+            self.fake.write_context(item)
+        before = Counter(self.fake.errors_by_request)
+        num_issues = len(self.fake.issues)
+        if self.worker is not None:
+            if order.run_pass:
+                self.worker.bind_connector_meta(order.metadata)
+                self._pass(order.items, report)
+            self._enter("get_finished")
+            report.finished = self._call(report, "get_finished", self.worker.get_finished, list(order.saving),
+                                         list(order.loading))
+        else:
+            for layer_id in self.fake.layer_ids:
+                self.fake.forward_layer(layer_id, order.items)
+        self._enter("")
+        for request_id in order.forgotten:
+            self.fake.forget(request_id)
+        report.checksums = {item.request_id: item.checksum for item in order.items if item.samples}
+        report.issues = self.fake.issues[num_issues:]
+        report.errors_by_request = Counter(self.fake.errors_by_request) - before
+        return report
+
+    def _pass(self, items: list[PassItem], report: RankReport) -> None:
+        worker, stream = self.worker, self.stream
+        steps = [("start_load_kv", lambda: worker.start_load_kv(stream))]
+        for layer_id in self.fake.layer_ids:
+            steps += [("wait_for_layer_load", lambda l=layer_id: worker.wait_for_layer_load(l, stream)),
+                      ("forward", lambda l=layer_id: self.fake.forward_layer(l, items)),
+                      ("save_kv_layer", lambda l=layer_id: worker.save_kv_layer(l, stream))]
+        if self._end_of_pass is not None:
+            steps.append(("forward pass callable", self._end_of_pass))
+        steps.append(("wait_for_save", lambda: worker.wait_for_save(stream)))
+        for hook, step in steps:
+            self._enter(hook)
+            if self._call(report, hook, step) is _FAILED:
+                return
+
+    def _call(self, report: RankReport, hook: str, fn, *args):
+        try:
+            return fn(*args)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to rank 0, which fails the pass
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            report.failures.append((f"{hook} (rank {self.rank})",
+                                    f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"))
+            return _FAILED
+
+
+_FAILED = object()

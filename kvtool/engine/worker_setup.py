@@ -1,0 +1,50 @@
+"""How a rank's connector worker is built and given its KV cache: the runtime arguments of its
+shard, and the layout (or the single pool tensor for a worker that only takes one)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.manager.manager import KvCacheManager
+
+def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[str, str], rank: int,
+                  num_ranks: int) -> LlmArgs:
+    """The runtime arguments rank `rank`'s connector side is built with (its shard's layer groups)."""
+    model = manager.model
+    groups = tuple(LayerGroupInfo(g.layer_group_id, tuple(g.layer_ids), g.window_size, g.num_sink_tokens,
+                                  g.bytes_per_page) for g in manager.layer_groups)
+    kv_config = KvCacheConfig(manager.tokens_per_block, tuple(l.window_size for l in model.layers),
+                              max(l.num_sink_tokens for l in model.layers))
+    return LlmArgs(model.shard_name, kv_config, KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__,
+                                                                       spec.worker_class.__name__),
+                   groups, model.dtype.name, None, {**spec.options, **options}, rank, num_ranks)
+
+
+def register_worker(worker: KvCacheConnectorWorker, manager: KvCacheManager) -> None:
+    """The layout, or the single pool tensor for a worker that only takes one (and a layout that
+    is one layer group with one whole-slot region)."""
+    layout = manager.layout
+    cls = type(worker)
+    if getattr(cls, "register_kv_cache_layout", None) is not KvCacheConnectorWorker.register_kv_cache_layout \
+            or not hasattr(cls, "register_kv_caches"):
+        worker.register_kv_cache_layout(layout)
+        return
+    groups = layout.layer_groups
+    if cls.register_kv_caches is KvCacheConnectorWorker.register_kv_caches or len(groups) != 1 \
+            or len(groups[0].regions) != 1:
+        worker.register_kv_cache_layout(layout)   # the actionable error
+        return
+    worker.register_kv_caches(pool_tensor(manager))
+
+
+def pool_tensor(manager: KvCacheManager) -> torch.Tensor:
+    """The single pool as `[num_slots, num_layers, roles, tokens_per_block, heads, head_dim]`."""
+    region = manager.layout.layer_groups[0].regions[0]
+    spec = region.buffer_specs[0]
+    model = manager.model
+    roles = len(model.layers[0].buffers)
+    return region.as_tensor(model.dtype.torch_dtype).view(
+        region.num_slots, model.num_layers, roles, manager.tokens_per_block, spec.num_heads, spec.head_dim)

@@ -1,0 +1,96 @@
+"""Ranks as real processes over torch.distributed (gloo): tensor-parallel shards, the same hits
+as one rank, per-rank integrity, and a rank that dies or raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app
+from kvtool.connectors.registry import load_connector
+from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.engine.trace import run_trace
+from kvtool.engine.workload import load_workload
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
+
+runner = CliRunner()
+WORKLOAD = Path("workloads/shared_prefix.jsonl")
+HITS = ("local_hit_tokens", "connector_hit_tokens", "computed_tokens", "loaded_blocks", "saved_blocks")
+
+
+def replay(connector: str, num_ranks: int, tp: int, options: dict | None = None):
+    config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 32, num_slots=512, device="cpu"),
+                          SchedulerConfig(local_reuse=False), num_ranks=num_ranks, tp_size=tp,
+                          ranks_as_processes=True)
+    return run_trace(load_workload(WORKLOAD), config, load_connector(connector), options or {})
+
+
+@pytest.fixture(scope="module")
+def one_rank_host():
+    return replay("host", 1, 1).summary.as_dict()
+
+
+def test_two_tensor_parallel_ranks_serve_what_one_rank_serves(one_rank_host):
+    two = replay("host", 2, 2).summary.as_dict()
+    assert two["integrity_errors"] == 0 and two["failed_requests"] == 0
+    assert {k: two[k] for k in HITS} == {k: one_rank_host[k] for k in HITS}
+    assert one_rank_host["connector_hit_tokens"] > 0
+
+
+def test_replicated_ranks_generate_the_same_tokens_as_one(one_rank_host):
+    two = replay("host", 2, 1).summary.as_dict()
+    assert two["integrity_errors"] == 0 and {k: two[k] for k in HITS} == {k: one_rank_host[k] for k in HITS}
+
+
+def test_disk_shards_live_beside_each_other_in_one_folder(tmp_path, one_rank_host):
+    options = {"dir": str(tmp_path)}
+    first = replay("disk", 2, 2, options).summary.as_dict()
+    assert first["integrity_errors"] == 0 and {k: first[k] for k in HITS} == {k: one_rank_host[k] for k in HITS}
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2    # one layout signature per shard
+    second = replay("disk", 2, 2, options).summary.as_dict()
+    assert second["integrity_errors"] == 0 and second["connector_hit_tokens"] > first["connector_hit_tokens"]
+
+
+def test_ranks_that_share_one_shards_files_are_caught_with_rank_and_global_head(tmp_path):
+    """Both ranks read and write the files the scheduler named (rank 0's): whichever rank wrote a
+    file first, the other rank loads heads that are not its own."""
+    spec = "tests.helpers.rank_connectors:DiskConnectorScheduler:ReadsRank0Files"
+    result = replay(spec, 2, 2, {"dir": str(tmp_path)})
+    assert result.summary.integrity_errors > 0
+    engine_issues = [line for line in result.issues if "mismatch" in line]
+    assert all(("head 1:" in line) == line.startswith("rank 1, ") for line in engine_issues), engine_issues[:3]
+
+
+def test_a_rank_that_dies_ends_the_run_naming_it_and_its_hook():
+    result = runner.invoke(app, ["trace", "run", str(WORKLOAD), "--num-ranks", "2", "--no-local-reuse", "--connector",
+                                 "tests.helpers.rank_connectors:HostConnectorScheduler:DiesOnRank1"])
+    assert result.exit_code == 1, result.output
+    assert "rank 1 ended (exit code 7) during start_load_kv" in result.output and "Traceback" not in result.output
+
+
+def test_a_hook_that_raises_on_one_rank_fails_its_requests_on_all():
+    result = replay("tests.helpers.rank_connectors:HostConnectorScheduler:RaisesOnRank1", 2, 2)
+    summary = result.summary
+    assert summary.failed_requests > 0 and summary.integrity_errors == 0 and summary.hook_failures > 0
+    assert any("start_load_kv (rank 1) raised RuntimeError: rank 1 cannot reach its store" in line
+               for line in result.issues), result.issues[:3]
+
+
+@pytest.mark.parametrize(("args", "words"), [(["--tp", "2"], "--tp 2 needs --num-ranks 2"),
+                                              (["--tp", "3", "--num-ranks", "3"], "does not divide the 2 KV heads")])
+def test_impossible_rank_layouts_are_exit_2(args, words):
+    result = runner.invoke(app, ["trace", "run", str(WORKLOAD), *args])
+    assert result.exit_code == 2 and words in result.output
+
+
+def test_the_followers_are_gone_after_the_run():
+    config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 32, num_slots=64, device="cpu"),
+                          num_ranks=2, tp_size=2, ranks_as_processes=True)
+    engine = Engine(config, load_connector("host"))
+    processes = list(engine.followers._processes)
+    engine.close()
+    assert all(not p.is_alive() and p.exitcode == 0 for p in processes)
