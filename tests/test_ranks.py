@@ -9,13 +9,18 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
+from kvtool.connector.request import Request
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
 from kvtool.engine.workload import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
+from kvtool.validate.harness import Context
+from kvtool.validate.runner import run_all
+from tests.helpers.rank_connectors import SlowRank1
 
 runner = CliRunner()
 WORKLOAD = Path("workloads/shared_prefix.jsonl")
@@ -94,3 +99,50 @@ def test_the_followers_are_gone_after_the_run():
     processes = list(engine.followers._processes)
     engine.close()
     assert all(not p.is_alive() and p.exitcode == 0 for p in processes)
+
+
+def validate_two_ranks(target: str, scenarios: list[str]):
+    spec = load_connector(target)
+    contexts = [Context(spec, m, load_timeout=1.0, num_ranks=2, tp_size=2) for m in ("tiny", "tiny-vswa")]
+    return run_all(contexts, scenarios, 120, isolated=False)
+
+
+@pytest.mark.parametrize(("worker", "check", "scenario"), [
+    ("LoadsReportedOnRank0Only", "load-completes", "async-load"),
+    ("OtherPlanOnRank1", "integrity", "cold-warm"),
+    ("SaveNeverLandsOnRank1", "integrity", "cold-warm"),
+])
+def test_validate_with_two_ranks_catches_a_defect_on_one_rank(worker, check, scenario):
+    scheduler = "AsyncScheduler" if worker == "LoadsReportedOnRank0Only" else "HostConnectorScheduler"
+    results = validate_two_ranks(f"tests.helpers.rank_connectors:{scheduler}:{worker}", [scenario])
+    failed = {(r.scenario, r.check) for r in results if r.failed}
+    assert (scenario, check) in failed, [(r.scenario, r.check, r.evidence[:2]) for r in results]
+    if check == "integrity":
+        evidence = " ".join(e for r in results if r.failed for e in r.evidence)
+        assert "rank 1, request" in evidence and "rank 0" not in evidence
+
+
+def test_a_rank_that_reports_late_is_waited_for_and_passes():
+    results = validate_two_ranks("tests.helpers.rank_connectors:AsyncScheduler:SlowRank1",
+                                 ["async-load", "async-save", "cold-warm"])
+    assert not [r for r in results if r.failed], [(r.scenario, r.check, r.evidence[:2]) for r in results if r.failed]
+    assert {r.check for r in results} >= {"load-completes", "finished-ids", "integrity"}
+
+
+def test_the_runtime_acts_on_a_save_only_once_the_slowest_rank_reported():
+    spec = load_connector("tests.helpers.rank_connectors:AsyncScheduler:SlowRank1")
+    config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=64, device="cpu",
+                                               poison_new_pages=True),
+                          num_ranks=2, tp_size=2, ranks_as_processes=True)
+    engine = Engine(config, spec)
+    log = EventLog()
+    engine.events.subscribe(log)
+    engine.add_request(Request(0, list(range(1, 30)), 2))
+    try:
+        engine.run()
+    finally:
+        engine.close()
+    (started,) = log.of(SaveStarted)
+    (finished,) = log.of(SaveFinished)
+    assert finished.iteration - started.iteration >= SlowRank1.DELAY
+    assert engine.integrity_errors == 0

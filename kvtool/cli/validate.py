@@ -18,7 +18,7 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
                                parse_options, print_connector_help)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
-from kvtool.models import PRESETS, load_model
+from kvtool.models import PRESETS, load_model, shard_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
 from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context
@@ -55,6 +55,11 @@ def validate(
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
+    num_ranks: Annotated[int, typer.Option(help="Ranks per run: rank 0 in the scenario's process, the others as "
+                                           "processes in a torch.distributed group, each with its own pools, "
+                                           "fingerprints and worker.")] = 1,
+    tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel shards (N = --num-ranks): each rank holds "
+                                    "1/N of the KV heads.")] = 1,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -75,6 +80,8 @@ def validate(
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
     if not math.isfinite(timeout) or timeout <= 0:
         raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if num_ranks < 1 or tp < 1 or tp not in (1, num_ranks):
+        raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} --tp {tp}")
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
     if json_out is not None:
@@ -87,12 +94,14 @@ def validate(
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))
+        shard_model(load_model(name), tp, 0)   # exit 2 when --tp does not divide a model's heads
     # The target is imported and built in a child first: one that exits or hangs there is exit 2.
     preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
               compat, timeout)
     spec = load_connector(_absolute(target))
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat) for m in models]
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp)
+                for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))

@@ -77,6 +77,9 @@ class EngineConfig:
     ranks_as_processes: bool = False
     """Ranks 1..num_ranks-1 run as processes in a torch.distributed group (see `ranks`); False:
     every rank's worker lives in this process and sees rank 0's pages."""
+    process_group_of_one: bool = False
+    """With one rank and `ranks_as_processes`, still form the torch.distributed group (of one) and
+    run every collective: the NCCL path on a machine with one GPU."""
     rank_timeout_s: float = 60.0
     """How long a collective waits for a rank before the run ends naming it."""
 
@@ -127,11 +130,12 @@ class Engine:
 
     def _start_followers(self, spec: ConnectorSpec | None, options: dict[str, str]) -> Followers | None:
         config = self.config
-        if not config.ranks_as_processes or config.num_ranks == 1:
+        if not config.ranks_as_processes or (config.num_ranks == 1 and not config.process_group_of_one):
             return None
         self.manager.page_log = []
         return Followers(RankSetup(config.manager, tuple(self.manager.num_slots), config.tp_size, config.num_ranks,
-                                   config.seed, spec, tuple(options.items()), free_port(), config.rank_timeout_s))
+                                   config.seed, spec, tuple(options.items()), free_port(), config.rank_timeout_s,
+                                   self.manager.device.type))
 
     def close(self) -> None:
         """Stop the follower ranks, if any (idempotent)."""

@@ -48,6 +48,8 @@ class RankSetup:
     options: tuple[tuple[str, str], ...]
     port: int
     timeout_s: float
+    device: str = "cpu"
+    """Where rank 0's pools are ("cpu" or "cuda"): the followers' too, and the backend (gloo, NCCL)."""
 
 
 def rank_manager_config(config: KvCacheManagerConfig, tp_size: int, rank: int) -> KvCacheManagerConfig:
@@ -123,7 +125,7 @@ class Followers:
         import torch.distributed as dist
         reports: list[Any] = [None] * self.setup.num_ranks
         try:
-            dist.gather_object(None, reports, dst=0)
+            dist.all_gather_object(reports, None)   # all_gather: gather_object is not on every backend
         except Exception:  # noqa: BLE001
             raise self._gone() from None
         return [r for r in reports[1:]]
@@ -166,7 +168,9 @@ def free_port() -> int:
 
 def _init_group(rank: int, setup: RankSetup) -> None:
     import torch.distributed as dist
-    backend = "nccl" if setup.manager.device == "cuda" else "gloo"
+    backend = "nccl" if setup.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())   # one GPU per rank
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank,
                             world_size=setup.num_ranks, timeout=datetime.timedelta(seconds=setup.timeout_s))
 
@@ -185,7 +189,7 @@ def follow(rank: int, setup: RankSetup, hook_name) -> None:
         if order is None:
             break
         report = executor.run(order)
-        dist.gather_object(report, None, dst=0)
+        dist.all_gather_object([None] * setup.num_ranks, report)
     dist.destroy_process_group()
     os._exit(0)
 
@@ -196,7 +200,7 @@ class RankExecutor:
     def __init__(self, rank: int, setup: RankSetup, hook_name=None) -> None:
         self.rank = rank
         config = replace(rank_manager_config(setup.manager, setup.tp_size, rank),
-                         num_slots_by_pool_group=setup.num_slots)
+                         num_slots_by_pool_group=setup.num_slots, device=setup.device)
         self.manager = KvCacheManager(config)
         self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed)
         self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else None

@@ -35,6 +35,10 @@ class Context:
     """Wall-clock seconds an asynchronous load may take before `load-completes` fails it."""
     compat: str | None = None
     """The `--compat` modules a child process installs before importing the connector."""
+    num_ranks: int = 1
+    """Ranks 1..num_ranks-1 run as processes, each with its own pools and worker."""
+    tp_size: int = 1
+    """Tensor-parallel shards (1: every rank holds every head; else num_ranks)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
     return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
-                        verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout)
+                        verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
+                        num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 
 def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
@@ -112,6 +117,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         result.error = f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
+    finally:
+        engine.close()
     return result
 
 
@@ -134,7 +141,7 @@ def _plant_canary(engine: Engine) -> Callable[[], None]:
 @functools.lru_cache(maxsize=64)
 def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None) -> dict[int, list[int]]:
     model, tpb, seed = ctx_key
-    ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed)
+    ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed)   # one rank: digests add up
     result = run(ctx, list(requests), num_slots=1024, chunk_size=chunk_size, local_reuse=True, connector=False)
     return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
 
@@ -259,7 +266,7 @@ def registration_error(ctx: Context) -> str | None:
     """The registration failure for this model, if the connector cannot take its layout.
     A connector that cannot even be constructed raises ConstructionError (a usage error)."""
     try:
-        Engine(engine_config(ctx, 8, None, False, 8), ctx.spec, dict(ctx.options))
+        Engine(engine_config(ctx, 8, None, False, 8), ctx.spec, dict(ctx.options)).close()
     except ConstructionError:
         raise
     except InputError as exc:

@@ -31,7 +31,7 @@ def preflight(target: str, ctx: Context, compat: str | None, timeout: float, con
     mp = scenario_processes()
     receive, send = mp.Pipe(duplex=False)
     child = mp.Process(target=_child, args=(send, target, pickle.dumps(replace(ctx, spec=None)), compat, construct),
-                       daemon=True)
+                       daemon=False)   # constructing with several ranks starts follower processes
     child.start()
     send.close()
     deadline = time.monotonic() + timeout

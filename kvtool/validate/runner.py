@@ -57,7 +57,8 @@ def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | No
     `start_method` defaults to forkserver where CUDA exists, fork elsewhere."""
     mp = scenario_processes(start_method)
     receive, send = mp.Pipe(duplex=False)
-    child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=True)
+    # not a daemon: a scenario with several ranks starts its follower processes
+    child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=False)
     started = time.perf_counter()
     child.start()
     send.close()

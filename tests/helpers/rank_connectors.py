@@ -34,3 +34,65 @@ class ReadsRank0Files(DiskConnectorWorker):
 
 
 __all__ = ["DiskConnectorScheduler", "HostConnectorScheduler"]
+
+
+def _async(llm_args):
+    from dataclasses import replace
+    return replace(llm_args, connector_options={**llm_args.connector_options, "mode": "async"})
+
+
+class AsyncScheduler(HostConnectorScheduler):
+    def __init__(self, llm_args):
+        super().__init__(_async(llm_args))
+
+
+class LoadsReportedOnRank0Only(HostConnectorWorker):
+    """load-completes: only rank 0 ever reports its asynchronous loads finished."""
+
+    def __init__(self, llm_args):
+        super().__init__(_async(llm_args))
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        saved, loaded = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        return saved, loaded if self._llm_args.rank == 0 else []
+
+
+class OtherPlanOnRank1(HostConnectorWorker):
+    """integrity: rank 1 builds another plan from the same metadata (each block into the next page)."""
+
+    def load(self, transfers, layer_id=None):
+        if self._llm_args.rank == 1 and transfers:
+            from dataclasses import replace
+            pages = [t.page for t in transfers]
+            transfers = [replace(t, page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
+        super().load(transfers, layer_id)
+
+
+class SaveNeverLandsOnRank1(HostConnectorWorker):
+    """integrity: rank 1 reports its saves done like every rank, but never writes them."""
+
+    def save(self, transfers, layer_id=None):
+        if self._llm_args.rank != 1:
+            super().save(transfers, layer_id)
+
+
+class SlowRank1(HostConnectorWorker):
+    """Correct, and slow on rank 1: it reports each finished save and load three calls later than it
+    could. The runtime must wait for it (pages held, requests kept out of the batch)."""
+
+    DELAY = 3
+
+    def __init__(self, llm_args):
+        super().__init__(_async(llm_args))
+        self._late: list[tuple[int, list[int], list[int]]] = []
+        self.calls = 0
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        saved, loaded = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        if self._llm_args.rank != 1:
+            return saved, loaded
+        self.calls += 1
+        self._late.append((self.calls + self.DELAY, saved, loaded))
+        due = [entry for entry in self._late if entry[0] <= self.calls]
+        self._late = [entry for entry in self._late if entry[0] > self.calls]
+        return [r for _, s, _ in due for r in s], [r for _, _, l in due for r in l]
