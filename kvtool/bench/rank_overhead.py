@@ -2,14 +2,13 @@
 order broadcast and the report gather) at N = 1 (a group of one), 2 and 4, against the same replay
 without a process group in the same run; and the shipped workload's wall time at N = 1 and 2.
 
-    python -m kvtool.bench.rank_overhead [--output DIR]
+    python -m kvtool.bench.rank_overhead > rank_overhead.json
 
 Every replay uses the host connector, tensor-parallel shards where the model allows, CPU pools.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -22,7 +21,6 @@ from kvtool.engine.ranks import Followers, PassOrder, RankSetup, free_port
 from kvtool.engine.workload import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
-from kvtool.report.run_folder import prepare_run_folder, write_json, write_meta
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
 
@@ -69,20 +67,13 @@ def empty_round_trip_us(num_ranks: int, repeats: int = 200) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
     baseline = replay(1, processes=False)
     rows = [baseline] + [replay(n, processes=True) for n in (1, 2, 4)]
     for row in rows:
         row["extra_us_per_iteration"] = round(row["us_per_iteration"] - baseline["us_per_iteration"], 1)
         if row["processes"]:
             row["empty_round_trip_us"] = empty_round_trip_us(row["num_ranks"])
-        print(json.dumps(row))
-    if args.output is not None:
-        folder = prepare_run_folder(args.output)
-        write_json(folder / "rank_overhead.json", {"workload": WORKLOAD.name, "cpu_cores": os.cpu_count(), "rows": rows})
-        write_meta(folder, "python -m kvtool.bench.rank_overhead")
+    print(json.dumps({"workload": WORKLOAD.name, "cpu_cores": os.cpu_count(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
