@@ -3,6 +3,7 @@ as one rank, per-rank integrity, and a rank that dies or raises."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from kvtool.connector.request import Request
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
+from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.ranks import PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
 from kvtool.engine.workload import load_workload
@@ -146,3 +149,25 @@ def test_the_runtime_acts_on_a_save_only_once_the_slowest_rank_reported():
     (finished,) = log.of(SaveFinished)
     assert finished.iteration - started.iteration >= SlowRank1.DELAY
     assert engine.integrity_errors == 0
+
+
+def test_a_rank_that_hangs_is_named_with_its_hook_after_the_timeout():
+    config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 32, num_slots=512, device="cpu"),
+                          SchedulerConfig(local_reuse=False), num_ranks=2, ranks_as_processes=True, rank_timeout_s=3)
+    with pytest.raises(RankGroupError, match=r"rank 1 did not answer within 3 s \(in wait_for_save\)"):
+        run_trace(load_workload(WORKLOAD), config,
+                  load_connector("tests.helpers.rank_connectors:HostConnectorScheduler:HangsOnRank1"), {})
+
+
+def test_a_follower_verifies_the_idle_requests_pages_it_is_sent():
+    setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 2, 2, 0, None,
+                      (), 0, 1.0)
+    follower = RankExecutor(1, setup)
+    tokens = list(range(1, 10))
+    written = PassItem(5, tokens, {0: [0, 1, 2]}, 0, 9, False)
+    clean = follower.run(PassOrder(1, None, [], [written], [], [], [], [], True, [replace(written, end=9)]))
+    assert not clean.errors_by_request
+    follower.manager.poison_slot(0, 1)      # a stray write into an idle request's page
+    dirty = follower.run(PassOrder(2, None, [], [], [], [], [], [], True, [replace(written, end=9)]))
+    assert dirty.errors_by_request[5] > 0 and {i.block_ordinal for i in dirty.issues} == {1}
+    assert {i.head for i in dirty.issues} == {1}     # rank 1 of 2 holds global head 1

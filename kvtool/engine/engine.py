@@ -340,9 +340,22 @@ class Engine:
         if self.followers is None:
             return
         order = PassOrder(self.iteration, metadata, items, self._received, self.manager.page_log, list(saving),
-                          list(loading), self._forgotten, run_pass)
+                          list(loading), self._forgotten, run_pass, self._pages_to_verify(items))
         self._received, self._forgotten, self.manager.page_log = [], [], []
         self.followers.broadcast(order)
+
+    def _pages_to_verify(self, items: list[PassItem]) -> list[PassItem]:
+        """For the followers' `verify_all`: the live requests this pass does not run (their pages
+        must not change; a pass's own requests are checked by its forward, and one that fails in
+        the pass may hold pages its loads never filled)."""
+        if not self.config.verify_all_after_iteration:
+            return []
+        in_pass = {item.request_id for item in items}
+        return [PassItem(s.request_id, s.request.get_tokens(), s.kv.page_indices_by_group(), 0, s.kv.history_length,
+                         False)
+                for s in self.live_states
+                if s.kv is not None and s.phase in (Phase.CONTEXT, Phase.GENERATION) and s.kv.is_active
+                and s.request_id not in in_pass]
 
     def _gather(self) -> list[RankReport]:
         return self.followers.gather() if self.followers is not None else []

@@ -74,6 +74,9 @@ class PassOrder:
     forgotten: list[int]
     run_pass: bool = True
     """False when rank 0 skips the pass (build_connector_meta raised): only get_finished runs."""
+    verify: list[PassItem] = field(default_factory=list)
+    """Live requests' pages to verify after the pass, up to the history they had before it
+    (rank 0's `verify_all_after_iteration`, on this rank's shard)."""
 
 
 @dataclass
@@ -131,14 +134,18 @@ class Followers:
         return [r for r in reports[1:]]
 
     def _gone(self) -> RankGroupError:
+        """The error naming the follower that died, or the one still inside a hook (hung)."""
+        error = None
         for rank, process in enumerate(self._processes, start=1):
             process.join(0.5)
+            hook = self._hooks[rank].value.decode(errors="replace")
             if not process.is_alive():
-                hook = self._hooks[rank].value.decode(errors="replace") or "setup"
-                self.close(force=True)
-                return RankGroupError(f"rank {rank} ended (exit code {process.exitcode}) during {hook}")
+                error = RankGroupError(f"rank {rank} ended (exit code {process.exitcode}) during {hook or 'setup'}")
+                break
+            if hook and error is None:
+                error = RankGroupError(f"rank {rank} did not answer within {self.setup.timeout_s:g} s (in {hook})")
         self.close(force=True)
-        return RankGroupError(f"a rank did not answer within {self.setup.timeout_s:g} s")
+        return error or RankGroupError(f"a rank did not answer within {self.setup.timeout_s:g} s")
 
     def close(self, force: bool = False) -> None:
         """Tell the followers to stop (or kill them) and leave the process group."""
@@ -238,6 +245,8 @@ class RankExecutor:
             for layer_id in self.fake.layer_ids:
                 self.fake.forward_layer(layer_id, order.items)
         self._enter("")
+        for item in order.verify:
+            self.fake.verify_cache(item.request_id, item.tokens, item.pages, item.end)
         for request_id in order.forgotten:
             self.fake.forget(request_id)
         report.checksums = {item.request_id: item.checksum for item in order.items if item.samples}

@@ -96,3 +96,13 @@ class SlowRank1(HostConnectorWorker):
         due = [entry for entry in self._late if entry[0] <= self.calls]
         self._late = [entry for entry in self._late if entry[0] > self.calls]
         return [r for _, s, _ in due for r in s], [r for _, _, l in due for r in l]
+
+
+class HangsOnRank1(HostConnectorWorker):
+    """Rank 1 never returns from wait_for_save once it has loaded something."""
+
+    def wait_for_save(self, stream):
+        if self._llm_args.rank == 1 and self.meta.loads:
+            import time
+            time.sleep(3600)
+        super().wait_for_save(stream)
