@@ -64,7 +64,7 @@ class RadixTree:
         """The child sharing the longest token prefix with `chunk` (shorter than a block), if any."""
         best: tuple[RadixNode, int] | None = None
         for child in parent.children.values():
-            common = _common_prefix(child.tokens, chunk)
+            common = common_prefix_length(child.tokens, chunk)
             if common == len(chunk) and child.is_full and len(chunk) == self.tokens_per_block:
                 continue  # a whole-block match is a full match, not a partial one
             if common and (best is None or common > best[1]):
@@ -89,7 +89,8 @@ class RadixTree:
             stack.extend(node.children.values())
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

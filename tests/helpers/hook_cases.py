@@ -8,6 +8,7 @@ what the connector sees, not by the scenario that creates it.
 
 from __future__ import annotations
 
+from kvtool.manager.radix_tree import common_prefix_length
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.types import BAD_PAGE_INDEX
 
@@ -58,18 +59,9 @@ RECORDED: set[str] = set()
 """Cases seen since the last `RECORDED.clear()` (scenarios run in this process)."""
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def sharing_case(new: list[int], old: list[int], tpb: int) -> str:
     """How a new prompt relates to an earlier one (same reuse scope)."""
-    c = common_prefix(new, old)
+    c = common_prefix_length(new, old)
     if c == len(new) == len(old):
         return "prompts: identical"
     if c == len(new):
@@ -116,7 +108,7 @@ class RecordingScheduler(HostConnectorScheduler):
                     RECORDED.add("prompts: identical tokens, another cache salt")
                 continue
             RECORDED.add(sharing_case(prompt, old[:old_prompt_len], tpb))
-            if len(old) > old_prompt_len and common_prefix(prompt, old) == len(old) < len(prompt):
+            if len(old) > old_prompt_len and common_prefix_length(prompt, old) == len(old) < len(prompt):
                 RECORDED.add("prompts: the new one extends an earlier prompt and its output")
             if moved_block(prompt, old, tpb):
                 RECORDED.add("prompts: a block of the new one is a block of the earlier one at another position")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import replace
 
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from tests.helpers.broken_connectors import AsyncScheduler
+from tests.helpers.broken_connectors import _async_args as async_args
 
 
 class DiesOnRank1(HostConnectorWorker):
@@ -33,24 +37,14 @@ class ReadsRank0Files(DiskConnectorWorker):
         return transfer.location
 
 
-__all__ = ["DiskConnectorScheduler", "HostConnectorScheduler"]
-
-
-def _async(llm_args):
-    from dataclasses import replace
-    return replace(llm_args, connector_options={**llm_args.connector_options, "mode": "async"})
-
-
-class AsyncScheduler(HostConnectorScheduler):
-    def __init__(self, llm_args):
-        super().__init__(_async(llm_args))
+__all__ = ["AsyncScheduler", "DiskConnectorScheduler", "HostConnectorScheduler"]
 
 
 class LoadsReportedOnRank0Only(HostConnectorWorker):
     """load-completes: only rank 0 ever reports its asynchronous loads finished."""
 
     def __init__(self, llm_args):
-        super().__init__(_async(llm_args))
+        super().__init__(async_args(llm_args))
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
         saved, loaded = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
@@ -62,7 +56,6 @@ class OtherPlanOnRank1(HostConnectorWorker):
 
     def load(self, transfers, layer_id=None):
         if self._llm_args.rank == 1 and transfers:
-            from dataclasses import replace
             pages = [t.page for t in transfers]
             transfers = [replace(t, page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
         super().load(transfers, layer_id)
@@ -83,7 +76,7 @@ class SlowRank1(HostConnectorWorker):
     DELAY = 3
 
     def __init__(self, llm_args):
-        super().__init__(_async(llm_args))
+        super().__init__(async_args(llm_args))
         self._late: list[tuple[int, list[int], list[int]]] = []
         self.calls = 0
 
@@ -103,6 +96,5 @@ class HangsOnRank1(HostConnectorWorker):
 
     def wait_for_save(self, stream):
         if self._llm_args.rank == 1 and self.meta.loads:
-            import time
             time.sleep(3600)
         super().wait_for_save(stream)
