@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
@@ -21,7 +20,7 @@ from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_
 from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
                                   SaveStarted)
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
-from kvtool.engine.worker_setup import pool_tensor, rank_llm_args, register_worker
+from kvtool.engine.worker_setup import rank_llm_args, register_worker
 from kvtool.engine.ranks import Followers, PassOrder, RankReport, RankSetup, free_port, rank_manager_config
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -169,15 +168,9 @@ class Engine:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
         return runtime
 
-    def _register(self, worker: KvCacheConnectorWorker) -> None:
-        register_worker(worker, self.manager)
-
     @property
     def _num_local_ranks(self) -> int:
         return 1 if self.followers is not None else self.config.num_ranks
-
-    def pool_tensor(self) -> torch.Tensor:
-        return pool_tensor(self.manager)
 
     # ---- events ------------------------------------------------------------------------------
     def emit(self, kind: type[EngineEvent], **fields) -> None:
