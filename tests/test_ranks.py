@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.connector.request import Request
+from kvtool.connectors.metadata import StoreMetadata
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
@@ -171,3 +172,13 @@ def test_a_follower_verifies_the_idle_requests_pages_it_is_sent():
     dirty = follower.run(PassOrder(2, None, [], [], [], [], [], [], True, [replace(written, end=9)]))
     assert dirty.errors_by_request[5] > 0 and {i.block_ordinal for i in dirty.issues} == {1}
     assert {i.head for i in dirty.issues} == {1}     # rank 1 of 2 holds global head 1
+
+
+def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished_as_none():
+    spec = load_connector("tests.helpers.rank_connectors:HostConnectorScheduler:SyncsAndFailsFinishedOnRank1")
+    setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 2, 2, 0, spec,
+                      (), 0, 1.0)
+    follower = RankExecutor(1, setup)
+    report = follower.run(PassOrder(1, StoreMetadata(), [], [], [], [], [], [], True))
+    assert report.finished is None
+    assert [hook for hook, _ in report.failures] == ["get_finished (rank 1)"]   # start_load_kv's synchronize ran

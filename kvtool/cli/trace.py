@@ -20,7 +20,6 @@ from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import TraceSummary, run_trace
 from kvtool.engine.workload import load_workload
 from kvtool.errors import InputError
-from kvtool.models import shard_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_json, write_meta
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
@@ -72,8 +71,6 @@ def trace_run(
                        num_slots if num_slots is not None or gpu_memory is not None else DEFAULT_NUM_SLOTS),
         SchedulerConfig(max_batch_size, max_num_tokens, chunk_size, local_reuse=not no_local_reuse),
         seed=seed, num_ranks=num_ranks, tp_size=tp, ranks_as_processes=True)
-    if tp > 1:
-        shard_model(config.manager.model, tp, 0)   # exit 2 now when --tp does not divide the heads
     spec = None if connector == "none" else load_connector(connector)
     if connector_dir is not None and spec is None:
         raise InputError("--connector-dir is the disk connector's folder: give --connector disk")

@@ -6,11 +6,9 @@ generation steps until max_new_tokens, then request_finished with the request's 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
@@ -20,7 +18,7 @@ from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_
 from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
                                   SaveStarted)
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
-from kvtool.engine.worker_setup import rank_llm_args, register_worker
+from kvtool.engine.worker_setup import forward_stream, made_current, rank_llm_args, register_worker
 from kvtool.engine.ranks import Followers, PassOrder, RankReport, RankSetup, free_port, rank_manager_config
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -32,26 +30,6 @@ from kvtool.manager.integrity import check_manager
 from kvtool.manager.manager import KvCacheManager, PageHold
 from kvtool.manager.pool_groups import pages_per_pool_group
 from kvtool.types import KvCacheStatus
-
-
-class HostStream:
-    """What connectors get as `stream` on a CPU: the calls they make on a CUDA stream, as no-ops
-    (work on the CPU is done when the call returns)."""
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event
-
-    def query(self) -> bool:
-        return True
 
 
 @dataclass(frozen=True)
@@ -121,7 +99,7 @@ class Engine:
             self.close()
             raise
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
-        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else HostStream()
+        self.stream = forward_stream(self.manager.device)
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
@@ -380,14 +358,10 @@ class Engine:
             self.fake.forward_layer(layer_id, items)
             if not runtime.for_each_worker("save_kv_layer", layer_id, self.stream):
                 return False
-        with self._forward_stream():
+        with made_current(self.stream):
             if not runtime.end_forward_pass():
                 return False
         return runtime.for_each_worker("wait_for_save", self.stream)
-
-    def _forward_stream(self):
-        """The forward stream made current (on a CPU, nothing to do)."""
-        return torch.cuda.stream(self.stream) if isinstance(self.stream, torch.cuda.Stream) else contextlib.nullcontext()
 
     def _fail_pass(self, batch: Batch, reason: str) -> None:
         for state in [s for s, _ in batch.context] + batch.generation:
@@ -532,5 +506,3 @@ class Engine:
     @property
     def integrity_errors(self) -> int:
         return self.fake.num_integrity_errors
-
-

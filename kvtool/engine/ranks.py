@@ -25,7 +25,7 @@ import torch
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
-from kvtool.engine.worker_setup import rank_llm_args, register_worker
+from kvtool.engine.worker_setup import forward_stream, made_current, rank_llm_args, register_worker
 from kvtool.errors import ConnectorError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
@@ -101,6 +101,7 @@ class Followers:
 
     def __init__(self, setup: RankSetup) -> None:
         self.setup = setup
+        self._closed = False
         mp = multiprocessing.get_context("spawn")
         self._hooks = [mp.Array("c", HOOK_NAME_BYTES) for _ in range(setup.num_ranks)]
         self._processes = [mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
@@ -112,7 +113,6 @@ class Followers:
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
             self.close(force=True)
             raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
-        self._closed = False
 
     def broadcast(self, order: PassOrder) -> None:
         """Send `order` to every follower (rank 0 then runs its own pass, and `gather`s).
@@ -131,7 +131,7 @@ class Followers:
             dist.all_gather_object(reports, None)   # all_gather: gather_object is not on every backend
         except Exception:  # noqa: BLE001
             raise self._gone() from None
-        return [r for r in reports[1:]]
+        return reports[1:]
 
     def _gone(self) -> RankGroupError:
         """The error naming the follower that died, or the one still inside a hook (hung)."""
@@ -150,7 +150,7 @@ class Followers:
     def close(self, force: bool = False) -> None:
         """Tell the followers to stop (or kill them) and leave the process group."""
         import torch.distributed as dist
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if not force and dist.is_initialized():
@@ -210,7 +210,7 @@ class RankExecutor:
                          num_slots_by_pool_group=setup.num_slots, device=setup.device)
         self.manager = KvCacheManager(config)
         self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed)
-        self.stream = torch.cuda.current_stream() if self.manager.device.type == "cuda" else None
+        self.stream = forward_stream(self.manager.device)
         self._hook_name = hook_name
         self.worker = None
         self._end_of_pass = None
@@ -239,8 +239,9 @@ class RankExecutor:
                 self.worker.bind_connector_meta(order.metadata)
                 self._pass(order.items, report)
             self._enter("get_finished")
-            report.finished = self._call(report, "get_finished", self.worker.get_finished, list(order.saving),
-                                         list(order.loading))
+            finished = self._call(report, "get_finished", self.worker.get_finished, list(order.saving),
+                                  list(order.loading))
+            report.finished = None if finished is _FAILED else finished
         else:
             for layer_id in self.fake.layer_ids:
                 self.fake.forward_layer(layer_id, order.items)
@@ -262,12 +263,17 @@ class RankExecutor:
                       ("forward", lambda l=layer_id: self.fake.forward_layer(l, items)),
                       ("save_kv_layer", lambda l=layer_id: worker.save_kv_layer(l, stream))]
         if self._end_of_pass is not None:
-            steps.append(("forward pass callable", self._end_of_pass))
+            steps.append(("forward pass callable", self._end_of_pass_on_forward_stream))
         steps.append(("wait_for_save", lambda: worker.wait_for_save(stream)))
         for hook, step in steps:
             self._enter(hook)
             if self._call(report, hook, step) is _FAILED:
                 return
+
+    def _end_of_pass_on_forward_stream(self) -> None:
+        """As rank 0 runs it: with the forward stream current."""
+        with made_current(self.stream):
+            self._end_of_pass()
 
     def _call(self, report: RankReport, hook: str, fn, *args):
         try:

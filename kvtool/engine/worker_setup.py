@@ -1,7 +1,10 @@
 """How a rank's connector worker is built and given its KV cache: the runtime arguments of its
-shard, and the layout (or the single pool tensor for a worker that only takes one)."""
+shard, the layout (or the single pool tensor for a worker that only takes one), and the stream its
+hooks receive."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -9,6 +12,36 @@ from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.manager.manager import KvCacheManager
+
+
+class HostStream:
+    """What connectors get as `stream` on a CPU: the calls they make on a CUDA stream, as no-ops
+    (work on the CPU is done when the call returns)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def query(self) -> bool:
+        return True
+
+
+def made_current(stream):
+    """A context with `stream` current (a HostStream: nothing to make current)."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+
+
+def forward_stream(device: torch.device):
+    """The stream the hooks receive: the current CUDA stream for device pools, a HostStream on a CPU."""
+    return torch.cuda.current_stream() if device.type == "cuda" else HostStream()
 
 def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[str, str], rank: int,
                   num_ranks: int) -> LlmArgs:

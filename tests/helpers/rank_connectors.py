@@ -98,3 +98,16 @@ class HangsOnRank1(HostConnectorWorker):
         if self._llm_args.rank == 1 and self.meta.loads:
             time.sleep(3600)
         super().wait_for_save(stream)
+
+
+class SyncsAndFailsFinishedOnRank1(HostConnectorWorker):
+    """Calls the stream it is given every pass (as a CUDA-aware worker does); rank 1's get_finished raises."""
+
+    def start_load_kv(self, stream):
+        stream.synchronize()
+        super().start_load_kv(stream)
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        if self._llm_args.rank == 1:
+            raise RuntimeError("rank 1 lost track")
+        return super().get_finished(finished_gen_req_ids, started_loading_req_ids)
