@@ -31,7 +31,7 @@ class GroupPages(Mapping[int, tuple[int, ...]]):
 
     def __init__(self, lists: Mapping[int, Iterable[int]] | Iterable[tuple[int, Iterable[int]]] = ()) -> None:
         items = lists.items() if isinstance(lists, Mapping) else lists
-        self._lists: dict[int, tuple[int, ...]] = {int(g): tuple(int(p) for p in pages) for g, pages in items}
+        self._lists: dict[int, tuple[int, ...]] = {int(g): tuple(map(int, pages)) for g, pages in items}
 
     # ---- Mapping -----------------------------------------------------------------------------
     def __getitem__(self, layer_group_id: int) -> tuple[int, ...]:

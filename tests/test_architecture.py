@@ -84,7 +84,7 @@ def test_kvtool_has_no_import_loop():
 
 
 LAYERS = ("types", "errors", "blocks", "group_pages", "units", "models", "manager", "transfer", "connector",
-          "connectors", "engine", "bench", "validate", "report", "cli", "__main__")
+          "connectors", "workloads", "engine", "bench", "validate", "report", "cli", "__main__")
 """Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""
 
 

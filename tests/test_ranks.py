@@ -19,7 +19,7 @@ from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.ranks import PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
-from kvtool.engine.workload import load_workload
+from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from kvtool.validate.harness import Context

@@ -18,7 +18,7 @@ from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.ranks import Followers, PassOrder, RankSetup, free_port
-from kvtool.engine.workload import load_workload
+from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 

@@ -11,28 +11,42 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dataclasses import replace
+
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               connector_options, deprecated, fail, frame_text, manager_config, parse_options,
-                               progress_bar)
-from kvtool.connectors.registry import load_connector
-from kvtool.engine.engine import EngineConfig
-from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.engine.trace import TraceSummary, run_trace
-from kvtool.engine.workload import load_workload
+                               deprecated, fail, frame_text, progress_bar)
+from kvtool.cli.trace_setup import Replay, ReplayOptions, build_replay
+from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
+from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
-from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_json, write_meta
+from kvtool.report.bench_report import bench_gbps
+from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
+from kvtool.report.timeline import TimelineRecorder
+from kvtool.report.trace_report import tier_table, ttft_report, ttft_table, write_trace_folder
+from kvtool.workloads.source import FORMATS
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
-DEFAULT_NUM_SLOTS = 1024
 
 
 @trace_app.command("run")
 @clean_errors
 def trace_run(
-    workload: Annotated[Path, typer.Argument(help="JSON Lines workload (schema: workloads/README.md).")],
-    model: Annotated[str, typer.Option(help="Preset name or path to a Hugging Face config.json.")] = "tiny",
+    workload: Annotated[Path, typer.Argument(help="Workload: kvtool JSON Lines, or a Mooncake or Bailian trace "
+                                             "(workloads/README.md).")],
+    trace_format: Annotated[Optional[str], typer.Option(metavar="NAME", help=f"{'|'.join(FORMATS)} "
+                                                        "[default: detected from the first line].")] = None,
+    source_block_size: Annotated[Optional[int], typer.Option(metavar="N", help="Tokens behind one hash id "
+                                                             "[default: 512 mooncake, 16 bailian].")] = None,
+    prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Generate nothing: every output "
+                                               "length 0.")] = False,
+    fidelity: Annotated[Optional[str], typer.Option(metavar="bytes|blocks", help="bytes: KV bytes written and "
+                                                    "verified; blocks: no bytes, connector 'index' as the tier "
+                                                    "[default: blocks for traces, bytes for kvtool].")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Preset name or path to a Hugging Face config.json "
+                                                 "[default: tiny; llama-3.1-8b for traces].")] = None,
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block.")] = 32,
-    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024].")] = None,
+    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024; "
+                                                     "524288 tokens' worth for traces].")] = None,
     gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools instead of "
                                                       "--num-slots.")] = None,
     max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
@@ -44,58 +58,91 @@ def trace_run(
                                                          "(its dir option).")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
     no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
+    admission: Annotated[str, typer.Option(metavar="reserve|greedy", help="reserve: admit a request only when "
+                                           "every running one can still grow to its full output (TensorRT-LLM's "
+                                           "GUARANTEED_NO_EVICT); greedy: whenever its first chunk fits.")]
+    = "reserve",
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
                                            "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
                                            "pools and connector worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel: each rank holds 1/N of the KV heads "
                                     "(N = --num-ranks, dividing the heads).")] = 1,
+    cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
+                                                       "with the GPU cost model and report TTFT [default: on for "
+                                                       "traces; off: 10 ms an iteration].")] = None,
+    tflops: Annotated[float, typer.Option(help="Compute rate of the cost model, TFLOP/s (H200 bf16 measured).")]
+    = H200_BF16_TFLOPS,
+    load_gbps: Annotated[float, typer.Option(help="Connector load rate of the cost model, GB/s.")] = H200_LOAD_GBPS,
+    bandwidth_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Take the load rate from a "
+                                                           "kvtool bench run folder (results.json).")] = None,
+    params: Annotated[Optional[float], typer.Option(help="Active parameters [default: the preset's].")] = None,
+    attention_width: Annotated[Optional[int], typer.Option(help="Query heads x head size [default: the "
+                                                           "preset's].")] = None,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the connector, and compare "
+                                           "TTFT and compute saved.")] = False,
+    timeline: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write a Chrome trace / Perfetto "
+                                                     "timeline of the replay.")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
-        files="summary.json, summary.csv"))] = None,
+        files="summary.json, summary.csv, requests.csv, iterations.csv, ttft_cdf.png"))] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
 ) -> None:
     """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
-    for name, value in (("max-batch-size", max_batch_size), ("max-num-tokens", max_num_tokens),
-                        ("chunk-size", chunk_size), ("num-ranks", num_ranks), ("tp", tp)):
-        if value is not None and value <= 0:
-            raise InputError(f"--{name} must be positive, got {value}")
     if json_out is not None:
         deprecated("--json FILE", "--output DIR (summary.json) or --format json")
         check_writable_file(json_out, "--json")
+    if timeline is not None:
+        check_writable_file(timeline, "--timeline")
     folder = prepare_run_folder(output) if output is not None else None
-    requests = load_workload(workload)
-    config = EngineConfig(
-        manager_config(model, tokens_per_block, None, gpu_memory,
-                       num_slots if num_slots is not None or gpu_memory is not None else DEFAULT_NUM_SLOTS),
-        SchedulerConfig(max_batch_size, max_num_tokens, chunk_size, local_reuse=not no_local_reuse),
-        seed=seed, num_ranks=num_ranks, tp_size=tp, ranks_as_processes=True)
-    spec = None if connector == "none" else load_connector(connector)
-    if connector_dir is not None and spec is None:
-        raise InputError("--connector-dir is the disk connector's folder: give --connector disk")
-    options = connector_options(spec, connector_opt, connector_dir) if spec else parse_options(connector_opt)
-    if options and spec is None:
-        raise InputError("--connector-opt needs a --connector")
+    if bandwidth_from is not None:
+        load_gbps = bench_gbps(bandwidth_from, "load", tokens_per_block)
+    replay = build_replay(ReplayOptions(
+        workload, format=trace_format, source_block_size=source_block_size, prefill_only=prefill_only,
+        fidelity=fidelity, model=model, tokens_per_block=tokens_per_block, num_slots=num_slots,
+        gpu_memory=gpu_memory, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+        chunk_size=chunk_size, connector=connector, connector_dir=connector_dir,
+        connector_opt=tuple(connector_opt), no_local_reuse=no_local_reuse, admission=admission, seed=seed,
+        num_ranks=num_ranks, tp=tp, cost_model=cost_model, tflops=tflops, load_gbps=load_gbps, params=params,
+        attention_width=attention_width))
+    if baseline and replay.connector is None:
+        raise InputError("--baseline compares with a run without the connector: give a --connector")
     console = Console(stderr=True)
-    with progress_bar("trace", len(requests), console) as update:
-
-        def on_iteration(engine) -> None:
-            done = sum(not s.is_live for s in engine.states.values())
-            update(completed=done, info=f"iteration {engine.iteration}")
-
-        result = run_trace(requests, config, spec, options, on_iteration)
+    recorder = TimelineRecorder() if timeline is not None else None
+    result = _replay(replay, console, [recorder] if recorder else [])
+    base = _replay(replace(replay, connector=None, options={}), console, []) if baseline else None
     _print_summary(result.summary, format)
+    ttft = ttft_report(result, replay.cost_model, base)
+    if format is OutputFormat.table:
+        Console().print(tier_table(result.summary))
+        if ttft:
+            Console().print(ttft_table(ttft))
+            Console().print(f"cost model: {replay.cost_model.assumptions()}", highlight=False)
     for line in result.issues:
         console.print(f"[red]{line}[/red]", highlight=False)
     if json_out is not None:
         write_json(json_out, result.summary.as_dict())
+    if recorder is not None:
+        recorder.write(timeline)
     if folder is not None:
-        write_json(folder / "summary.json", result.summary.as_dict())
-        write_file(folder / "summary.csv", frame_text(pd.DataFrame([result.summary.as_dict()]), OutputFormat.csv))
-        write_meta(folder, "trace")
+        write_trace_folder(folder, result, replay.cost_model, ttft, base,
+                           {"workload": str(workload), "workload_format": replay.workload.format, "seed": seed,
+                            "connector_options": replay.options})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
+
+
+def _replay(replay: Replay, console: Console, subscribers: list) -> TraceResult:
+    total = replay.workload.count()
+    label = "trace" if replay.connector else "trace (no connector)"
+    with progress_bar(label, total, console) as update:
+        def on_iteration(engine) -> None:
+            if engine.iteration % 64 == 0:
+                update(completed=engine.stats.num_finished, info=f"iteration {engine.iteration}")
+
+        return run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options, on_iteration,
+                         subscribers)
 
 
 def _print_summary(summary: TraceSummary, format: OutputFormat) -> None:

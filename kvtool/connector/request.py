@@ -15,8 +15,11 @@ class Request:
                  cache_salt: str | None = None, is_generation_only: bool = False, is_dummy: bool = False,
                  arrival: float = 0.0) -> None:
         self._request_id = request_id
-        self._prompt = tuple(int(t) for t in prompt_token_ids)
+        self._prompt = prompt_token_ids if type(prompt_token_ids) is tuple else tuple(map(int, prompt_token_ids))
+        """A tuple as given is kept as it is (the caller vouches for plain ints)."""
         self._generated: list[int] = []
+        self._tokens: list[int] | None = None
+        """Prompt then generated tokens, built at the first `_token_view` and kept up to date."""
         self._max_new_tokens = max_new_tokens
         self._cache_salt = cache_salt
         self._is_generation_only = is_generation_only
@@ -90,6 +93,24 @@ class Request:
 
     def _append_token(self, token: int) -> None:
         self._generated.append(int(token))
+        if self._tokens is not None:
+            self._tokens.append(self._generated[-1])
+
+    def _token_view(self) -> list[int]:
+        """The runtime's view of `get_tokens()` without the copy: read it, never change it (it
+        grows as tokens are generated)."""
+        if self._tokens is None:
+            self._tokens = [*self._prompt, *self._generated]
+        return self._tokens
+
+    def _prompt_view(self) -> tuple[int, ...]:
+        """`prompt_token_ids` without the copy, for the runtime."""
+        return self._prompt
+
+    @property
+    def last_token(self) -> int:
+        """The newest token: the last generated one, else the prompt's last."""
+        return self._generated[-1] if self._generated else self._prompt[-1]
 
     def __repr__(self) -> str:
         return f"Request({self._request_id}, prompt_len={len(self._prompt)}, generated={len(self._generated)})"

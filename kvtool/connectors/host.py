@@ -39,7 +39,10 @@ class SlotIndex:
     """LRU map from block key to store slot for one layer group; pinned slots are never evicted."""
 
     def __init__(self, num_slots: int) -> None:
-        self._free = deque(range(num_slots))
+        self.num_slots = num_slots
+        self._num_fresh = 0
+        """Slots [0, _num_fresh) were handed out once; the rest never (so a huge index costs nothing)."""
+        self._free: deque[int] = deque()
         self._entries: OrderedDict[bytes, int] = OrderedDict()
         self._pins: Counter = Counter()
         self.num_evictions = 0
@@ -50,10 +53,16 @@ class SlotIndex:
             self._entries.move_to_end(key)
         return slot
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
     def reserve(self, key: bytes) -> int | None:
         if key in self._entries:
             return None
-        if self._free:
+        if self._num_fresh < self.num_slots:
+            slot = self._num_fresh
+            self._num_fresh += 1
+        elif self._free:
             slot = self._free.popleft()
         else:
             victim = next((k for k, s in self._entries.items() if not self._pins[s]), None)
@@ -102,6 +111,9 @@ class HostConnectorScheduler(BlockStoreScheduler):
         slot = self.indexes[layer_group_id].lookup(key)
         return None if slot is None else (layer_group_id, slot)
 
+    def contains(self, key: bytes, layer_group_id: int) -> bool:
+        return key in self.indexes[layer_group_id]
+
     def reserve(self, key: bytes, layer_group_id: int) -> tuple[int, int] | None:
         slot = self.indexes[layer_group_id].reserve(key)
         return None if slot is None else (layer_group_id, slot)
@@ -116,7 +128,8 @@ class HostConnectorScheduler(BlockStoreScheduler):
         self.indexes[location[0]].unpin(location[1])
 
     def kvtool_introspect(self) -> dict:
-        return {**super().kvtool_introspect(), "pinned_entries": sum(i.num_pinned for i in self.indexes.values())}
+        return {**super().kvtool_introspect(), "pinned_entries": sum(i.num_pinned for i in self.indexes.values()),
+                "evicted_entries": sum(i.num_evictions for i in self.indexes.values())}
 
 
 class HostConnectorWorker(BlockStoreWorker):

@@ -8,6 +8,7 @@ from kvtool.connector import loader
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
 
 
 def _builtin(name: str, scheduler: type, worker: type, mode: str) -> tuple[str, ConnectorSpec]:
@@ -19,6 +20,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("host-async", HostConnectorScheduler, HostConnectorWorker, "async"),
     _builtin("host-layerwise", HostConnectorScheduler, HostConnectorWorker, "layerwise"),
     _builtin("disk", DiskConnectorScheduler, DiskConnectorWorker, "sync"),
+    _builtin("index", IndexConnectorScheduler, IndexConnectorWorker, "sync"),
 ]))
 
 

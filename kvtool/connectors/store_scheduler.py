@@ -25,7 +25,7 @@ from kvtool.connector.request import Request
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, block_key, root_key
+from kvtool.manager.block_keys import ReuseScope, chain_keys, root_key, tokens_bytes
 from kvtool.transfer.registry import backend_names
 from kvtool.types import BAD_PAGE_INDEX
 
@@ -64,9 +64,11 @@ class _Tracker:
     """Tokens whose KV earlier, completed passes wrote (the latest report's computed position)."""
 
     def extend_keys(self, tokens_per_block: int) -> None:
-        for j in range(len(self.keys), len(self.tokens) // tokens_per_block):
+        first, end = len(self.keys), len(self.tokens) // tokens_per_block
+        if first < end:
             previous = self.keys[-1] if self.keys else self.scope_key
-            self.keys.append(block_key(previous, self.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
+            packed = tokens_bytes(self.tokens[first * tokens_per_block:end * tokens_per_block])
+            self.keys.extend(chain_keys(previous, packed, tokens_per_block))
 
 
 class BlockStoreScheduler(KvCacheConnectorScheduler):
@@ -92,6 +94,11 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
     def lookup(self, key: bytes, layer_group_id: int) -> Any | None:
         """Location of a valid entry (and mark it used), or None."""
 
+    def contains(self, key: bytes, layer_group_id: int) -> bool:
+        """Whether a valid entry exists, without marking it used (a store with a cheaper test
+        than `lookup` overrides this)."""
+        return self.lookup(key, layer_group_id) is not None
+
     @abstractmethod
     def reserve(self, key: bytes, layer_group_id: int) -> Any | None:
         """Location to save a new entry into, or None to skip (already stored, or no room)."""
@@ -112,7 +119,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.tokens = request.get_tokens(0)[:request.prompt_len]
         tracker.extend_keys(self.tokens_per_block)
         tpb = self.tokens_per_block
-        for num_hit_blocks in range(len(tracker.keys), num_computed_tokens // tpb, -1):
+        first = num_computed_tokens // tpb
+        for num_hit_blocks in range(self._stored_run_end(tracker, first), first, -1):
             length = num_hit_blocks * tpb
             plan = self._plan(tracker, num_computed_tokens, min(length, request.prompt_len - 1))
             if plan is not None and length > num_computed_tokens:
@@ -121,6 +129,15 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 tracker.planned, tracker.offer = plan, (num_computed_tokens, length)
                 return length - num_computed_tokens, self.mode is StoreMode.ASYNC
         return 0, False
+
+    def _stored_run_end(self, tracker: _Tracker, first: int) -> int:
+        """The end of the run of blocks from `first` on that every full-attention group holds: no
+        plan starting there reaches further (a windowed group may need less; `_plan` decides)."""
+        full = [g.layer_group_id for g in self.groups if g.window_size is None]
+        for j in range(first, len(tracker.keys)):
+            if not all(self.contains(tracker.keys[j], g) for g in full):
+                return j
+        return len(tracker.keys)
 
     def _plan(self, tracker: _Tracker, start: int, end: int) -> dict[tuple[int, int], Any] | None:
         """Locations of every entry needed to serve [start, end), or None if one is missing."""

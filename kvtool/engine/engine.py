@@ -7,7 +7,8 @@ generation steps until max_new_tokens, then request_finished with the request's 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Iterator
 
 
 from kvtool.connector.llm_args import LlmArgs
@@ -15,9 +16,10 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only
-from kvtool.engine.events import (EngineEvent, EventStream, Evicted, Finished, LoadFinished, SaveFinished,
-                                  SaveStarted)
+from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone,
+                                  SaveFinished, SaveStarted)
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
+from kvtool.engine.no_bytes import NoBytesModel
 from kvtool.engine.worker_setup import forward_stream, made_current, rank_llm_args, register_worker
 from kvtool.engine.ranks import Followers, PassOrder, RankReport, RankSetup, free_port, rank_manager_config
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
@@ -59,6 +61,14 @@ class EngineConfig:
     run every collective: the NCCL path on a machine with one GPU."""
     rank_timeout_s: float = 60.0
     """How long a collective waits for a rank before the run ends naming it."""
+    fidelity: str = "bytes"
+    """`bytes`: pools hold KV bytes the fake engine writes and verifies; `blocks`: virtual pools,
+    nothing written or verified (see `no_bytes`), for a connector that moves no bytes."""
+    forget_finished: bool = False
+    """Drop a request's state once it is over (a long streamed replay); `states` then holds the
+    live ones only."""
+    iteration_time: Callable[[Batch, list[PassItem]], float] | None = None
+    """Simulated seconds one iteration takes (a cost model); None: `iteration_seconds` each."""
 
 
 @dataclass
@@ -67,6 +77,8 @@ class EngineStats:
     computed_tokens: int = 0
     generated_tokens: int = 0
     num_failed: int = 0
+    num_finished: int = 0
+    """Requests over (done or failed)."""
     num_deferrals: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -79,11 +91,17 @@ class Engine:
         self.config = config
         if config.tp_size != 1 and (not config.ranks_as_processes or config.tp_size != config.num_ranks):
             raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
-        self.manager = KvCacheManager(rank_manager_config(config.manager, config.tp_size, 0))
-        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed)
+        _require_fidelity(config, connector)
+        manager_config = rank_manager_config(config.manager, config.tp_size, 0)
+        if config.fidelity == "blocks":
+            manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
+        self.manager = KvCacheManager(manager_config)
+        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed) \
+            if config.fidelity == "bytes" else NoBytesModel(self.manager.layer_groups)
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}
-        self._order: list[RequestState] = []
+        self._order: dict[int, RequestState] = {}
+        """Requests in arrival order (live ones only with `forget_finished`)."""
         self.clock = 0.0
         self.iteration = 0
         self.events = EventStream()
@@ -166,7 +184,8 @@ class Engine:
         self._require_room_for(request)
         state = RequestState(request)
         self.states[request.request_id] = state
-        self._order.append(state)
+        self._order[request.request_id] = state
+        self.emit(Arrived, request_id=request.request_id, prompt_len=request.prompt_len, arrival=request.arrival)
         return state
 
     def _require_room_for(self, request: Request) -> None:
@@ -189,7 +208,7 @@ class Engine:
 
     @property
     def live_states(self) -> list[RequestState]:
-        return [s for s in self._order if s.is_live]
+        return [s for s in self._order.values() if s.is_live]
 
     def is_done(self) -> bool:
         return not self.live_states
@@ -197,6 +216,23 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
         while not self.is_done():
+            if self.iteration >= max_iterations:
+                raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
+                                          f"{max_iterations} iterations: {self._stuck_description()}")
+            self.step()
+            if on_iteration is not None:
+                on_iteration(self)
+        return self.stats
+
+    def run_stream(self, requests: Iterable[Request], max_iterations: int = 10_000_000, on_iteration=None) -> EngineStats:
+        """Run requests read one at a time: each is added when the clock reaches its arrival
+        (arrivals must not decrease), so only the requests in flight are in memory."""
+        upcoming = _Lookahead(iter(requests))
+        while upcoming.peek() is not None or not self.is_done():
+            if self.is_done() and upcoming.peek().arrival > self.clock:
+                self.clock = upcoming.peek().arrival
+            while upcoming.peek() is not None and upcoming.peek().arrival <= self.clock:
+                self.add_request(upcoming.take())
             if self.iteration >= max_iterations:
                 raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
                                           f"{max_iterations} iterations: {self._stuck_description()}")
@@ -218,10 +254,12 @@ class Engine:
         self.stats.iterations = self.iteration
         self._skip_idle_time()
         phases_before = [(s.request_id, s.phase) for s in self.live_states]
-        running = [s for s in self._order if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
-        waiting = [s for s in self._order if s.phase is Phase.WAITING and s.request.arrival <= self.clock]
+        states = list(self._order.values())
+        running = [s for s in states if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
+        waiting = [s for s in states if s.phase is Phase.WAITING and s.request.arrival <= self.clock]
         deferrals_before = sum(s.num_deferrals for s in waiting)
-        batch = self.scheduler.schedule(running, waiting, self.iteration)
+        loading = [s for s in states if s.phase is Phase.TRANSMISSION]
+        batch = self.scheduler.schedule(running, waiting, self.iteration, loading)
         self.stats.num_deferrals += sum(s.num_deferrals for s in waiting) - deferrals_before
         for state in batch.received:
             item = PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(), 0,
@@ -241,8 +279,20 @@ class Engine:
             dummy.close()
         self._finish_pass(batch, items)
         self._check_progress(batch, phases_before)
-        self.clock = round(self.clock + self.config.iteration_seconds, 9)
+        seconds = self.config.iteration_seconds if self.config.iteration_time is None else \
+            self.config.iteration_time(batch, items)
+        if self.events.active:
+            started = {s.request_id: s for s in batch.first_chunks}
+            started.update((s.request_id, s) for s in self.live_states if s.delivered_at == self.iteration)
+            self.emit(PassDone, items=tuple((i.request_id, i.start, i.end) for i in items if i.request_id >= 0),
+                      seconds=seconds, pages_in_use=self._pages_in_use(),
+                      hit_tokens=sum(s.num_local_hit + s.num_external for s in started.values()))
+        self.clock = round(self.clock + seconds, 9)
         return batch
+
+    def _pages_in_use(self) -> int:
+        """Slots not free, over every pool group (cached pages included)."""
+        return sum(n - self.manager.num_free_slots(i) for i, n in enumerate(self.manager.num_slots))
 
     def _skip_idle_time(self) -> None:
         if any(s.phase is not Phase.WAITING for s in self.live_states):
@@ -255,11 +305,11 @@ class Engine:
         items = []
         for state, n in batch.context:
             samples = state.position + n == state.prompt_len and state.request.max_new_tokens > 0
-            items.append(PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(),
+            items.append(PassItem(state.request_id, state.request._token_view(), state.kv.page_indices_by_group(),
                                   state.position, state.position + n, samples))
         for state in batch.generation:
             length = state.request.get_num_tokens()
-            items.append(PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(),
+            items.append(PassItem(state.request_id, state.request._token_view(), state.kv.page_indices_by_group(),
                                   length - 1, length, True))
         return items
 
@@ -374,7 +424,7 @@ class Engine:
         by_id = {item.request_id: item for item in items}
         for state, n in batch.context:
             item = by_id[state.request_id]
-            state.kv.commit(state.request.get_tokens()[state.kv.num_committed_tokens:item.end])
+            state.kv.commit(state.request._prompt_view()[state.kv.num_committed_tokens:item.end])
             state.position = item.end
             state.request._set_context_position(item.end)
             self.stats.computed_tokens += n
@@ -382,7 +432,7 @@ class Engine:
                 self._produce(state, item)
         for state in batch.generation:
             item = by_id[state.request_id]
-            state.kv.commit([state.request.get_tokens()[-1]])
+            state.kv.commit([state.request.last_token])
             self.stats.computed_tokens += 1
             self._produce(state, item)
         self._fail_stuck_transmissions()
@@ -408,8 +458,7 @@ class Engine:
             if not ok:
                 self._close(state, Phase.FAILED, FailureReason.FINISHED_HOOK_RAISED)
                 return
-        self.emit(Finished, request_id=state.request_id, failure=None,
-                  num_generated_tokens=len(state.request.generated_token_ids))
+        self._emit_finished(state, None)
         if is_async:
             state.hold = self.manager.hold_pages(state.kv)
             state.kv.close()
@@ -417,6 +466,11 @@ class Engine:
             self.emit(SaveStarted, request_id=state.request_id)
         else:
             self._close(state, Phase.DONE)
+
+    def _emit_finished(self, state: RequestState, failure: FailureReason | None) -> None:
+        self.emit(Finished, request_id=state.request_id, failure=failure,
+                  num_generated_tokens=state.request.num_generated_tokens, prompt_len=state.prompt_len,
+                  num_local_hit=state.num_local_hit, num_external=state.num_external, arrival=state.request.arrival)
 
     def _loaded(self, state: RequestState | None) -> None:
         if state is not None and state.phase is Phase.TRANSMISSION:
@@ -429,6 +483,7 @@ class Engine:
             state.hold = None
             state.phase = Phase.DONE
             self.emit(SaveFinished, request_id=state.request_id)
+            self._drop_if_forgetting(state)
 
     def _fail_stuck_transmissions(self) -> None:
         seconds, limit = self.config.max_transmission_seconds, self.config.max_transmission_iterations
@@ -479,8 +534,7 @@ class Engine:
         """End a request in `phase`; a FAILED one records `failure` and "<reason>: <detail>" as its error."""
         if failure is not None:
             if state.phase is not Phase.SAVING:
-                self.emit(Finished, request_id=state.request_id, failure=failure,
-                          num_generated_tokens=len(state.request.generated_token_ids))
+                self._emit_finished(state, failure)
             state.failure = failure
         reason = None if failure is None else f"{failure.value}: {detail}" if detail else failure.value
         if state.kv is not None:
@@ -495,6 +549,14 @@ class Engine:
         if phase is Phase.FAILED:
             self.stats.num_failed += 1
             self.stats.failures.append(f"request {state.request_id}: {reason}")
+        self._drop_if_forgetting(state)
+
+    def _drop_if_forgetting(self, state: RequestState) -> None:
+        if not state.is_live:
+            self.stats.num_finished += 1
+        if self.config.forget_finished and not state.is_live:
+            self._order.pop(state.request_id, None)
+            self.states.pop(state.request_id, None)
 
     def verify_all(self) -> None:
         """Check the fingerprints of every live page of every request whose KV is complete."""
@@ -506,3 +568,34 @@ class Engine:
     @property
     def integrity_errors(self) -> int:
         return self.fake.num_integrity_errors
+
+
+def _require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> None:
+    """InputError for a fidelity this engine cannot run, or one the connector does not fit."""
+    if config.fidelity not in ("bytes", "blocks"):
+        raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks")
+    moves_bytes = connector is None or getattr(connector.scheduler_class, "kvtool_moves_bytes", True)
+    if config.fidelity == "blocks":
+        if config.num_ranks != 1 or config.process_group_of_one:
+            raise InputError("block fidelity runs one rank: drop --num-ranks (or use --fidelity bytes)")
+        if connector is not None and moves_bytes:
+            raise InputError(f"connector {connector.name!r} moves KV bytes, and block fidelity has none: "
+                             "use --connector index (a tier that only indexes) or --fidelity bytes")
+    elif not moves_bytes:
+        raise InputError(f"connector {connector.name!r} moves no bytes (it stands in for a tier in block "
+                         "fidelity): use it with --fidelity blocks")
+
+
+class _Lookahead:
+    """An iterator whose next item can be looked at before it is taken."""
+
+    def __init__(self, items: Iterator[Request]) -> None:
+        self._items = items
+        self._next: Request | None = next(items, None)
+
+    def peek(self) -> Request | None:
+        return self._next
+
+    def take(self) -> Request:
+        item, self._next = self._next, next(self._items, None)
+        return item

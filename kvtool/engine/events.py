@@ -26,6 +26,15 @@ class EngineEvent:
 
 
 @dataclass(frozen=True)
+class Arrived(EngineEvent):
+    """The request was added to the engine (it waits from `arrival` until a pass takes it)."""
+
+    request_id: int
+    prompt_len: int
+    arrival: float
+
+
+@dataclass(frozen=True)
 class Ask(EngineEvent):
     """`get_num_new_matched_tokens` answered (once per request): the offer, clamped to the prompt."""
 
@@ -100,6 +109,12 @@ class Finished(EngineEvent):
     request_id: int
     failure: FailureReason | None
     num_generated_tokens: int
+    prompt_len: int = 0
+    num_local_hit: int = 0
+    """Prompt tokens the local radix tree served."""
+    num_external: int = 0
+    """Prompt tokens the connector delivered."""
+    arrival: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,18 @@ class Evicted(EngineEvent):
 
     layer_group_id: int
     block_ordinal: int
+
+
+@dataclass(frozen=True)
+class PassDone(EngineEvent):
+    """An iteration ended: what each request in its pass computed ([start, end) of its tokens),
+    the simulated seconds it took (`clock` is its start), the slots in use after it, and the prompt
+    tokens served from a cache (local or connector) to the requests that started in it."""
+
+    items: tuple[tuple[int, int, int], ...]
+    seconds: float
+    pages_in_use: int
+    hit_tokens: int = 0
 
 
 Subscriber = Callable[[EngineEvent], None]

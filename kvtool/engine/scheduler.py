@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.connector.runtime import ConnectorRuntime
+from kvtool.engine.admission import OutputReservation
 from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
 from kvtool.errors import LogicError
@@ -38,6 +39,10 @@ class SchedulerConfig:
     max_num_tokens: int = 8192
     chunk_size: int | None = None
     local_reuse: bool = True
+    reserve_outputs: bool = False
+    """Admit a request only when every admitted one can still grow to prompt + max_new_tokens
+    (`kvtool.engine.admission`); greedy admission (False) may fill the pool with requests that
+    all still grow, and the replay stops with OutOfPagesError."""
 
 
 @dataclass
@@ -68,10 +73,17 @@ class Scheduler:
         self._fail = fail
         self._emit = emit
         self.iteration = 0
+        self._reservation = OutputReservation(manager) if config.reserve_outputs else None
 
-    def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int) -> Batch:
+    def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int,
+                 loading: list[RequestState] = ()) -> Batch:
+        """One iteration's batch. `loading`: requests holding pages outside the batch (an
+        asynchronous load in flight), which output reservation counts as still growing."""
         self.iteration = iteration
         batch = Batch()
+        if self._reservation is not None:
+            self._reservation.start_pass([*running, *loading])
+        alone = not running and not loading
         budget = [self.config.max_num_tokens]
         for state in running:
             if state.phase is Phase.GENERATION and self._room(batch, budget):
@@ -93,20 +105,23 @@ class Scheduler:
                 continue
             if not self._room(batch, budget):
                 break
-            n = self._prepare(state, budget)
+            n = self._prepare(state, budget, alone and not batch.num_requests)
             if n:
                 batch.context.append((state, n))
                 batch.first_chunks.append(state)
                 budget[0] -= n
+            elif self._reservation is not None and state.phase is Phase.WAITING:
+                break   # first come, first served: later arrivals do not overtake a deferred one
         for state in list(batch.first_chunks):
             self._deliver(state, batch)
         return batch
 
     # ---- phases ------------------------------------------------------------------------------
-    def _prepare(self, state: RequestState, budget: list[int]) -> int:
-        """Create, ask, resume, reserve and size the first chunk; 0 when deferred or failed."""
+    def _prepare(self, state: RequestState, budget: list[int], alone: bool) -> int:
+        """Create, ask, resume, reserve and size the first chunk; 0 when deferred or failed.
+        `alone`: nothing else runs, so output reservation cannot refuse it."""
         request = state.request
-        prompt = request.prompt_token_ids
+        prompt = request._prompt_view()
         scope = ReuseScope.from_cache_salt(request.cache_salt)
         kv = self.manager.create_kv_cache(request.request_id, prompt[:-1] if self.config.local_reuse else [],
                                           scope, expected_prompt_length=request.prompt_len)
@@ -119,7 +134,7 @@ class Scheduler:
         if state.phase is Phase.FAILED:
             return 0
         n = self._chunk(position, request.prompt_len, budget)
-        if not n or not kv.resize(position + n):
+        if not n or not kv.resize(position + n) or not self._admits(state, alone):
             kv.close()
             state.kv = None
             state.num_deferrals += 1
@@ -129,6 +144,9 @@ class Scheduler:
         state.phase = Phase.CONTEXT
         request._set_context_position(position)
         return n
+
+    def _admits(self, state: RequestState, alone: bool) -> bool:
+        return self._reservation is None or self._reservation.admit(state, alone)
 
     def _admit_generation_only(self, state: RequestState) -> bool:
         """Pages for the whole prompt, whose KV a context server sent (all but the last position,

@@ -1,17 +1,23 @@
-"""Replaying a workload through the bundled manager, scheduler, fake engine and a connector."""
+"""Replaying a workload through the bundled manager, scheduler, fake engine and a connector.
+
+Token-weighted hit rate = (local hit tokens + connector hit tokens) / prompt tokens.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.events import Cancel, Deliver, EventLog, Evicted, Finished
-from kvtool.errors import LogicError
+from kvtool.engine.events import Subscriber
+from kvtool.engine.trace_recorder import TraceRecorder
+from kvtool.errors import InputError, LogicError
 from kvtool.manager.integrity import check_manager
 
 
@@ -51,6 +57,17 @@ class TraceSummary:
     """Times a waiting request could not get pages and was put back."""
     evictions: int
     """Cached pages the radix tree lost to make room."""
+    connector_evictions: int | None
+    """Entries the connector's tier dropped to make room, as its `kvtool_introspect` reports."""
+    bytes_loaded: int | None
+    """KV bytes the connector loaded into the cache (loaded blocks x bytes of one block)."""
+    bytes_saved: int | None
+    """KV bytes the connector saved from the cache (saved blocks x bytes of one block)."""
+    hit_rate: float
+    """Token-weighted hit rate: (local_hit_tokens + connector_hit_tokens) / prompt_tokens."""
+    simulated_seconds: float
+    """The replay's clock at the end (the cost model's seconds, or 10 ms an iteration)."""
+    fidelity: str
     invariant_errors: int
     """Manager invariants broken after the replay (leaked caches or holds included)."""
     connector: str
@@ -69,7 +86,8 @@ class TraceSummary:
 class TraceResult:
     summary: TraceSummary
     issues: list[str] = field(default_factory=list)
-    events: EventLog = field(default_factory=EventLog)
+    recorder: TraceRecorder = field(default_factory=TraceRecorder)
+    """Rows per request and per iteration."""
 
     @property
     def failed_checks(self) -> list[str]:
@@ -86,22 +104,59 @@ class TraceResult:
         return reasons
 
 
-def run_trace(requests: list[Request], config: EngineConfig, connector: ConnectorSpec | None,
+def run_trace(requests: Iterable[Request], config: EngineConfig, connector: ConnectorSpec | None,
               connector_options: dict[str, str] | None = None,
-              on_iteration: Callable[[Engine], None] | None = None) -> TraceResult:
+              on_iteration: Callable[[Engine], None] | None = None, subscribers: Iterable[Subscriber] = (),
+              keep_iterations: bool = True) -> TraceResult:
+    """Replay `requests` (read as the clock reaches them; arrivals must not decrease)."""
     started = time.perf_counter()
-    engine = Engine(config, connector, connector_options)
-    log = EventLog()
-    engine.events.subscribe(log)
+    engine = Engine(dataclasses.replace(config, forget_finished=True), connector, connector_options)
+    recorder = TraceRecorder(keep_iterations)
+    engine.events.subscribe(recorder)
+    for subscriber in subscribers:
+        engine.events.subscribe(subscriber)
     try:
-        for request in requests:
-            engine.add_request(request)
-        engine.run(on_iteration=on_iteration)
+        with _collect_every(GC_EVERY_ITERATIONS) as collect:
+            def each_iteration(e: Engine) -> None:
+                collect(e.iteration)
+                if on_iteration is not None:
+                    on_iteration(e)
+            engine.run_stream(_in_arrival_order(requests), on_iteration=each_iteration)
     finally:
         engine.close()
+    recorder.flush()
     invariant_errors = _invariant_errors(engine)
-    summary = _summary(engine, log, requests, connector, time.perf_counter() - started, invariant_errors)
-    return TraceResult(summary, _issues(engine, invariant_errors), log)
+    summary = _summary(engine, recorder, connector, time.perf_counter() - started, invariant_errors)
+    return TraceResult(summary, _issues(engine, invariant_errors), recorder)
+
+
+GC_EVERY_ITERATIONS = 4096
+
+
+@contextlib.contextmanager
+def _collect_every(iterations: int):
+    """Python's automatic collector off, a full collection every `iterations` iterations instead.
+    A replay allocates millions of long-lived nodes and pages; the automatic collector rescans
+    them again and again (a third of a block-fidelity replay's time), while the manager breaks its
+    own reference cycles when it frees them."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield lambda iteration: gc.collect() if iteration % iterations == 0 else None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _in_arrival_order(requests: Iterable[Request]):
+    """The requests, InputError at the first whose arrival is earlier than the one before."""
+    latest = 0.0
+    for request in requests:
+        if request.arrival < latest:
+            raise InputError(f"request {request.request_id} arrives at {request.arrival:g} s, before the "
+                             f"request ahead of it ({latest:g} s): a workload lists requests in arrival order")
+        latest = request.arrival
+        yield request
 
 
 def _invariant_errors(engine: Engine) -> list[str]:
@@ -116,33 +171,45 @@ def _invariant_errors(engine: Engine) -> list[str]:
     return errors
 
 
-def _summary(engine: Engine, log: EventLog, requests: list[Request], connector: ConnectorSpec | None,
-             seconds: float, invariant_errors: list[str]) -> TraceSummary:
+def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec | None, seconds: float,
+             invariant_errors: list[str]) -> TraceSummary:
     runtime = engine.connector
     introspect = getattr(runtime.scheduler, "kvtool_introspect", None) if runtime else None
     counters = introspect() if callable(introspect) else {}
+    rows = recorder.requests + recorder.unfinished
+    prompt_tokens = sum(r.prompt_len for r in rows)
+    local = sum(r.local_hit_tokens for r in rows)
+    external = sum(r.connector_hit_tokens for r in rows)
+    block_bytes = sum(r.size for group in engine.manager.layout.layer_groups for r in group.regions)
+    saved, loaded = counters.get("saved_blocks"), counters.get("loaded_blocks")
     return TraceSummary(
-        num_requests=len(requests),
-        prompt_tokens=sum(r.prompt_len for r in requests),
+        num_requests=len(rows),
+        prompt_tokens=prompt_tokens,
         computed_tokens=engine.stats.computed_tokens,
-        local_hit_tokens=sum(s.num_local_hit for s in engine.states.values()),
-        connector_hit_tokens=sum(e.num_external for e in log.of(Deliver)),
-        cancelled_tokens=sum(e.end - e.start for e in log.of(Cancel)),
-        saved_blocks=counters.get("saved_blocks"),
-        loaded_blocks=counters.get("loaded_blocks"),
+        local_hit_tokens=local,
+        connector_hit_tokens=external,
+        cancelled_tokens=recorder.cancelled_tokens,
+        saved_blocks=saved,
+        loaded_blocks=loaded,
         integrity_errors=engine.integrity_errors,
         iterations=engine.stats.iterations,
         generated_tokens=engine.stats.generated_tokens,
-        failed_requests=sum(e.failure is not None for e in log.of(Finished)),
+        failed_requests=sum(r.failure is not None for r in recorder.requests),
         contract_violations=len(runtime.violations) if runtime else 0,
         hook_failures=len(runtime.failures) if runtime else 0,
         deferrals=engine.stats.num_deferrals,
-        evictions=len(log.of(Evicted)),
+        evictions=recorder.evictions,
+        connector_evictions=counters.get("evicted_entries"),
+        bytes_loaded=None if loaded is None else loaded * block_bytes,
+        bytes_saved=None if saved is None else saved * block_bytes,
+        hit_rate=round((local + external) / prompt_tokens, 6) if prompt_tokens else 0.0,
+        simulated_seconds=round(engine.clock, 6),
+        fidelity=engine.config.fidelity,
         invariant_errors=len(invariant_errors),
         connector=connector.name if connector else "none",
         model=engine.config.manager.model.name,
         tokens_per_block=engine.manager.tokens_per_block,
-        device=str(engine.manager.device),
+        device="virtual" if engine.manager.layout.is_virtual else str(engine.manager.device),
         wall_seconds=round(seconds, 3),
     )
 

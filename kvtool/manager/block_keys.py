@@ -8,9 +8,9 @@ compare digests only, which is why the hash stays cryptographic and 256 bits wid
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from typing import Iterator, NamedTuple, Sequence
-
-import numpy as np
 
 
 class ReuseScope(NamedTuple):
@@ -33,15 +33,34 @@ def root_key(scope: ReuseScope) -> bytes:
     return hashlib.sha256(b"".join(parts)).digest()
 
 
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+
+
 def tokens_bytes(tokens: Sequence[int]) -> bytes:
-    array = np.asarray(tokens, dtype=np.int64)
-    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must lie in [0, 2**32)")
-    return array.astype("<u4").tobytes()
+    """The tokens as 4-byte little-endian ints; ValueError for ids outside [0, 2**32)."""
+    try:
+        packed = array(_UINT32, tokens)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must lie in [0, 2**32)") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def block_key(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(previous + tokens_bytes(tokens)).digest()
+
+
+def chain_keys(previous: bytes, packed: bytes, tokens_per_block: int) -> list[bytes]:
+    """Keys of consecutive full blocks after the block keyed `previous`, from their tokens packed
+    by `tokens_bytes` (trailing bytes short of a block are ignored)."""
+    sha256 = hashlib.sha256
+    step = 4 * tokens_per_block
+    keys = []
+    for start in range(0, len(packed) - step + 1, step):
+        previous = sha256(previous + packed[start:start + step]).digest()
+        keys.append(previous)
+    return keys
 
 
 def chained_block_keys(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope,
@@ -49,7 +68,8 @@ def chained_block_keys(tokens: Sequence[int], tokens_per_block: int, scope: Reus
     """(block tokens, key) for each full block, then the trailing partial one if asked."""
     previous = root_key(scope)
     end = len(tokens) if include_partial else len(tokens) - len(tokens) % tokens_per_block
+    packed = tokens_bytes(tokens[:end])
+    sha256 = hashlib.sha256
     for start in range(0, end, tokens_per_block):
-        chunk = tokens[start:start + tokens_per_block]
-        previous = block_key(previous, chunk)
-        yield chunk, previous
+        previous = sha256(previous + packed[4 * start:4 * (start + tokens_per_block)]).digest()
+        yield tokens[start:start + tokens_per_block], previous

@@ -31,6 +31,9 @@ class KvCacheManagerConfig:
     """Fill every slot with 0xA5 when it is handed out and when it is freed, so reading bytes nobody
     wrote (stale bytes of an earlier request, or a page read after its release) is caught; kvtool
     validate turns it on."""
+    virtual: bool = False
+    """No memory behind the pools (block fidelity): bases are offsets, pages hold no bytes, and
+    poisoning and copy-on-write do nothing."""
 
     def validate(self) -> None:
         """InputError for values no manager can be built from."""

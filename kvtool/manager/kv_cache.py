@@ -9,12 +9,12 @@ None (reported as BAD_PAGE_INDEX) where a block has no page: stale blocks of win
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, block_key
+from kvtool.manager.block_keys import ReuseScope, block_key, chain_keys, tokens_bytes
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.radix_tree import RadixNode, RadixTree
@@ -75,6 +75,8 @@ class KvCache:
         self._pages: dict[LayerGroupId, list[Page | None]] = {}
         self._shared_partial: dict[LayerGroupId, Page] = {}
         self._scratch_idle: dict[LayerGroupId, list[Page]] = {g.layer_group_id: [] for g in self._groups}
+        self._snapshot: GroupPages | None = None
+        """`page_indices_by_group` until the pages change (resize, close)."""
         self._adopt_match(match, reused)
 
     # ---- state -------------------------------------------------------------------------------
@@ -114,11 +116,14 @@ class KvCache:
     def get_page_indices(self, layer_group_id: int) -> list[PageIndex]:
         """One entry per block ordinal; BAD_PAGE_INDEX where the block has no page in this group."""
         self._require_open("get_page_indices")
-        return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[LayerGroupId(layer_group_id)]]
+        return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[layer_group_id]]
 
     def page_indices_by_group(self) -> GroupPages:
-        """`get_page_indices` of every layer group, by group id."""
-        return GroupPages((g, self.get_page_indices(g)) for g in self._pages)
+        """`get_page_indices` of every layer group, by group id (an immutable snapshot)."""
+        self._require_open("page_indices_by_group")
+        if self._snapshot is None:
+            self._snapshot = GroupPages((g, self.get_page_indices(g)) for g in self._pages)
+        return self._snapshot
 
     def pages(self, layer_group_id: int) -> list[Page | None]:
         return list(self._pages[LayerGroupId(layer_group_id)])
@@ -174,6 +179,7 @@ class KvCache:
             for page in pages:
                 self._table.release(page, active)
         self._pages = {g: [] for g in self._pages}
+        self._snapshot = None
         self._scratch_idle = {g: [] for g in self._scratch_idle}
         self._shared_partial.clear()
         for node in reversed(self._nodes):
@@ -218,7 +224,7 @@ class KvCache:
             pages = self._pages[gid]
             stale = group.stale_range(history, tpb)
             transient = self._transient_blocks(group)
-            for j in range(max(len(pages), num_new)):
+            for j in self._blocks_to_plan(group, pages, num_new, capacity):
                 page = pages[j] if j < len(pages) else None
                 if j >= num_new or j in stale:
                     if page is not None:
@@ -228,6 +234,20 @@ class KvCache:
                 elif self._shared_partial.get(gid) is page and capacity > self._capacity:
                     plan.copies.append((gid, j, page))
         return plan
+
+    def _blocks_to_plan(self, group: LayerGroupSpec, pages: list, num_new: int, capacity: int) -> Iterable[int]:
+        """The block ordinals a resize may change. A full-attention group never has a hole below
+        its length, so only the blocks between the old and the new length (and a shared partial
+        page to copy) can change: a resize by one token costs O(1), not O(blocks)."""
+        if group.window_size is not None:
+            return range(max(len(pages), num_new))
+        low = min(len(pages), num_new)
+        span = range(low, max(len(pages), num_new))
+        partial = self._shared_partial.get(group.layer_group_id)
+        if partial is None or capacity <= self._capacity:
+            return span
+        at = next(j for j, page in enumerate(pages) if page is partial)
+        return [at, *span] if at < low else span
 
     def _transient_blocks(self, group: LayerGroupSpec) -> range:
         if not self._scratch_reuse or group.window_size is None or not self.expected_prompt_length:
@@ -255,6 +275,7 @@ class KvCache:
         return all(n <= self._table.num_available(pg) for pg, n in needed.items())
 
     def _apply(self, plan: _ResizePlan, num_blocks: int) -> None:
+        self._snapshot = None
         for gid, j, page in plan.releases:
             self._pages[gid][j] = None
             if self._shared_partial.get(gid) is page:
@@ -284,17 +305,21 @@ class KvCache:
         self._require_active("commit")
         if self.num_committed_tokens + len(tokens) > self._capacity:
             raise LogicError(f"cache {self.id}: committing {len(tokens)} tokens past capacity {self._capacity}")
-        self._committed.extend(int(t) for t in tokens)
+        self._committed.extend(tokens)
         self._history = max(self._history, self.num_committed_tokens)
         tpb = self.tokens_per_block
-        while len(self._nodes) < self.num_committed_tokens // tpb:
-            j = len(self._nodes)
-            self._insert_block(j, self._committed[j * tpb:(j + 1) * tpb])
+        first, end = len(self._nodes), self.num_committed_tokens // tpb
+        if first >= end:
+            return
+        parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
+        keys = chain_keys(parent.key, tokens_bytes(self._committed[first * tpb:end * tpb]), tpb)
+        for j, key in enumerate(keys, first):
+            self._insert_block(j, self._committed[j * tpb:(j + 1) * tpb], key)
 
-    def _insert_block(self, ordinal: int, tokens: Sequence[int]) -> RadixNode:
+    def _insert_block(self, ordinal: int, tokens: Sequence[int], key: bytes | None = None) -> RadixNode:
         tree = self._context.tree
         parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
-        node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
+        node = tree.get_or_insert(parent, tokens, key or block_key(parent.key, tokens))
         for gid, pages in self._pages.items():
             page = pages[ordinal] if ordinal < len(pages) else None
             if page is not None and page.node is None and not page.is_scratch and gid not in node.pages:

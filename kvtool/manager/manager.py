@@ -67,7 +67,8 @@ class KvCacheManager:
         self.device = torch.device(config.device) if config.device else default_device()
         self.page_log: list[tuple] | None = None
         """When a list, every byte operation on a page (poison, copy) is appended to it."""
-        pools = allocated_pools(self.pool_groups, self.num_slots, self.device)
+        pools = virtual_pools(self.pool_groups, self.num_slots) if config.virtual else \
+            allocated_pools(self.pool_groups, self.num_slots, self.device)
         self.layout = build_layout(self.layer_groups, self.pool_groups, self.num_slots, pools,
                                    config.tokens_per_block, config.model.shard_name, config.model.dtype.name)
         self.tree = RadixTree(config.tokens_per_block)
@@ -145,12 +146,16 @@ class KvCacheManager:
         """Fill one page's bytes with POISON_BYTE in every region of its layer group."""
         if self.page_log is not None:
             self.page_log.append(("poison", int(layer_group_id), int(slot)))
+        if self.layout.is_virtual:
+            return
         for region in self.layout.group(layer_group_id).regions:
             region.as_tensor()[slot].fill_(POISON_BYTE)
 
     def copy_page(self, layer_group_id: LayerGroupId, src: PageIndex, dst: PageIndex) -> None:
         if self.page_log is not None:
             self.page_log.append(("copy", int(layer_group_id), int(src), int(dst)))
+        if self.layout.is_virtual:
+            return
         for region in self.layout.group(layer_group_id).regions:
             view = region.as_tensor()
             view[dst].copy_(view[src])

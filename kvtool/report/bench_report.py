@@ -123,3 +123,18 @@ def bench_notes(rows: list[dict], device_kind: str, skipped_backends: list[str])
         notes.append(f"{len(fast)} rows (marked !) beat their peak: the peak varied by up to {spread:.0%} between "
                      "repeats; rerun on an idle machine or with more --repeats")
     return notes
+
+
+def bench_gbps(directory: Path, direction: str, tokens_per_block: int) -> float:
+    """The best GB/s a `kvtool bench` run measured in `direction` at `tokens_per_block` (the
+    closest block size it ran when that one is missing); InputError when the folder has none."""
+    path = directory / "results.json"
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--bandwidth-from {directory}: no kvtool bench results.json there ({exc})") from None
+    rows = [r for r in rows if isinstance(r, dict) and r.get("direction") == direction and r.get("gbps")]
+    if not rows:
+        raise InputError(f"--bandwidth-from {directory}: no {direction} rows in results.json")
+    nearest = min({r["tokens_per_block"] for r in rows}, key=lambda t: (abs(t - tokens_per_block), t))
+    return max(float(r["gbps"]) for r in rows if r["tokens_per_block"] == nearest)

@@ -12,7 +12,7 @@ from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
-from kvtool.engine.workload import load_workload
+from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 

@@ -1,10 +1,9 @@
-"""Request workloads: JSON Lines, one request a line (schema in workloads/README.md)."""
+"""kvtool's own workload format: JSON Lines, one request a line with its token ids (schema in
+workloads/README.md)."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 from kvtool.connector.request import Request
@@ -13,41 +12,8 @@ from kvtool.errors import InputError
 _FIELDS = {"request_id", "prompt", "max_new_tokens", "arrival", "cache_salt", "generation_only"}
 
 
-def load_workload(path: Path) -> list[Request]:
-    """Requests of a workload file; InputError naming the file and line for anything malformed."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise InputError(f"cannot read workload {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"workload {path} is not UTF-8 text") from None
-    requests, seen = [], set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            request = parse_request(line)
-        except InputError as exc:
-            raise InputError(f"{where}: {exc}") from None
-        if request.request_id in seen:
-            raise InputError(f"{where}: request_id {request.request_id} appears twice")
-        seen.add(request.request_id)
-        requests.append(request)
-    if not requests:
-        raise InputError(f"workload {path} has no requests")
-    return requests
-
-
-def parse_request(line: str) -> Request:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise InputError("JSON nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise InputError("each line must be a JSON object")
+def parse_kvtool_record(raw: dict[str, Any]) -> Request:
+    """The request of one decoded line; InputError saying what is wrong (the caller names the line)."""
     unknown = set(raw) - _FIELDS
     if unknown:
         raise InputError(f"unknown field(s) {', '.join(sorted(unknown))}")

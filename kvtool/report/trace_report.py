@@ -1,0 +1,128 @@
+"""Writing a replay: the per-tier table, TTFT percentiles, and the run folder (summary, a row per
+request and per iteration, the TTFT CDF plot, meta.json with every cost-model assumption)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rich.table import Table
+
+from kvtool.engine.cost_model import CostModel
+from kvtool.engine.trace import TraceResult, TraceSummary
+from kvtool.engine.trace_recorder import RequestRow
+from kvtool.report.run_folder import write_file, write_json, write_meta
+from kvtool.units import format_size
+
+PERCENTILES = (50, 90, 99)
+
+
+def tier_table(summary: TraceSummary, title: str = "") -> Table:
+    """Where the prompt tokens came from, per tier, and what each tier moved and dropped."""
+    table = Table(title=title or f"trace: {summary.model} · connector {summary.connector} · {summary.fidelity}")
+    for column in ("tier", "prompt tokens", "share", "blocks", "bytes", "evictions"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    total = max(summary.prompt_tokens, 1)
+
+    def share(n: int) -> str:
+        return f"{100 * n / total:.1f} %"
+
+    table.add_row("local (GPU radix tree)", f"{summary.local_hit_tokens:,}", share(summary.local_hit_tokens), "",
+                  "", f"{summary.evictions:,}")
+    loaded = "-" if summary.loaded_blocks is None else f"{summary.loaded_blocks:,} loaded"
+    moved = "-" if summary.bytes_loaded is None else f"{format_size(summary.bytes_loaded)} in"
+    table.add_row(f"connector ({summary.connector})", f"{summary.connector_hit_tokens:,}",
+                  share(summary.connector_hit_tokens), loaded, moved,
+                  "-" if summary.connector_evictions is None else f"{summary.connector_evictions:,}")
+    if summary.saved_blocks is not None:
+        table.add_row("  saved", "", "", f"{summary.saved_blocks:,} saved",
+                      "-" if summary.bytes_saved is None else f"{format_size(summary.bytes_saved)} out", "")
+    computed = summary.prompt_tokens - summary.local_hit_tokens - summary.connector_hit_tokens
+    table.add_row("computed", f"{computed:,}", share(computed), "", "", "")
+    table.add_row("cancelled (offered, not taken)", f"{summary.cancelled_tokens:,}", "", "", "", "")
+    table.add_row("[bold]hit rate[/bold]", "", f"[bold]{100 * summary.hit_rate:.2f} %[/bold]", "", "", "")
+    return table
+
+
+def ttft_stats(rows: list[RequestRow]) -> dict[str, float | None]:
+    """p50/p90/p99 and mean TTFT in seconds over the requests that produced a first token."""
+    values = np.array([r.ttft for r in rows if r.ttft is not None])
+    if not values.size:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES} | {"mean": float(values.mean())}
+
+
+def compute_saved_seconds(rows: list[RequestRow], cost: CostModel) -> float:
+    """Prefill compute the caches spared: each request's prompt computed from its hit length on,
+    instead of from 0."""
+    return sum(cost.compute_seconds(0, r.prompt_len) - cost.compute_seconds(r.prompt_len - r.computed_prompt_tokens,
+                                                                           r.prompt_len) for r in rows)
+
+
+def ttft_report(result: TraceResult, cost: CostModel | None, baseline: TraceResult | None) -> dict[str, Any]:
+    """TTFT and compute saved for the run (and the run without the connector, when given)."""
+    if cost is None:
+        return {}
+    report = {"with_connector": ttft_stats(result.recorder.requests),
+              "prefill_compute_saved_s": compute_saved_seconds(result.recorder.requests, cost)}
+    if baseline is not None:
+        report["without_connector"] = ttft_stats(baseline.recorder.requests)
+        report["prefill_compute_saved_without_connector_s"] = compute_saved_seconds(baseline.recorder.requests, cost)
+    return report
+
+
+def ttft_table(report: dict[str, Any]) -> Table:
+    table = Table(title="TTFT (cost model)")
+    table.add_column("run")
+    for column in (*(f"p{p}" for p in PERCENTILES), "mean", "prefill compute saved"):
+        table.add_column(column, justify="right")
+    for key, label in (("with_connector", "this run"), ("without_connector", "without the connector")):
+        if key in report:
+            stats = report[key]
+            saved = report["prefill_compute_saved_s" if key == "with_connector"
+                            else "prefill_compute_saved_without_connector_s"]
+            table.add_row(label, *(_seconds(stats[k]) for k in (*(f"p{p}" for p in PERCENTILES), "mean")),
+                          f"{saved:,.1f} s")
+    return table
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def write_trace_folder(folder: Path, result: TraceResult, cost: CostModel | None, ttft: dict[str, Any],
+                       baseline: TraceResult | None, extra_meta: dict[str, Any]) -> None:
+    """summary.json/.csv, requests.csv, iterations.csv, ttft_cdf.png (with a cost model), meta.json."""
+    document = {**result.summary.as_dict(), "ttft": ttft}
+    write_json(folder / "summary.json", document)
+    write_file(folder / "summary.csv", pd.DataFrame([result.summary.as_dict()]).to_csv(index=False))
+    write_file(folder / "requests.csv", pd.DataFrame([r.as_dict() for r in result.recorder.requests]).to_csv(index=False))
+    write_file(folder / "iterations.csv", pd.DataFrame([vars(r) for r in result.recorder.iterations]).to_csv(index=False))
+    if cost is not None:
+        plot_ttft_cdf(folder / "ttft_cdf.png", {"this run": result.recorder.requests} |
+                      ({"without the connector": baseline.recorder.requests} if baseline else {}))
+    write_meta(folder, "trace", cost_model=cost.assumptions() if cost else None, **extra_meta)
+
+
+def plot_ttft_cdf(path: Path, runs: dict[str, list[RequestRow]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rows in runs.items():
+        values = np.sort([r.ttft for r in rows if r.ttft is not None])
+        if values.size:
+            ax.plot(values, np.arange(1, values.size + 1) / values.size, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, cost model)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
