@@ -154,7 +154,7 @@ def test_validate_refuses_an_unwritable_junit_path_before_any_scenario(tmp_path)
 def test_every_command_writes_a_run_folder_with_meta(tmp_path):
     cases = {
         "inspect-layout": (["inspect-layout", "--model", "tiny"], {"layout.json", "layout.csv"}),
-        "trace": (["trace", "run", WORKLOAD], {"summary.json", "summary.csv"}),
+        "trace": (["trace", "run", WORKLOAD], {"summary.json", "summary.csv", "requests.csv", "iterations.csv"}),
         "validate": (["validate", "host", "--scenario", "cold-warm", "--model", "tiny"],
                      {"results.json", "results.csv", "junit.xml"}),
     }

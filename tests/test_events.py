@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.connector.request import Request
-from kvtool.engine.events import (Ask, Cancel, Deliver, EventLog, EventStream, Evicted, Finished, LoadFinished,
-                                  LoadStarted, Reserve, SaveFinished, SaveStarted)
+from kvtool.engine.events import (Arrived, Ask, Cancel, Deliver, EventLog, EventStream, Evicted, Finished, LoadFinished,
+                                  LoadStarted, PassDone, Reserve, SaveFinished, SaveStarted)
 from kvtool.engine.request_state import FailureReason
 from tests.helpers.engines import make_engine, scripted
 
@@ -18,7 +18,13 @@ def logged(engine):
 
 
 def without_stamps(events):
-    return [replace(e, iteration=0, clock=0.0) for e in events]
+    """The protocol events, unstamped (Arrived and PassDone, which bracket every request and
+    pass, have their own tests)."""
+    return [replace(e, iteration=0, clock=0.0) for e in events if not isinstance(e, (Arrived, PassDone))]
+
+
+def without_stamps_kept(events):
+    return [e for e in events if not isinstance(e, (Arrived, PassDone))]
 
 
 def test_a_sync_load_from_ask_to_finish():
@@ -34,9 +40,14 @@ def test_a_sync_load_from_ask_to_finish():
         Deliver(**stamp, request_id=1, num_external=11, num_local_hit=0),
         LoadStarted(**stamp, request_id=1, num_tokens=11, is_async=False),
         LoadFinished(**stamp, request_id=1),
-        Finished(**stamp, request_id=1, failure=None, num_generated_tokens=2),
+        Finished(**stamp, request_id=1, failure=None, num_generated_tokens=2, prompt_len=12, num_external=11),
     ]
-    assert [e.iteration for e in log.events] == [1, 1, 1, 1, 1, 1, 2]
+    assert [(type(e).__name__, e.iteration) for e in log.events if isinstance(e, (Arrived, PassDone))] == \
+        [("Arrived", 0), ("PassDone", 1), ("PassDone", 2)]
+    first, second = [e for e in log.events if isinstance(e, PassDone)]
+    assert (first.items, first.hit_tokens, second.items, second.hit_tokens) == (((1, 11, 12),), 11, ((1, 12, 13),), 0)
+    assert first.seconds == second.seconds == 0.01
+    assert [e.iteration for e in without_stamps_kept(log.events)] == [1, 1, 1, 1, 1, 1, 2]
     assert log.events[-1].clock > log.events[0].clock
 
 

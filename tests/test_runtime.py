@@ -83,8 +83,8 @@ def test_reserve_moves_capacity_and_history_together_and_turns_scratch_reuse_off
     engine.add_request(Request(1, list(range(30)), 1))
     seen = {}
 
-    def capture(state, budget, original=engine.scheduler._prepare):
-        n = original(state, budget)
+    def capture(state, budget, alone, original=engine.scheduler._prepare):
+        n = original(state, budget, alone)
         seen.update(capacity=state.kv.capacity, history=state.kv.history_length,
                     scratch=state.kv.scratch_reuse, pages=state.kv.get_page_indices(0))
         return n
