@@ -507,7 +507,10 @@ class Engine:
         if arrived and not any(s.request.arrival > self.clock for s in self.live_states):
             stuck = arrived[0]
             raise OutOfPagesError(f"the KV cache is too small: request {stuck.request_id} "
-                                  f"({stuck.prompt_len} prompt tokens) cannot get pages and nothing else can run")
+                                  f"({stuck.prompt_len} prompt tokens) cannot get pages and nothing else can run"
+                                  + ("" if self.scheduler.config.reserve_outputs else
+                                     " (running requests filled the pool as they grew; admission that "
+                                     "reserves their outputs avoids this: --admission reserve)"))
 
     # ---- failure -----------------------------------------------------------------------------
     def fail(self, state: RequestState, reason: FailureReason, detail: str = "") -> None:

@@ -73,7 +73,10 @@ class TimelineRecorder:
         elif kind is SaveStarted:
             track.saving = event.clock
         elif kind is SaveFinished and track.saving is not None:
-            self._span(track, "save", track.saving, event.clock)
+            # the engine stamps a save with the clock of the pass that finished the request, which
+            # ends later: the save runs after that pass
+            start = max(track.saving, track.end)
+            self._span(track, "save", start, max(event.clock, start))
             track.end = max(track.end, event.clock)
             self._close(track)
 
