@@ -15,70 +15,31 @@ from dataclasses import replace
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                deprecated, fail, frame_text, progress_bar)
+from kvtool.cli.trace_options import with_replay_options
 from kvtool.cli.trace_setup import Replay, ReplayOptions, build_replay
-from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
 from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
-from kvtool.report.bench_report import bench_gbps
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
 from kvtool.report.trace_report import tier_table, ttft_report, ttft_table, write_trace_folder
-from kvtool.workloads.source import FORMATS
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 
 
 @trace_app.command("run")
 @clean_errors
+@with_replay_options
 def trace_run(
-    workload: Annotated[Path, typer.Argument(help="Workload: kvtool JSON Lines, or a Mooncake or Bailian trace "
-                                             "(workloads/README.md).")],
-    trace_format: Annotated[Optional[str], typer.Option(metavar="NAME", help=f"{'|'.join(FORMATS)} "
-                                                        "[default: detected from the first line].")] = None,
-    source_block_size: Annotated[Optional[int], typer.Option(metavar="N", help="Tokens behind one hash id "
-                                                             "[default: 512 mooncake, 16 bailian].")] = None,
-    prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Generate nothing: every output "
-                                               "length 0.")] = False,
-    fidelity: Annotated[Optional[str], typer.Option(metavar="bytes|blocks", help="bytes: KV bytes written and "
-                                                    "verified; blocks: no bytes, connector 'index' as the tier "
-                                                    "[default: blocks for traces, bytes for kvtool].")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Preset name or path to a Hugging Face config.json "
-                                                 "[default: tiny; llama-3.1-8b for traces].")] = None,
+    options: ReplayOptions,
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block.")] = 32,
-    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024; "
-                                                     "524288 tokens' worth for traces].")] = None,
-    gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools instead of "
-                                                      "--num-slots.")] = None,
-    max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
-    max_num_tokens: Annotated[int, typer.Option(help="Tokens per iteration at most (the token budget).")] = 8192,
-    chunk_size: Annotated[Optional[int], typer.Option(metavar="N", help="Prefill chunk size [default: the token "
-                                                      "budget only].")] = None,
     connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
     connector_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Folder of the disk connector "
                                                          "(its dir option).")] = None,
-    connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
-    no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
-    admission: Annotated[str, typer.Option(metavar="reserve|greedy", help="reserve: admit a request only when "
-                                           "every running one can still grow to its full output (TensorRT-LLM's "
-                                           "GUARANTEED_NO_EVICT); greedy: whenever its first chunk fits.")]
-    = "reserve",
-    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
                                            "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
                                            "pools and connector worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel: each rank holds 1/N of the KV heads "
                                     "(N = --num-ranks, dividing the heads).")] = 1,
-    cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
-                                                       "with the GPU cost model and report TTFT [default: on for "
-                                                       "traces; off: 10 ms an iteration].")] = None,
-    tflops: Annotated[float, typer.Option(help="Compute rate of the cost model, TFLOP/s (H200 bf16 measured).")]
-    = H200_BF16_TFLOPS,
-    load_gbps: Annotated[float, typer.Option(help="Connector load rate of the cost model, GB/s.")] = H200_LOAD_GBPS,
-    bandwidth_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Take the load rate from a "
-                                                           "kvtool bench run folder (results.json).")] = None,
-    params: Annotated[Optional[float], typer.Option(help="Active parameters [default: the preset's].")] = None,
-    attention_width: Annotated[Optional[int], typer.Option(help="Query heads x head size [default: the "
-                                                           "preset's].")] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the connector, and compare "
                                            "TTFT and compute saved.")] = False,
     timeline: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write a Chrome trace / Perfetto "
@@ -96,16 +57,9 @@ def trace_run(
     if timeline is not None:
         check_writable_file(timeline, "--timeline")
     folder = prepare_run_folder(output) if output is not None else None
-    if bandwidth_from is not None:
-        load_gbps = bench_gbps(bandwidth_from, "load", tokens_per_block)
-    replay = build_replay(ReplayOptions(
-        workload, format=trace_format, source_block_size=source_block_size, prefill_only=prefill_only,
-        fidelity=fidelity, model=model, tokens_per_block=tokens_per_block, num_slots=num_slots,
-        gpu_memory=gpu_memory, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-        chunk_size=chunk_size, connector=connector, connector_dir=connector_dir,
-        connector_opt=tuple(connector_opt), no_local_reuse=no_local_reuse, admission=admission, seed=seed,
-        num_ranks=num_ranks, tp=tp, cost_model=cost_model, tflops=tflops, load_gbps=load_gbps, params=params,
-        attention_width=attention_width))
+    workload = options.workload
+    replay = build_replay(replace(options, tokens_per_block=tokens_per_block, connector=connector,
+                                  connector_dir=connector_dir, num_ranks=num_ranks, tp=tp))
     if baseline and replay.connector is None:
         raise InputError("--baseline compares with a run without the connector: give a --connector")
     console = Console(stderr=True)
@@ -127,7 +81,7 @@ def trace_run(
         recorder.write(timeline)
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
-                           {"workload": str(workload), "workload_format": replay.workload.format, "seed": seed,
+                           {"workload": str(workload), "workload_format": replay.workload.format, "seed": options.seed,
                             "connector_options": replay.options})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)

@@ -15,6 +15,7 @@ from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import InputError
 from kvtool.manager.manager import compute_layout
+from kvtool.report.bench_report import bench_gbps
 from kvtool.workloads.source import Workload, open_workload
 
 DEFAULT_NUM_SLOTS = 1024
@@ -36,24 +37,13 @@ class Replay:
     def is_imported(self) -> bool:
         return self.workload.format != "kvtool"
 
-    def with_point(self, capacity: int | None = None, tokens_per_block: int | None = None) -> "Replay":
-        """This replay at another connector capacity (tokens) and/or tokens per block."""
-        options = dict(self.options)
-        if capacity is not None:
-            options["capacity"] = str(capacity)
-        manager = self.config.manager
-        if tokens_per_block is not None and tokens_per_block != manager.tokens_per_block:
-            slots = manager.num_slots and ceil_div(manager.num_slots * manager.tokens_per_block, tokens_per_block)
-            manager = replace(manager, tokens_per_block=tokens_per_block, num_slots=slots)
-        return replace(self, options=options, config=replace(self.config, manager=manager))
-
 
 @dataclass(frozen=True)
 class ReplayOptions:
     """The command-line values; None where the user left a default that depends on the format."""
 
     workload: Path
-    format: str | None = None
+    trace_format: str | None = None
     source_block_size: int | None = None
     prefill_only: bool = False
     fidelity: str | None = None
@@ -75,6 +65,8 @@ class ReplayOptions:
     cost_model: bool | None = None
     tflops: float = H200_BF16_TFLOPS
     load_gbps: float = H200_LOAD_GBPS
+    bandwidth_from: Path | None = None
+    """A kvtool bench run folder: its load GB/s at `tokens_per_block` replaces `load_gbps`."""
     params: float | None = None
     attention_width: int | None = None
 
@@ -86,7 +78,7 @@ def build_replay(o: ReplayOptions) -> Replay:
                         ("tokens-per-block", o.tokens_per_block)):
         if value is not None and value <= 0:
             raise InputError(f"--{name} must be positive, got {value}")
-    workload = open_workload(o.workload, o.format, o.source_block_size, o.prefill_only)
+    workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
     imported = workload.format != "kvtool"
     fidelity = o.fidelity or ("blocks" if imported else "bytes")
     model = o.model or ("llama-3.1-8b" if imported else "tiny")
@@ -101,6 +93,8 @@ def build_replay(o: ReplayOptions) -> Replay:
         parse_options(list(o.connector_opt))
     if options and spec is None:
         raise InputError("--connector-opt needs a --connector")
+    if o.bandwidth_from is not None:
+        o = replace(o, load_gbps=bench_gbps(o.bandwidth_from, "load", o.tokens_per_block))
     cost = _cost_model(o, manager, spec, options, imported)
     config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
                                                    local_reuse=not o.no_local_reuse,
@@ -124,7 +118,12 @@ def _cost_model(o: ReplayOptions, manager, spec: ConnectorSpec | None, options: 
     """The cost model: on by default for imported traces, off (10 ms an iteration) for kvtool ones."""
     if not (o.cost_model if o.cost_model is not None else imported):
         return None
-    layout = compute_layout(replace(manager, num_slots=1, memory_bytes=None))
-    per_token = sum(r.size for g in layout.layer_groups for r in g.regions) // manager.tokens_per_block
+    per_token = block_bytes(manager) // manager.tokens_per_block
     layerwise = (options.get("mode") or (spec.options.get("mode") if spec else None)) == "layerwise"
     return cost_model_for(manager.model, per_token, o.params, o.attention_width, o.tflops, o.load_gbps, layerwise)
+
+
+def block_bytes(manager) -> int:
+    """Bytes of one block over every layer group (what a connector stores per block)."""
+    layout = compute_layout(replace(manager, num_slots=1, memory_bytes=None))
+    return sum(r.size for g in layout.layer_groups for r in g.regions)

@@ -1,0 +1,91 @@
+"""The options every replay command takes (`trace run`, `trace sweep`), declared once.
+
+`with_replay_options` adds them to a command's own options and hands the command one
+`ReplayOptions` (`options=`) instead, so the two commands cannot drift apart in names, defaults
+or help.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from kvtool.cli.trace_setup import ReplayOptions
+from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
+from kvtool.workloads.source import FORMATS
+
+
+def _shared(
+    workload: Annotated[Path, typer.Argument(help="Workload: kvtool JSON Lines, or a Mooncake or Bailian trace "
+                                             "(workloads/README.md).")],
+    trace_format: Annotated[Optional[str], typer.Option(metavar="NAME", help=f"{'|'.join(FORMATS)} "
+                                                        "[default: detected from the first line].")] = None,
+    source_block_size: Annotated[Optional[int], typer.Option(metavar="N", help="Tokens behind one hash id "
+                                                             "[default: 512 mooncake, 16 bailian].")] = None,
+    prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Generate nothing: every output "
+                                               "length 0.")] = False,
+    fidelity: Annotated[Optional[str], typer.Option(metavar="bytes|blocks", help="bytes: KV bytes written and "
+                                                    "verified; blocks: no bytes, connector 'index' as the tier "
+                                                    "[default: blocks for traces, bytes for kvtool].")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Preset name or path to a Hugging Face config.json "
+                                                 "[default: tiny; llama-3.1-8b for traces].")] = None,
+    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024; "
+                                                     "524288 tokens' worth for traces].")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools instead of "
+                                                      "--num-slots.")] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
+    max_num_tokens: Annotated[int, typer.Option(help="Tokens per iteration at most (the token budget).")] = 8192,
+    chunk_size: Annotated[Optional[int], typer.Option(metavar="N", help="Prefill chunk size [default: the token "
+                                                      "budget only].")] = None,
+    connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
+    no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
+    admission: Annotated[str, typer.Option(metavar="reserve|greedy", help="reserve: admit a request only when "
+                                           "every running one can still grow to its full output (TensorRT-LLM's "
+                                           "GUARANTEED_NO_EVICT); greedy: whenever its first chunk fits.")]
+    = "reserve",
+    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
+    cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
+                                                       "with the GPU cost model and report TTFT [default: on for "
+                                                       "traces; off: 10 ms an iteration].")] = None,
+    tflops: Annotated[float, typer.Option(help="Compute rate of the cost model, TFLOP/s (H200 bf16 measured).")]
+    = H200_BF16_TFLOPS,
+    load_gbps: Annotated[float, typer.Option(help="Connector load rate of the cost model, GB/s.")] = H200_LOAD_GBPS,
+    bandwidth_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Take the load rate from a "
+                                                           "kvtool bench run folder (results.json), at the "
+                                                           "replay's tokens per block.")] = None,
+    params: Annotated[Optional[float], typer.Option(help="Active parameters [default: the preset's].")] = None,
+    attention_width: Annotated[Optional[int], typer.Option(help="Query heads x head size [default: the "
+                                                           "preset's].")] = None,
+) -> None:
+    """Only its signature is used: the shared options, in the order `--help` lists them."""
+
+
+def _keyword_parameters(function: Callable) -> list[inspect.Parameter]:
+    """Its parameters with their annotations evaluated (typer reads a given signature as it is)."""
+    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(function, eval_str=True).parameters.values()]
+
+
+_SHARED = _keyword_parameters(_shared)
+
+
+def with_replay_options(command: Callable) -> Callable:
+    """`command` with the shared replay options added; it is called with `options=ReplayOptions(...)`
+    in their place (`connector_opt` as a tuple) and its own options as given."""
+    own = [p for p in _keyword_parameters(command) if p.name != "options"]
+    names = [p.name for p in _SHARED]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        shared = {name: kwargs.pop(name) for name in names}
+        shared["connector_opt"] = tuple(shared["connector_opt"])
+        return command(options=ReplayOptions(**shared), **kwargs)
+
+    parameters = _SHARED[:1] + own + _SHARED[1:]
+    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    return wrapper
