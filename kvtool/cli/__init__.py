@@ -10,12 +10,14 @@ from kvtool.cli.bench import bench
 from kvtool.cli.common import OneLineErrorsGroup, kvtool_version
 from kvtool.cli.inspect_layout import inspect_layout
 from kvtool.cli.trace import trace_app
+from kvtool.cli.trace_sweep import trace_sweep
 from kvtool.cli.validate import validate
 
 app = typer.Typer(cls=OneLineErrorsGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="kvtool: develop, benchmark and conformance-check KV cache connectors.")
 app.command("inspect-layout")(inspect_layout)
 app.command("bench")(bench)
+trace_app.command("sweep")(trace_sweep)
 app.add_typer(trace_app, name="trace")
 app.command("validate")(validate)
 

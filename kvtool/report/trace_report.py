@@ -83,13 +83,14 @@ def ttft_table(report: dict[str, Any]) -> Table:
             stats = report[key]
             saved = report["prefill_compute_saved_s" if key == "with_connector"
                             else "prefill_compute_saved_without_connector_s"]
-            table.add_row(label, *(_seconds(stats[k]) for k in (*(f"p{p}" for p in PERCENTILES), "mean")),
+            table.add_row(label, *(format_seconds(stats[k]) for k in (*(f"p{p}" for p in PERCENTILES), "mean")),
                           f"{saved:,.1f} s")
     return table
 
 
-def _seconds(value: float | None) -> str:
-    if value is None:
+def format_seconds(value: float | None) -> str:
+    """Milliseconds below a second, seconds above; '-' for none (None or NaN)."""
+    if value is None or value != value:
         return "-"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 

@@ -1,0 +1,151 @@
+"""`kvtool trace sweep`: one replay per (connector-tier capacity, tokens per block), in parallel
+processes, into one table, `sweep.csv`/`sweep.json` and the hit-rate plots.
+
+The tier is the built-in one of the fidelity: `index` (capacity in tokens) for blocks, `host`
+(capacity in bytes: capacity // tokens_per_block whole blocks) for bytes, so both fidelities sweep
+the same number of blocks at each point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import pandas as pd
+import typer
+from rich.console import Console
+
+from kvtool.cli.common import (FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors, fail, frame_text,
+                               progress_bar)
+from kvtool.cli.trace_options import with_replay_options
+from kvtool.cli.trace_setup import Replay, ReplayOptions, block_bytes, build_replay
+from kvtool.connectors.index import parse_token_count
+from kvtool.engine.trace import run_trace
+from kvtool.errors import InputError
+from kvtool.report.run_folder import prepare_run_folder
+from kvtool.report.sweep_report import sweep_table, write_sweep_folder
+from kvtool.report.trace_report import ttft_stats
+
+DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    capacity_tokens: int
+    tokens_per_block: int
+
+
+@clean_errors
+@with_replay_options
+def trace_sweep(
+    options: ReplayOptions,
+    capacity: Annotated[str, typer.Option(metavar="TOKENS,...", help="Capacities of the connector tier, in "
+                                          "tokens (1e6 or 1000000), comma-separated.")] = DEFAULT_CAPACITIES,
+    tokens_per_block: Annotated[str, typer.Option(metavar="N,...", help="Tokens per block, comma-separated: "
+                                                  "every capacity runs at each.")] = "32",
+    jobs: Annotated[Optional[int], typer.Option(metavar="N", help="Replays at once, each in its own process "
+                                                "[default: the cores there are].")] = None,
+    format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
+    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+        files="sweep.csv, sweep.json, hit_rate_vs_capacity.png, hit_rate_vs_tokens_per_block.png"))] = None,
+) -> None:
+    """Replay WORKLOAD at every capacity (and tokens per block); the hit rate against capacity."""
+    points = [SweepPoint(c, t) for t in _positive_list(tokens_per_block, "--tokens-per-block", _whole_number)
+              for c in _positive_list(capacity, "--capacity", parse_token_count)]
+    if jobs is not None and jobs <= 0:
+        raise InputError(f"--jobs must be positive, got {jobs}")
+    if any(pair.split("=", 1)[0] == "capacity" for pair in options.connector_opt):
+        raise InputError("the sweep sets the tier's capacity itself: give --capacity, not --connector-opt capacity=")
+    folder = prepare_run_folder(output) if output is not None else None
+    point_options = [point_replay_options(options, p) for p in points]
+    for each in point_options:
+        build_replay(each)   # every InputError now, before any replay
+    rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
+    frame = pd.DataFrame(rows)
+    if format is OutputFormat.table:
+        Console().print(sweep_table(frame))
+    elif format is OutputFormat.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(frame_text(frame, format), end="")
+    if folder is not None:
+        write_sweep_folder(folder, frame, {"workload": str(options.workload), "seed": options.seed,
+                                           "jobs": jobs or os.cpu_count()})
+    failed = [f"capacity {r['capacity_tokens']} at {r['tokens_per_block']} tokens per block: {r['failed_checks']}"
+              for r in rows if r["failed_checks"]]
+    if failed:
+        raise fail("; ".join(failed), ExitCode.CHECK_FAILED)
+
+
+def _positive_list(text: str, option: str, parse) -> list[int]:
+    values = []
+    for item in text.split(","):
+        try:
+            value = parse(item.strip())
+        except ValueError as exc:
+            raise InputError(f"{option}: {exc}") from None
+        if value <= 0:
+            raise InputError(f"{option} values must be positive, got {item.strip()}")
+        values.append(value)
+    return sorted(set(values))
+
+
+def _whole_number(text: str) -> int:
+    if not text.lstrip("-").isdigit():
+        raise ValueError(f"not a whole number: {text!r}")
+    return int(text)
+
+
+def point_replay_options(options: ReplayOptions, point: SweepPoint) -> ReplayOptions:
+    """The replay of one point: the fidelity's own tier, holding `point.capacity_tokens` tokens."""
+    at_size = replace(options, tokens_per_block=point.tokens_per_block)
+    probe = build_replay(at_size)
+    tier = "index" if probe.config.fidelity == "blocks" else "host"
+    if tier == "index":
+        size = str(point.capacity_tokens)
+    else:
+        size = str(max(point.capacity_tokens // point.tokens_per_block, 1) * block_bytes(probe.config.manager))
+    return replace(at_size, connector=tier, fidelity=probe.config.fidelity,
+                   connector_opt=options.connector_opt + (f"capacity={size}",))
+
+
+def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs: int,
+             console: Console) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any] | None] = [None] * len(points)
+    with progress_bar("sweep", len(points), console) as update:
+        if jobs == 1 or len(points) == 1:
+            for i, (point, each) in enumerate(zip(points, point_options)):
+                rows[i] = run_point(point, each)
+                update(advance=1)
+        else:
+            with ProcessPoolExecutor(min(jobs, len(points)), mp_context=get_context("spawn")) as pool:
+                futures = {pool.submit(run_point, p, o): i for i, (p, o) in enumerate(zip(points, point_options))}
+                for future in as_completed(futures):
+                    rows[futures[future]] = future.result()
+                    update(advance=1)
+    return [row for row in rows if row is not None]
+
+
+def run_point(point: SweepPoint, options: ReplayOptions) -> dict[str, Any]:
+    """One replay, as a row of the sweep (runs in a worker process)."""
+    replay: Replay = build_replay(options)
+    result = run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options,
+                       keep_iterations=False)
+    s = result.summary
+    row: dict[str, Any] = {
+        "capacity_tokens": point.capacity_tokens, "tokens_per_block": point.tokens_per_block,
+        "tier": s.connector, "fidelity": s.fidelity, "hit_rate": s.hit_rate, "prompt_tokens": s.prompt_tokens,
+        "local_hit_tokens": s.local_hit_tokens, "connector_hit_tokens": s.connector_hit_tokens,
+        "computed_tokens": s.computed_tokens, "saved_blocks": s.saved_blocks, "loaded_blocks": s.loaded_blocks,
+        "connector_evictions": s.connector_evictions, "evictions": s.evictions, "bytes_loaded": s.bytes_loaded,
+        "load_gbps": replay.cost_model.load_gbps if replay.cost_model else None,
+    }
+    if replay.cost_model is not None:
+        row.update({f"ttft_{k}_s": v for k, v in ttft_stats(result.recorder.requests).items()})
+    row.update(failed_checks="; ".join(result.failed_checks), wall_seconds=s.wall_seconds)
+    return row
