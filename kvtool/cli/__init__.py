@@ -10,6 +10,7 @@ from kvtool.cli.bench import bench
 from kvtool.cli.common import OneLineErrorsGroup, kvtool_version
 from kvtool.cli.inspect_layout import inspect_layout
 from kvtool.cli.trace import trace_app
+from kvtool.cli.trace_compare import trace_compare
 from kvtool.cli.trace_sweep import trace_sweep
 from kvtool.cli.validate import validate
 
@@ -18,6 +19,7 @@ app = typer.Typer(cls=OneLineErrorsGroup, no_args_is_help=True, add_completion=F
 app.command("inspect-layout")(inspect_layout)
 app.command("bench")(bench)
 trace_app.command("sweep")(trace_sweep)
+trace_app.command("compare")(trace_compare)
 app.add_typer(trace_app, name="trace")
 app.command("validate")(validate)
 

@@ -94,7 +94,7 @@ def build_replay(o: ReplayOptions) -> Replay:
     if options and spec is None:
         raise InputError("--connector-opt needs a --connector")
     if o.bandwidth_from is not None:
-        o = replace(o, load_gbps=bench_gbps(o.bandwidth_from, "load", o.tokens_per_block))
+        o = replace(o, load_gbps=bench_gbps(o.bandwidth_from, "load", o.tokens_per_block, manager.model.name))
     cost = _cost_model(o, manager, spec, options, imported)
     config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
                                                    local_reuse=not o.no_local_reuse,

@@ -125,9 +125,10 @@ def bench_notes(rows: list[dict], device_kind: str, skipped_backends: list[str])
     return notes
 
 
-def bench_gbps(directory: Path, direction: str, tokens_per_block: int) -> float:
+def bench_gbps(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> float:
     """The best GB/s a `kvtool bench` run measured in `direction` at `tokens_per_block` (the
-    closest block size it ran when that one is missing); InputError when the folder has none."""
+    closest block size it ran when that one is missing), on `model`'s rows when it ran that
+    model; InputError when the folder has none."""
     path = directory / "results.json"
     try:
         rows = json.loads(path.read_text())["rows"]
@@ -136,5 +137,6 @@ def bench_gbps(directory: Path, direction: str, tokens_per_block: int) -> float:
     rows = [r for r in rows if isinstance(r, dict) and r.get("direction") == direction and r.get("gbps")]
     if not rows:
         raise InputError(f"--bandwidth-from {directory}: no {direction} rows in results.json")
+    rows = [r for r in rows if r.get("model") == model] or rows
     nearest = min({r["tokens_per_block"] for r in rows}, key=lambda t: (abs(t - tokens_per_block), t))
     return max(float(r["gbps"]) for r in rows if r["tokens_per_block"] == nearest)
