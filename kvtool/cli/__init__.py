@@ -11,6 +11,7 @@ from kvtool.cli.common import OneLineErrorsGroup, kvtool_version
 from kvtool.cli.inspect_layout import inspect_layout
 from kvtool.cli.trace import trace_app
 from kvtool.cli.trace_compare import trace_compare
+from kvtool.cli.trace_generate import trace_generate
 from kvtool.cli.trace_sweep import trace_sweep
 from kvtool.cli.validate import validate
 
@@ -20,6 +21,7 @@ app.command("inspect-layout")(inspect_layout)
 app.command("bench")(bench)
 trace_app.command("sweep")(trace_sweep)
 trace_app.command("compare")(trace_compare)
+trace_app.command("generate")(trace_generate)
 app.add_typer(trace_app, name="trace")
 app.command("validate")(validate)
 

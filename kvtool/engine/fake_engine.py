@@ -119,9 +119,11 @@ class FakeEngine:
         """Order-sensitive digest of the bytes the last position attends to: a block moved to another
         position changes it, as it would change a real model's output. A sum over the bytes modulo
         2**64, so the digests of tensor-parallel shards add up to the whole model's."""
-        keep = torch.from_numpy(np.isin(positions, attended)).to(found.device)
-        rows = found[keep].to(torch.int64).sum(dim=1)
-        weights = torch.from_numpy(positions[np.isin(positions, attended)] * 2654435761 + 2 * layer_id + 1).to(found.device)
+        if len(attended) != len(positions):   # a window slid during the pass: attended is a subset
+            keep = np.isin(positions, attended)
+            found, positions = found[torch.from_numpy(keep).to(found.device)], positions[keep]
+        rows = found.to(torch.int64).sum(dim=1)
+        weights = torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1).to(found.device)
         return int((rows * weights).sum()) & CHECKSUM_MASK
 
     def merge(self, issues: list[IntegrityIssue], errors_by_request: Counter, rank: int) -> None:
