@@ -1,0 +1,111 @@
+"""How fast a block-fidelity replay runs, and whether its cost per block stays flat as the trace
+grows: the first 1 %, 10 % and 100 % of a trace, prefill only, one connector-tier capacity, one
+core; and the shipped workload in bytes fidelity (the path `validate` uses).
+
+    python -m kvtool.bench.trace_replay TRACE [--fractions 0.01,0.1,1] [--output DIR] [--profile]
+
+Prints one JSON row per replay (tokens/s, µs per block) and, with --output, writes
+results.json, results.csv, meta.json and (--profile) the top of a cProfile of the largest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvtool.cli.trace_setup import ReplayOptions, build_replay
+from kvtool.engine.trace import run_trace
+from kvtool.report.run_folder import prepare_run_folder, write_file, write_json, write_meta
+
+SHIPPED = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
+
+
+def replay_row(path: Path, label: str, options: ReplayOptions, profile: bool = False) -> tuple[dict, str]:
+    """One timed replay of `path`: its row, and the cProfile top (when asked)."""
+    replay = build_replay(options)
+    profiler = cProfile.Profile() if profile else None
+    started = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    result = run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options,
+                       keep_iterations=False)
+    if profiler:
+        profiler.disable()
+    seconds = time.perf_counter() - started
+    s = result.summary
+    blocks = s.prompt_tokens / s.tokens_per_block
+    row = {"run": label, "fidelity": s.fidelity, "requests": s.num_requests, "prompt_tokens": s.prompt_tokens,
+           "tokens_per_block": s.tokens_per_block, "seconds": round(seconds, 3),
+           "tokens_per_second": round(s.prompt_tokens / seconds), "us_per_block": round(1e6 * seconds / blocks, 3),
+           "hit_rate": s.hit_rate, "iterations": s.iterations, "failed_checks": "; ".join(result.failed_checks)}
+    top = ""
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        top = text.getvalue()
+    return row, top
+
+
+def head_of(trace: Path, fraction: float, folder: Path) -> tuple[Path, int]:
+    """The first `fraction` of the trace's lines in a file of their own, and how many."""
+    with trace.open() as handle:
+        total = sum(1 for line in handle if line.strip())
+    count = max(1, round(total * fraction))
+    if count >= total:
+        return trace, total
+    path = folder / f"head-{count}.jsonl"
+    with trace.open() as source, path.open("w") as target:
+        target.writelines(itertools.islice((line for line in source if line.strip()), count))
+    return path, count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path, help="a Mooncake or Bailian trace (or kvtool JSON Lines)")
+    parser.add_argument("--fractions", default="0.01,0.1,1", help="leading fractions of the trace to replay")
+    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--capacity", default="1e8", help="tokens of the index tier")
+    parser.add_argument("--output", type=Path, help="run folder for results.json/csv and meta.json")
+    parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)   # the target is one core
+    folder = prepare_run_folder(args.output) if args.output else None
+    fractions = sorted(float(f) for f in args.fractions.split(","))
+    rows, profile_text = [], ""
+    with tempfile.TemporaryDirectory() as scratch:
+        for fraction in fractions:
+            path, count = head_of(args.trace, fraction, Path(scratch))
+            options = ReplayOptions(path, prefill_only=True, fidelity="blocks", tokens_per_block=args.tokens_per_block,
+                                    connector="index", connector_opt=(f"capacity={args.capacity}",))
+            row, top = replay_row(path, f"{fraction:g} of the trace ({count} requests)", options,
+                                  args.profile and fraction == fractions[-1])
+            rows.append(row)
+            profile_text = top or profile_text
+            print(json.dumps(row), flush=True)
+    shipped, _ = replay_row(SHIPPED, "shipped workload, bytes fidelity, host connector",
+                            ReplayOptions(SHIPPED, connector="host", no_local_reuse=True))
+    rows.append(shipped)
+    print(json.dumps(shipped), flush=True)
+    if folder is not None:
+        write_json(folder / "results.json", {"rows": rows})
+        write_file(folder / "results.csv", pd.DataFrame(rows).to_csv(index=False))
+        if profile_text:
+            write_file(folder / "profile.txt", profile_text)
+        write_meta(folder, "trace-replay-bench", trace=str(args.trace), capacity_tokens=args.capacity,
+                   threads=1)
+    return 1 if any(r["failed_checks"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
