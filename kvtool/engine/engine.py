@@ -171,7 +171,7 @@ class Engine:
     # ---- events ------------------------------------------------------------------------------
     def emit(self, kind: type[EngineEvent], **fields) -> None:
         """Send one event, stamped with this iteration and clock, to every subscriber of `events`."""
-        if self.events.active:
+        if self.events.wants(kind) and self.events.active:
             self.events.emit(kind(iteration=self.iteration, clock=self.clock, **fields))
 
     def _on_evict(self, page, block_ordinal: int) -> None:

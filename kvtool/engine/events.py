@@ -145,13 +145,24 @@ class EventStream:
 
     def __init__(self) -> None:
         self._subscribers: list[Subscriber] = []
+        self._wanted: set[type] | None = set()
+        """Event kinds some subscriber reads; None: every kind."""
 
     def subscribe(self, subscriber: Subscriber) -> None:
+        """Add `subscriber`. One with an `event_kinds` attribute (a set of event classes) declares
+        that it reads only those, so the engine need not build the others (an eviction event per
+        evicted page is most of a large replay's events)."""
         self._subscribers.append(subscriber)
+        kinds = getattr(subscriber, "event_kinds", None)
+        self._wanted = None if kinds is None or self._wanted is None else self._wanted | set(kinds)
 
     @property
     def active(self) -> bool:
         return bool(self._subscribers)
+
+    def wants(self, kind: type) -> bool:
+        """Whether some subscriber reads events of `kind`."""
+        return self._wanted is None or kind in self._wanted
 
     def emit(self, event: EngineEvent) -> None:
         for subscriber in self._subscribers:

@@ -198,7 +198,7 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
         contract_violations=len(runtime.violations) if runtime else 0,
         hook_failures=len(runtime.failures) if runtime else 0,
         deferrals=engine.stats.num_deferrals,
-        evictions=recorder.evictions,
+        evictions=engine.manager.page_table.num_evictions,
         connector_evictions=counters.get("evicted_entries"),
         bytes_loaded=None if loaded is None else loaded * block_bytes,
         bytes_saved=None if saved is None else saved * block_bytes,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvtool.engine.events import Arrived, Cancel, EngineEvent, Evicted, Finished, LoadStarted, PassDone
+from kvtool.engine.events import Arrived, Cancel, EngineEvent, Finished, LoadStarted, PassDone
 
 
 @dataclass
@@ -52,12 +52,13 @@ class IterationRow:
 class TraceRecorder:
     """An event subscriber; read `requests`, `iterations` and the totals after the replay."""
 
+    event_kinds = frozenset({PassDone, Arrived, Cancel, LoadStarted, Finished})
+
     def __init__(self, keep_iterations: bool = True) -> None:
         self.requests: list[RequestRow] = []
         self.iterations: list[IterationRow] = []
         self.keep_iterations = keep_iterations
         self.cancelled_tokens = 0
-        self.evictions = 0
         self._live: dict[int, RequestRow] = {}
         self._ending: list[RequestRow] = []
         """Finished in this iteration: its pass (emitted after Finished) may still set first_token."""
@@ -66,8 +67,6 @@ class TraceRecorder:
         kind = type(event)
         if kind is PassDone:
             self._pass(event)
-        elif kind is Evicted:
-            self.evictions += 1
         elif kind is Arrived:
             self._live[event.request_id] = RequestRow(event.request_id, event.arrival, event.prompt_len)
         elif kind is Cancel:

@@ -41,6 +41,9 @@ class _Track:
 class TimelineRecorder:
     """An event subscriber that builds the timeline as the replay runs; `write(path)` after it."""
 
+    event_kinds = frozenset({PassDone, Arrived, Ask, Reserve, LoadStarted, LoadFinished, Finished, SaveStarted,
+                             SaveFinished})
+
     def __init__(self, max_requests: int | None = None) -> None:
         self.events: list[dict] = []
         self.max_requests = max_requests
