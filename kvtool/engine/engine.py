@@ -215,14 +215,8 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
-        while not self.is_done():
-            if self.iteration >= max_iterations:
-                raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
-                                          f"{max_iterations} iterations: {self._stuck_description()}")
-            self.step()
-            if on_iteration is not None:
-                on_iteration(self)
-        return self.stats
+        """Run the requests added so far until every one has finished."""
+        return self.run_stream((), max_iterations, on_iteration)
 
     def run_stream(self, requests: Iterable[Request], max_iterations: int = 10_000_000, on_iteration=None) -> EngineStats:
         """Run requests read one at a time: each is added when the clock reaches its arrival
