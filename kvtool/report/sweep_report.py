@@ -38,7 +38,10 @@ def sweep_table(frame: pd.DataFrame) -> Table:
 
 def write_sweep_folder(folder: Path, frame: pd.DataFrame, extra_meta: dict[str, Any]) -> None:
     write_file(folder / "sweep.csv", frame.to_csv(index=False))
-    write_json(folder / "sweep.json", {"rows": frame.to_dict("records")})
+    # pandas turns a missing number into NaN, which is not JSON: write null instead
+    rows = [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
+            for row in frame.to_dict("records")]
+    write_json(folder / "sweep.json", {"rows": rows})
     plot_hit_rate_vs_capacity(folder / "hit_rate_vs_capacity.png", frame)
     if frame["tokens_per_block"].nunique() > 1:
         plot_hit_rate_vs_tokens_per_block(folder / "hit_rate_vs_tokens_per_block.png", frame)

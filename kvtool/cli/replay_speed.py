@@ -2,7 +2,7 @@
 grows: the first 1 %, 10 % and 100 % of a trace, prefill only, one connector-tier capacity, one
 core; and the shipped workload in bytes fidelity (the path `validate` uses).
 
-    python -m kvtool.bench.trace_replay TRACE [--fractions 0.01,0.1,1] [--output DIR] [--profile]
+    python -m kvtool.cli.replay_speed TRACE [--fractions 0.01,0.1,1] [--output DIR] [--profile]
 
 Prints one JSON row per replay (tokens/s, µs per block) and, with --output, writes
 results.json, results.csv, meta.json and (--profile) the top of a cProfile of the largest run.
