@@ -31,8 +31,8 @@ from kvtool.report.run_folder import prepare_run_folder, write_file, write_json,
 SHIPPED = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
 
 
-def replay_row(path: Path, label: str, options: ReplayOptions, profile: bool = False) -> tuple[dict, str]:
-    """One timed replay of `path`: its row, and the cProfile top (when asked)."""
+def replay_row(label: str, options: ReplayOptions, profile: bool = False) -> tuple[dict, str]:
+    """One timed replay of `options.workload`: its row, and the cProfile top (when asked)."""
     replay = build_replay(options)
     profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             path, count = head_of(args.trace, fraction, Path(scratch))
             options = ReplayOptions(path, prefill_only=True, fidelity="blocks", tokens_per_block=args.tokens_per_block,
                                     connector="index", connector_opt=(f"capacity={args.capacity}",))
-            row, top = replay_row(path, f"{fraction:g} of the trace ({count} requests)", options,
+            row, top = replay_row(f"{fraction:g} of the trace ({count} requests)", options,
                                   args.profile and fraction == fractions[-1])
             rows.append(row)
             profile_text = top or profile_text
             print(json.dumps(row), flush=True)
-    shipped, _ = replay_row(SHIPPED, "shipped workload, bytes fidelity, host connector",
+    shipped, _ = replay_row("shipped workload, bytes fidelity, host connector",
                             ReplayOptions(SHIPPED, connector="host", no_local_reuse=True))
     rows.append(shipped)
     print(json.dumps(shipped), flush=True)

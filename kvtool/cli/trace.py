@@ -57,7 +57,6 @@ def trace_run(
     if timeline is not None:
         check_writable_file(timeline, "--timeline")
     folder = prepare_run_folder(output) if output is not None else None
-    workload = options.workload
     replay = build_replay(replace(options, tokens_per_block=tokens_per_block, connector=connector,
                                   connector_dir=connector_dir, num_ranks=num_ranks, tp=tp))
     if baseline and replay.connector is None:
@@ -81,7 +80,7 @@ def trace_run(
         recorder.write(timeline)
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
-                           {"workload": str(workload), "workload_format": replay.workload.format, "seed": options.seed,
+                           {"workload": str(options.workload), "workload_format": replay.workload.format, "seed": options.seed,
                             "connector_options": replay.options})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from kvtool.cli.common import FORMAT_HELP, ExitCode, OutputFormat, clean_errors, fail, frame_text
 from kvtool.errors import InputError
-from kvtool.report.trace_compare import DEFAULT_JUDGED, HIGHER_IS_BETTER, LOWER_IS_BETTER, Delta, compare_folders
+from kvtool.report.trace_compare import DEFAULT_JUDGED, METRICS, Delta, compare_folders
 
 
 @clean_errors
@@ -30,10 +30,9 @@ def trace_compare(
     """Print A, B and the change of every metric of two replays."""
     if max_regression is not None and not max_regression >= 0:
         raise InputError(f"--max-regression must be a fraction >= 0, got {max_regression}")
-    known = HIGHER_IS_BETTER + LOWER_IS_BETTER
     for name in metric:
-        if name not in known:
-            raise InputError(f"unknown metric {name!r}; known: {', '.join(known)}")
+        if name not in METRICS:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(METRICS)}")
     judged = tuple(metric) or DEFAULT_JUDGED
     deltas = compare_folders(a, b)
     _print(deltas, judged, format)
@@ -61,8 +60,9 @@ def _print(deltas: list[Delta], judged: tuple[str, ...], format: OutputFormat) -
         table.add_column(column, justify="left" if column in ("point", "metric") else "right")
     for d in deltas:
         style = "red" if d.regression > 0 and d.metric in judged else None
-        table.add_row(*([d.point] if with_points else []), d.metric + (" *" if d.metric in judged else ""), _value(d.a), _value(d.b),
-                      "-" if d.change is None else f"{100 * d.change:+.2f} %", style=style)
+        name = d.metric + (" *" if d.metric in judged else "")
+        change = "-" if d.change is None else f"{100 * d.change:+.2f} %"
+        table.add_row(*([d.point] if with_points else []), name, _value(d.a), _value(d.b), change, style=style)
     Console().print(table)
     Console().print("* judged by --max-regression; red: worse in B", highlight=False)
 

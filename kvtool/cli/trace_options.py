@@ -29,8 +29,9 @@ def _shared(
     prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Generate nothing: every output "
                                                "length 0.")] = False,
     fidelity: Annotated[Optional[str], typer.Option(metavar="bytes|blocks", help="bytes: KV bytes written and "
-                                                    "verified; blocks: virtual pools, no bytes (the tier: --connector index) "
-                                                    "[default: blocks for traces, bytes for kvtool].")] = None,
+                                                    "verified; blocks: virtual pools, no bytes (the tier: "
+                                                    "--connector index) [default: blocks for traces, bytes for "
+                                                    "kvtool].")] = None,
     model: Annotated[Optional[str], typer.Option(help="Preset name or path to a Hugging Face config.json "
                                                  "[default: tiny; llama-3.1-8b for traces].")] = None,
     num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024; "

@@ -125,5 +125,4 @@ def _cost_model(o: ReplayOptions, manager, spec: ConnectorSpec | None, options: 
 
 def block_bytes(manager) -> int:
     """Bytes of one block over every layer group (what a connector stores per block)."""
-    layout = compute_layout(replace(manager, num_slots=1, memory_bytes=None))
-    return sum(r.size for g in layout.layer_groups for r in g.regions)
+    return compute_layout(replace(manager, num_slots=1, memory_bytes=None)).bytes_per_block

@@ -62,7 +62,8 @@ def trace_sweep(
     if any(pair.split("=", 1)[0] == "capacity" for pair in options.connector_opt):
         raise InputError("the sweep sets the tier's capacity itself: give --capacity, not --connector-opt capacity=")
     folder = prepare_run_folder(output) if output is not None else None
-    point_options = [point_replay_options(options, p) for p in points]
+    fidelity = build_replay(options).config.fidelity
+    point_options = [point_replay_options(options, fidelity, p) for p in points]
     for each in point_options:
         build_replay(each)   # every InputError now, before any replay
     rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
@@ -101,17 +102,15 @@ def _whole_number(text: str) -> int:
     return int(text)
 
 
-def point_replay_options(options: ReplayOptions, point: SweepPoint) -> ReplayOptions:
+def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoint) -> ReplayOptions:
     """The replay of one point: the fidelity's own tier, holding `point.capacity_tokens` tokens."""
-    at_size = replace(options, tokens_per_block=point.tokens_per_block)
-    probe = build_replay(at_size)
-    tier = "index" if probe.config.fidelity == "blocks" else "host"
-    if tier == "index":
-        size = str(point.capacity_tokens)
+    at_size = replace(options, tokens_per_block=point.tokens_per_block, fidelity=fidelity)
+    if fidelity == "blocks":
+        tier, size = "index", point.capacity_tokens
     else:
-        size = str(max(point.capacity_tokens // point.tokens_per_block, 1) * block_bytes(probe.config.manager))
-    return replace(at_size, connector=tier, fidelity=probe.config.fidelity,
-                   connector_opt=options.connector_opt + (f"capacity={size}",))
+        manager = build_replay(at_size).config.manager
+        tier, size = "host", max(point.capacity_tokens // point.tokens_per_block, 1) * block_bytes(manager)
+    return replace(at_size, connector=tier, connector_opt=options.connector_opt + (f"capacity={size}",))
 
 
 def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs: int,

@@ -171,7 +171,7 @@ class Engine:
     # ---- events ------------------------------------------------------------------------------
     def emit(self, kind: type[EngineEvent], **fields) -> None:
         """Send one event, stamped with this iteration and clock, to every subscriber of `events`."""
-        if self.events.wants(kind) and self.events.active:
+        if self.events.wants(kind):
             self.events.emit(kind(iteration=self.iteration, clock=self.clock, **fields))
 
     def _on_evict(self, page, block_ordinal: int) -> None:
@@ -275,7 +275,7 @@ class Engine:
         self._check_progress(batch, phases_before)
         seconds = self.config.iteration_seconds if self.config.iteration_time is None else \
             self.config.iteration_time(batch, items)
-        if self.events.active:
+        if self.events.wants(PassDone):
             started = {s.request_id: s for s in batch.first_chunks}
             started.update((s.request_id, s) for s in self.live_states if s.delivered_at == self.iteration)
             self.emit(PassDone, items=tuple((i.request_id, i.start, i.end) for i in items if i.request_id >= 0),

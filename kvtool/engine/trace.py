@@ -180,7 +180,7 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
     prompt_tokens = sum(r.prompt_len for r in rows)
     local = sum(r.local_hit_tokens for r in rows)
     external = sum(r.connector_hit_tokens for r in rows)
-    block_bytes = sum(r.size for group in engine.manager.layout.layer_groups for r in group.regions)
+    block_bytes = engine.manager.layout.bytes_per_block
     saved, loaded = counters.get("saved_blocks"), counters.get("loaded_blocks")
     return TraceSummary(
         num_requests=len(rows),

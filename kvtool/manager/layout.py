@@ -131,6 +131,11 @@ class KvCacheLayout:
         return len(self.layer_groups)
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over every layer group (what a connector stores per block)."""
+        return sum(g.bytes_per_page for g in self.layer_groups)
+
+    @property
     def groups(self) -> tuple[KvCacheLayerGroupLayout, ...]:
         """Alias of `layer_groups`, the name the reference runtime's connectors use."""
         return self.layer_groups

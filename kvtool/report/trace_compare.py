@@ -18,6 +18,7 @@ from kvtool.errors import InputError
 HIGHER_IS_BETTER = ("hit_rate", "local_hit_tokens", "connector_hit_tokens", "prefill_compute_saved_s")
 LOWER_IS_BETTER = ("computed_tokens", "cancelled_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s",
                    "evictions", "connector_evictions", "simulated_seconds", "wall_seconds")
+METRICS = HIGHER_IS_BETTER + LOWER_IS_BETTER
 DEFAULT_JUDGED = ("hit_rate", "computed_tokens", "ttft_p50_s", "ttft_p99_s")
 
 
@@ -55,9 +56,8 @@ def compare_folders(a: Path, b: Path) -> list[Delta]:
     if set(points_a) != set(points_b):
         missing = sorted(set(points_a) ^ set(points_b))
         raise InputError(f"the sweeps ran different points ({', '.join(missing)} in only one)")
-    metrics = HIGHER_IS_BETTER + LOWER_IS_BETTER
     return [Delta(point, metric, points_a[point].get(metric), points_b[point].get(metric))
-            for point in points_a for metric in metrics
+            for point in points_a for metric in METRICS
             if points_a[point].get(metric) is not None or points_b[point].get(metric) is not None]
 
 

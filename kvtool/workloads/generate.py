@@ -16,6 +16,7 @@ and requests are written in arrival order without holding the prompts of more th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -24,6 +25,7 @@ from typing import IO, Iterator
 
 import numpy as np
 
+from kvtool.blocks import ceil_div
 from kvtool.errors import InputError
 
 KINDS = ("chat", "docqa", "agentic")
@@ -81,7 +83,7 @@ def generate(config: GeneratorConfig) -> Iterator[tuple[float, list[int]]]:
     """(arrival seconds, prompt token ids) of each request, in arrival order."""
     rng = np.random.default_rng([config.seed, 0])
     turns = 1 if config.kind == "docqa" else config.turns
-    starts = np.cumsum(rng.exponential(1.0 / config.rate, size=-(-config.num_requests // turns) + 1))
+    starts = np.cumsum(rng.exponential(1.0 / config.rate, size=ceil_div(config.num_requests, turns) + 1))
     # (arrival, session, turn) of every request, merged in arrival order across sessions
     pending = [(float(start), session, 0) for session, start in enumerate(starts)]
     heapq.heapify(pending)
@@ -107,10 +109,15 @@ def _prompt(config: GeneratorConfig, system: list[int], session: int, turn: int)
 
 
 def _zipf_pick(config: GeneratorConfig, question: int) -> int:
-    ranks = np.arange(1, config.documents + 1, dtype=float)
-    weights = ranks ** -config.zipf
     rng = np.random.default_rng([config.seed, 1, question])
-    return int(rng.choice(config.documents, p=weights / weights.sum()))
+    return int(rng.choice(config.documents, p=_popularity(config.documents, config.zipf)))
+
+
+@functools.lru_cache(maxsize=8)
+def _popularity(documents: int, zipf: float) -> np.ndarray:
+    """The chance of each document, rank 1 first (computed once, not per question)."""
+    weights = np.arange(1, documents + 1, dtype=float) ** -zipf
+    return weights / weights.sum()
 
 
 def _tokens(seed: int, name: str, count: int) -> list[int]:
