@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.connectors import disk
+from kvtool.connectors.block_codec import HEADER
 from kvtool.connectors.disk import sweep_stale_temp_files, write_block
 from tests.test_connectors import requests, run
 
@@ -194,7 +195,7 @@ def test_a_corrupt_size_field_says_what_it_records(tmp_path):
     path, key = tmp_path / "b.kvb", b"\x03" * 32
     write_block(path, key, 0, bytes(64))
     data = bytearray(path.read_bytes())
-    header_size_at = disk._HEADER.size - 32 - 8
+    header_size_at = HEADER.size - 32 - 8
     data[header_size_at:header_size_at + 8] = (65).to_bytes(8, "little")
     path.write_bytes(bytes(data))
     with pytest.raises(disk.CorruptBlock, match="header records a 65-byte payload; this layout's pages hold 64"):

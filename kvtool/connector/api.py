@@ -21,6 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvtool.errors import ConnectorError
 from kvtool.group_pages import GroupPages, valid_page_slots as valid_page_slots  # re-exported: the API names it
 
+STORE_NAMESPACE_ENV = "KVTOOL_STORE_NAMESPACE"
+"""A connector whose store outlives the process on a shared server (not in the working folder)
+scopes its keys by this environment variable's value when it is set. `kvtool validate` sets a fresh
+one for every scenario and sub-run, so each starts with a cold store."""
+
 if TYPE_CHECKING:
     import torch
 

@@ -12,41 +12,30 @@ Options: `dir` (the folder; default ./kvtool-disk-cache), `mode` (`sync`, `layer
 
 from __future__ import annotations
 
-import hashlib
 import os
-import struct
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
+from kvtool.connectors.block_codec import CorruptBlock, decode_block, encode_block, layout_signature
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker
 from kvtool.errors import ConnectorError
 from kvtool.manager.layout import KvCacheLayout
-from kvtool.transfer.api import PageSpace
 
 DEFAULT_DIR = "kvtool-disk-cache"
 STALE_TEMP_SECONDS = 60.0
-MAGIC = b"KVTOOLB1"
-_HEADER = struct.Struct("<8sI32sQ32s")   # magic, layer group, block key, payload bytes, payload sha256
 
 
-class CorruptBlock(Exception):
-    """A block file that does not hold what its name promises."""
-
-
-def layout_signature(llm_args: LlmArgs) -> str:
-    parts = [llm_args.model, llm_args.dtype, str(llm_args.kv_cache_config.tokens_per_block)]
-    parts += [f"{g.layer_group_id}:{g.layer_ids}:{g.window_size}:{g.num_sink_tokens}:{g.bytes_per_page}"
-              for g in llm_args.layer_groups]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+def disk_layout_signature(llm_args: LlmArgs) -> str:
+    """The folder of this rank's blocks: a tensor-parallel shard's name includes its rank."""
+    return layout_signature(llm_args.model, llm_args)
 
 
 def block_path(root: Path, key: bytes, layer_group_id: int) -> Path:
@@ -56,20 +45,7 @@ def block_path(root: Path, key: bytes, layer_group_id: int) -> Path:
 
 def read_block(path: Path, key: bytes, layer_group_id: int, payload_bytes: int) -> bytes:
     """The payload of a block file, verified; CorruptBlock for anything that does not check out."""
-    data = path.read_bytes()
-    if len(data) < _HEADER.size:
-        raise CorruptBlock(f"{path}: truncated header ({len(data)} bytes)")
-    magic, group, stored_key, size, digest = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size:]
-    if magic != MAGIC or group != layer_group_id or stored_key != key:
-        raise CorruptBlock(f"{path}: header does not describe this block")
-    if size != payload_bytes:
-        raise CorruptBlock(f"{path}: header records a {size}-byte payload; this layout's pages hold {payload_bytes}")
-    if len(payload) != size:
-        raise CorruptBlock(f"{path}: file holds {len(payload)} payload bytes; its header records {size}")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CorruptBlock(f"{path}: checksum mismatch")
-    return payload
+    return bytes(decode_block(path.read_bytes(), key, layer_group_id, payload_bytes, str(path)))
 
 
 def write_block(path: Path, key: bytes, layer_group_id: int, payload: bytes) -> None:
@@ -77,12 +53,10 @@ def write_block(path: Path, key: bytes, layer_group_id: int, payload: bytes) -> 
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = _HEADER.pack(MAGIC, layer_group_id, key, len(payload), hashlib.sha256(payload).digest())
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(header)
-            handle.write(payload)
+            handle.write(encode_block(key, layer_group_id, payload))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -112,7 +86,7 @@ def sweep_stale_temp_files(root: Path, older_than_seconds: float = STALE_TEMP_SE
 
 
 def store_root(llm_args: LlmArgs) -> Path:
-    return Path(llm_args.connector_options.get("dir", DEFAULT_DIR)) / layout_signature(llm_args)
+    return Path(llm_args.connector_options.get("dir", DEFAULT_DIR)) / disk_layout_signature(llm_args)
 
 
 class DiskConnectorScheduler(BlockStoreScheduler):
@@ -183,22 +157,14 @@ class DiskConnectorWorker(BlockStoreWorker):
         self.root.mkdir(parents=True, exist_ok=True)
         self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
         self._last_layer = max(l for g in layout.layer_groups for l in g.layer_ids)
-        self._last_read: tuple | None = None
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
-        staging, rows = self._read(transfers)
-        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
-        self.backend.synchronize()
+        self.load_payloads(transfers, layer_id, self._read)
 
     def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         if layer_id is not None and layer_id != self._last_layer:
             return   # a file holds every layer of its block: write it once the last layer is done
-        staging, rows = self._staging(transfers)
-        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=True, layer_id=None))
-        self.backend.synchronize()
-        for i, t in enumerate(transfers):
-            group = staging[t.layer_group_id]
-            payload = group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes()
+        for t, payload in zip(transfers, self.saved_payloads(transfers)):
             write_block(self._own(t), t.key, t.layer_group_id, payload)
 
     def _own(self, transfer: PageTransfer) -> Path:
@@ -206,30 +172,13 @@ class DiskConnectorWorker(BlockStoreWorker):
         tensor-parallel rank's shard lives under its own layout signature, beside them."""
         return block_path(self.root, transfer.key, transfer.layer_group_id)
 
-    def _read(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
-        """Files of `transfers` in CPU staging rows, verified; read once per batch (layer by layer
-        loads of one pass reuse it)."""
-        if self._last_read is not None and self._last_read[0] is transfers:
-            return self._last_read[1], self._last_read[2]
-        staging, rows = self._staging(transfers)
-        for i, t in enumerate(transfers):
+    def _read(self, transfers: Sequence[PageTransfer]) -> list[bytes]:
+        """The verified files of `transfers`; ConnectorError when one changed since the offer."""
+        payloads = []
+        for t in transfers:
             try:
-                payload = read_block(self._own(t), t.key, t.layer_group_id, self._payload_bytes[t.layer_group_id])
+                payloads.append(read_block(self._own(t), t.key, t.layer_group_id,
+                                           self._payload_bytes[t.layer_group_id]))
             except (CorruptBlock, OSError) as exc:
                 raise ConnectorError(f"block file changed after it was offered: {exc}") from None
-            group = staging[t.layer_group_id]
-            group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride] = torch.frombuffer(
-                bytearray(payload), dtype=torch.uint8)
-        self._last_read = (transfers, staging, rows)
-        return staging, rows
-
-    def _staging(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
-        """A CPU row per transfer, one buffer per layer group."""
-        counts: dict[int, int] = {}
-        rows = []
-        for t in transfers:
-            rows.append(counts.get(t.layer_group_id, 0))
-            counts[t.layer_group_id] = rows[-1] + 1
-        staging = {g: PageSpace.contiguous(torch.empty(n * self._payload_bytes[g], dtype=torch.uint8),
-                                           self._payload_bytes[g]) for g, n in counts.items()}
-        return staging, rows
+        return payloads

@@ -9,6 +9,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
+from kvtool.connectors.redis_connector import RedisConnectorScheduler, RedisConnectorWorker
 
 
 def _builtin(name: str, scheduler: type, worker: type, mode: str) -> tuple[str, ConnectorSpec]:
@@ -21,6 +22,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("host-layerwise", HostConnectorScheduler, HostConnectorWorker, "layerwise"),
     _builtin("disk", DiskConnectorScheduler, DiskConnectorWorker, "sync"),
     _builtin("index", IndexConnectorScheduler, IndexConnectorWorker, "sync"),
+    _builtin("redis", RedisConnectorScheduler, RedisConnectorWorker, "sync"),
 ]))
 
 

@@ -113,17 +113,45 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         """Forget an entry `reserve` handed out whose bytes never landed (its pass failed). A store
         that publishes an entry only once its bytes are written (disk) has nothing to undo."""
 
+    def begin_ask(self, keys: list[bytes], first: int) -> None:
+        """Called before an ask's `contains`/`lookup` calls on blocks `keys[first:]`: a store
+        that answers them from one snapshot (a remote server: one round trip) takes it here."""
+
+    def secure(self, plan: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any] | None:
+        """The plan about to be offered, with locations that stay loadable until loaded or
+        cancelled (a remote store fetches the entries here, so that an offer is never broken).
+        None when an entry has vanished: the store forgets it and the ask plans again."""
+        return plan
+
+    def end_ask(self) -> None:
+        """The ask is answered: drop what `begin_ask` took."""
+
     # ---- the API -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tracker = self._tracker(request.request_id, request.cache_salt)
         tracker.tokens = request.get_tokens(0)[:request.prompt_len]
         tracker.extend_keys(self.tokens_per_block)
+        first = num_computed_tokens // self.tokens_per_block
+        self.begin_ask(tracker.keys, first)
+        try:
+            while (answer := self._offer(tracker, request, num_computed_tokens, first)) is None:
+                pass
+            return answer
+        finally:
+            self.end_ask()
+
+    def _offer(self, tracker: _Tracker, request: Request, num_computed_tokens: int,
+               first: int) -> tuple[int, bool] | None:
+        """The longest secured offer past `num_computed_tokens`; None when securing it failed
+        (ask again: the store has forgotten what vanished)."""
         tpb = self.tokens_per_block
-        first = num_computed_tokens // tpb
         for num_hit_blocks in range(self._stored_run_end(tracker, first), first, -1):
             length = num_hit_blocks * tpb
             plan = self._plan(tracker, num_computed_tokens, min(length, request.prompt_len - 1))
             if plan is not None and length > num_computed_tokens:
+                plan = self.secure(plan)
+                if plan is None:
+                    return None
                 for location in plan.values():
                     self.pin(location)
                 tracker.planned, tracker.offer = plan, (num_computed_tokens, length)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         self._saving: dict[int, Future] = {}
         self._given_loads: set[int] = set()
         self._given_saves: set[int] = set()
+        self._staged_batch: tuple | None = None
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
         self.layout = layout
@@ -136,6 +137,51 @@ class BlockStoreWorker(KvCacheConnectorWorker):
                 entry_offset += region.size
         return ops
 
+
+    def staging_rows(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
+        """A CPU row per transfer, one buffer per layer group: where a store that hands out bytes
+        (files, a server) puts them on their way to or from the pages."""
+        counts: dict[int, int] = {}
+        rows = []
+        for t in transfers:
+            rows.append(counts.get(t.layer_group_id, 0))
+            counts[t.layer_group_id] = rows[-1] + 1
+        staging = {}
+        for g, n in counts.items():
+            size = self.layout.group(g).bytes_per_page
+            staging[g] = PageSpace.contiguous(torch.empty(n * size, dtype=torch.uint8), size)
+        return staging, rows
+
+    def load_payloads(self, transfers: Sequence[PageTransfer], layer_id: int | None,
+                      read: Callable[[Sequence[PageTransfer]], list]) -> None:
+        """Copy the pages of `transfers` in from the bytes `read(transfers)` returns (one per
+        transfer); read once per batch, so the layer-by-layer loads of one pass reuse them."""
+        if self._staged_batch is None or self._staged_batch[0] is not transfers:
+            self._staged_batch = (transfers, *self.staged_pages(transfers, read(transfers)))
+        _, staging, rows = self._staged_batch
+        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
+        self.backend.synchronize()
+
+    def staged_pages(self, transfers: Sequence[PageTransfer], payloads: Sequence) -> tuple[dict[int, PageSpace],
+                                                                                          list[int]]:
+        """Staging rows holding `payloads[i]` (bytes-like, one page each) for `transfers[i]`."""
+        staging, rows = self.staging_rows(transfers)
+        for i, t in enumerate(transfers):
+            group = staging[t.layer_group_id]
+            group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride] = torch.frombuffer(
+                bytearray(payloads[i]), dtype=torch.uint8)
+        return staging, rows
+
+    def saved_payloads(self, transfers: Sequence[PageTransfer]) -> list[bytes]:
+        """The pages of `transfers` as bytes, one per transfer, copied out through staging."""
+        staging, rows = self.staging_rows(transfers)
+        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=True, layer_id=None))
+        self.backend.synchronize()
+        payloads = []
+        for i, t in enumerate(transfers):
+            group = staging[t.layer_group_id]
+            payloads.append(group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes())
+        return payloads
 
 def _layer_chunk(region, layer_id: int | None) -> tuple[int, int] | None:
     """(offset, bytes) of `layer_id`'s buffers inside one page of `region`; the whole page for None."""

@@ -7,8 +7,6 @@ nothing, say), its evidence says so.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +20,7 @@ from kvtool.models import load_model
 from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
                                      judge_warm_hit, reference_tokens, result, run, skipped, tokens)
 from kvtool.validate.results import CheckResult
+from kvtool.validate.store_scope import own_store
 
 SENTINEL_ID = -434343
 
@@ -308,24 +307,12 @@ def hook_raises(ctx: Context) -> list[CheckResult]:
     for fail in (False, True):   # the baseline sees the same sentinel at the same point, without the failure
         injected: list[int] = []
         sentinel: list = []
-        with _own_folder("failing" if fail else "baseline"):   # a disk store must start cold in both
+        with own_store("failing" if fail else "baseline"):   # a disk store must start cold in both
             runs.append(run(ctx, reqs, setup=lambda e, i=injected, f=fail: _inject(e, i, f),
                             on_iteration=lambda e, i=injected, s=sentinel: _watch_released_pages(e, i, s)))
     baseline, r = runs
     return [_judge_survival(ctx, r, baseline, reqs, injected), judge_integrity("hook-raises", ctx, [(baseline, reqs)])] \
         + judge_answers("hook-raises", ctx, r)
-
-
-@contextlib.contextmanager
-def _own_folder(name: str):
-    """Run in a fresh subfolder of the scenario's working folder (connectors that keep files there)."""
-    here = os.getcwd()
-    os.makedirs(name, exist_ok=True)
-    os.chdir(name)
-    try:
-        yield
-    finally:
-        os.chdir(here)
 
 
 def _inject(engine: Engine, injected: list[int], fail: bool) -> None:
