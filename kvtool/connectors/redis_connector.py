@@ -77,7 +77,7 @@ class RedisConnectorScheduler(BlockStoreScheduler):
 
     def kvtool_introspect(self) -> dict:
         return {**super().kvtool_introspect(), "staged_bytes": self.num_staged_bytes,
-                "store_errors": self.store.num_errors, "corrupt_entries": self.store.num_corrupt}
+                "ask_errors": self.store.num_errors, "corrupt_entries": self.store.num_corrupt}
 
 
 class RedisConnectorWorker(BlockStoreWorker):

@@ -1,0 +1,248 @@
+"""The redis connector against a real redis-server: bit-exact hits, and every failure a miss, never
+a wrong byte (each test checks the fingerprints and the tokens against a run without a connector)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from kvtool.connectors.block_codec import encode_block
+from kvtool.connectors.redis_store import RedisBlockStore
+from kvtool.engine.request_state import Phase
+from kvtool.errors import InputError
+from kvtool.manager import ReuseScope
+from kvtool.manager.block_keys import chained_block_keys
+from tests.helpers.servers import RedisServer, need_redis
+from kvtool.connector.request import Request
+from kvtool.connectors.registry import load_connector
+from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
+from tests.test_connectors import SHARED, requests, tokens_of
+
+pytestmark = pytest.mark.filterwarnings("ignore:kvtool redis connector")
+
+
+def run(connector, model="tiny", options=None, reqs=None, tpb=4, setup=None, on_iteration=None):
+    """One engine over `reqs` with the connector, fingerprints checked every iteration."""
+    config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=64, device="cpu"),
+                          SchedulerConfig(local_reuse=False),
+                          check_integrity_every_iteration=True, verify_all_after_iteration=True)
+    engine = Engine(config, load_connector(connector) if connector else None, options)
+    if setup:
+        setup(engine)
+    for r in reqs or requests():
+        engine.add_request(r)
+    try:
+        engine.run(on_iteration=on_iteration)
+    finally:
+        engine.close()
+    return engine
+
+
+@pytest.fixture
+def server():
+    need_redis()
+    s = RedisServer().start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {model: tokens_of(run(None, model)) for model in ("tiny", "tiny-vswa")}
+
+
+def opts(server, **more):
+    return {"url": server.url, **{k: str(v) for k, v in more.items()}}
+
+
+def assert_served_right(engine, reference, model="tiny", offset=0):
+    assert engine.integrity_errors == 0
+    assert all(s.phase is Phase.DONE for s in engine.states.values())
+    assert {rid - offset: t for rid, t in tokens_of(engine).items()} == reference[model]
+
+
+def shared_keys(model_store: RedisBlockStore, group=0):
+    return [model_store.key((key, group), 0) for _, key in chained_block_keys(SHARED, 4, ReuseScope())]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-vswa"])
+@pytest.mark.parametrize("mode", ["sync", "async", "layerwise"])
+def test_cold_miss_then_warm_hit_is_bit_exact(server, reference, model, mode):
+    engine = run("redis", model, opts(server, mode=mode), reqs=requests(spacing=1.0 if mode == "async" else 0.05))
+    hits = [engine.states[i].num_external for i in range(4)]
+    if mode == "async":
+        # Saves land on the worker's thread once a request finishes, and the server is the only
+        # index: a later ask sees them only if they landed first, so each hit is all or nothing.
+        assert hits[0] == 0 and set(hits[1:]) <= {0, 40} and 40 in hits
+    else:
+        assert hits == [0, 40, 40, 40]
+    assert_served_right(engine, reference, model)
+    introspect = engine.connector.scheduler.kvtool_introspect()
+    assert introspect["staged_bytes"] == 0 and introspect["ask_errors"] == 0
+    assert introspect["tracked_request_ids"] == []
+
+
+def test_a_second_engine_is_served_what_the_first_saved(server, reference):
+    run("redis", options=opts(server))
+    engine = run("redis", options=opts(server), reqs=requests(offset=10))
+    # Everything the first saved: the shared 10 blocks, and each request's own full tail blocks
+    # (request 1's whole prompt, less the last position).
+    assert [engine.states[10 + i].num_external for i in range(4)] == [40, 43, 44, 44]
+    assert_served_right(engine, reference, offset=10)
+
+
+def test_one_round_trip_per_ask_and_per_pass(server):
+    engine = run("redis", options=opts(server))
+    calls = server.client().info("commandstats")
+    # Four asks: one pipelined EXISTS each; three offers: one MGET each; every block saved once
+    # (request 0 computes the shared 10 blocks; each request computes its own tail blocks).
+    assert calls["cmdstat_mget"]["calls"] == 3
+    assert calls["cmdstat_set"]["calls"] == engine.connector.scheduler.num_saved_blocks
+
+
+def test_blocks_evicted_between_the_ask_and_the_load_are_still_served(server, reference):
+    """The ask fetched them: the server losing them afterwards breaks no offer."""
+    run("redis", options=opts(server))
+    engine_reqs = requests(offset=10)
+    flushed = []
+
+    def flush_after_ask(engine):
+        scheduler = engine.connector.scheduler
+        ask = scheduler.get_num_new_matched_tokens
+
+        def asked(request, num_computed_tokens):
+            answer = ask(request, num_computed_tokens)
+            server.client().flushall()
+            flushed.append(answer[0])
+            return answer
+        scheduler.get_num_new_matched_tokens = asked
+
+    engine = run("redis", options=opts(server), reqs=engine_reqs, setup=flush_after_ask)
+    assert flushed[0] == 40 and engine.states[10].num_external == 40
+    assert_served_right(engine, reference, offset=10)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "wrong block", "garbage"])
+def test_a_damaged_value_is_a_miss_and_is_saved_again(server, reference, damage):
+    first = run("redis", options=opts(server))
+    store = first.connector.scheduler.store
+    keys = shared_keys(store)
+    client = server.client()
+    victim = client.get(keys[3])
+    damaged = {"truncated": victim[:-5], "flipped": victim[:-1] + bytes([victim[-1] ^ 1]),
+               "wrong block": client.get(keys[4]), "garbage": b"not a block"}[damage]
+    client.set(keys[3], damaged)
+    engine = run("redis", options=opts(server), reqs=requests(offset=10))
+    assert engine.states[10].num_external == 12          # blocks 0-2 served; block 3 a miss
+    assert engine.connector.scheduler.store.num_corrupt >= 1
+    assert_served_right(engine, reference, offset=10)
+    assert client.get(keys[3]) == victim                 # the recompute saved it again, whole
+
+
+def test_no_server_is_all_misses(reference):
+    need_redis()
+    dead = RedisServer()                                  # never started: connection refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = run("redis", options={"url": dead.url, "timeout": "0.5"})
+    assert [engine.states[i].num_external for i in range(4)] == [0, 0, 0, 0]
+    assert_served_right(engine, reference)
+    assert engine.connector.scheduler.store.num_errors > 0
+    assert any("ConnectionError" in str(w.message) for w in caught)
+
+
+def test_a_server_killed_and_restarted_empty_mid_run(server, reference):
+    reqs = requests(spacing=1.0)
+
+    def crash_and_restart(engine):
+        if engine.iteration == 3:
+            server.kill()
+        if engine.iteration == 6:
+            server.start()                                 # same port, nothing in it
+
+    engine = run("redis", options=opts(server, timeout=0.5), reqs=reqs, on_iteration=crash_and_restart)
+    assert_served_right(engine, reference)
+    assert engine.connector.scheduler.store.num_errors > 0
+    assert server.client().dbsize() > 0                    # saves resumed after the restart
+
+
+def test_connections_dropped_mid_run_reconnect(server, reference):
+    def drop_connections(engine):
+        server.client().client_kill_filter(_type="normal", skipme=True)
+
+    engine = run("redis", options=opts(server), reqs=requests(spacing=1.0), on_iteration=drop_connections)
+    assert [engine.states[i].num_external for i in range(4)][1:] != [0, 0, 0]
+    assert_served_right(engine, reference)
+
+
+def test_a_paused_server_times_out_into_misses(server, reference):
+    run("redis", options=opts(server))
+    server.client().execute_command("CLIENT", "PAUSE", "3000", "ALL")
+    engine = run("redis", options=opts(server, timeout=0.2), reqs=requests(offset=10))
+    assert [engine.states[10 + i].num_external for i in range(4)] == [0, 0, 0, 0]
+    assert engine.connector.scheduler.store.num_errors > 0
+    assert_served_right(engine, reference, offset=10)
+
+
+def test_out_of_memory_under_noeviction_drops_saves_not_requests(reference):
+    need_redis()
+    server = RedisServer("--maxmemory-policy", "noeviction").start()
+    try:
+        filler = server.client()
+        filler.set("ballast", b"x" * 2_000_000)
+        filler.config_set("maxmemory", "1mb")                    # past maxmemory: every SET fails now
+        engine = run("redis", options=opts(server))
+        assert_served_right(engine, reference)
+        assert engine.connector.workers[0].store.num_errors > 0     # the saves, refused
+        assert [engine.states[i].num_external for i in range(4)] == [0, 0, 0, 0]
+    finally:
+        server.stop()
+
+
+def test_other_layouts_never_read_a_block(server):
+    run("redis", options=opts(server))
+    other_block_size = run("redis", options=opts(server), reqs=requests(offset=10), tpb=8)
+    other_model = run("redis", "tiny-vswa", opts(server), reqs=requests(offset=20))
+    assert other_block_size.states[10].num_external == 0 and other_model.states[20].num_external == 0
+    signatures = {key.rsplit(b":", 3)[0] for key in server.client().keys("*")}
+    assert len(signatures) == 3                              # one per layout
+
+
+def test_a_url_holding_a_password_is_refused():
+    from kvtool.connector.options import check_options
+    from kvtool.connectors.redis_connector import RedisConnectorScheduler
+    with pytest.raises(InputError, match="password_env"):
+        check_options("redis", RedisConnectorScheduler.kvtool_options, {"url": "redis://:pw@127.0.0.1:6379/0"})
+
+
+def test_ttl_and_prefix(server):
+    run("redis", options=opts(server, ttl=100, prefix="team-a"))
+    client = server.client()
+    keys = client.keys("*")
+    assert keys and all(key.startswith(b"team-a:") for key in keys)
+    assert all(0 < client.pttl(key) <= 100_000 for key in keys)
+
+
+def test_the_password_comes_from_the_environment(reference, monkeypatch):
+    need_redis()
+    server = RedisServer("--requirepass", "s3cret-pw").start()
+    try:
+        monkeypatch.setenv("KVTOOL_TEST_REDIS_PW", "s3cret-pw")
+        run("redis", options=opts(server, password_env="KVTOOL_TEST_REDIS_PW"))
+        engine = run("redis", options=opts(server, password_env="KVTOOL_TEST_REDIS_PW"), reqs=requests(offset=10))
+        assert engine.states[10].num_external == 40
+        assert_served_right(engine, reference, offset=10)
+        monkeypatch.delenv("KVTOOL_TEST_REDIS_PW")
+        with pytest.raises(InputError, match="KVTOOL_TEST_REDIS_PW, which is not set"):
+            run("redis", options=opts(server, password_env="KVTOOL_TEST_REDIS_PW"))
+    finally:
+        server.stop()
+
+
+def test_a_value_encodes_its_block():
+    value = encode_block(b"\x01" * 32, 2, b"page")
+    assert value.endswith(b"page") and len(value) == 8 + 4 + 32 + 8 + 32 + 4
