@@ -14,7 +14,6 @@ from kvtool.errors import InputError
 from kvtool.manager import ReuseScope
 from kvtool.manager.block_keys import chained_block_keys
 from tests.helpers.servers import RedisServer, need_redis
-from kvtool.connector.request import Request
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
@@ -246,3 +245,52 @@ def test_the_password_comes_from_the_environment(reference, monkeypatch):
 def test_a_value_encodes_its_block():
     value = encode_block(b"\x01" * 32, 2, b"page")
     assert value.endswith(b"page") and len(value) == 8 + 4 + 32 + 8 + 32 + 4
+
+
+# ---- the CLI: validate, and two processes sharing one server -----------------------------------------
+def kvtool(*args, env=None, cwd=None):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "kvtool", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_validate_redis_passes_every_scenario_with_the_remote_ones(server):
+    done = kvtool("validate", "redis", "--model", "tiny-vswa", "--connector-opt", f"url={server.url}",
+                  "--remote", server.url, "--format", "json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+    checks = json.loads(done.stdout)["results"]
+    remote = {(c["scenario"], c["check"]): c["verdict"] for c in checks if c["scenario"].startswith("remote-")}
+    assert len(remote) == 6 and set(remote.values()) == {"pass"}
+
+
+def test_the_remote_scenarios_catch_a_connector_that_fetches_at_the_load(server):
+    done = kvtool("validate", "tests.helpers.broken_remote_connectors:FetchAtLoad:FetchAtLoadWorker",
+                  "--model", "tiny", "--connector-opt", f"url={server.url}", "--remote", server.url,
+                  "--scenario", "remote-lost-after-ask", "--scenario", "cold-warm", "--format", "json")
+    assert done.returncode == 1, done.stderr[-2000:]
+    import json
+    verdicts = {(c["scenario"], c["check"]): c["verdict"] for c in json.loads(done.stdout)["results"]}
+    assert verdicts[("remote-lost-after-ask", "integrity")] == "fail"
+    assert verdicts[("cold-warm", "integrity")] == "pass"      # undisturbed, it looks right
+
+
+def test_two_processes_share_prefixes_through_the_server(server, tmp_path):
+    from pathlib import Path
+    workload = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
+    runs = []
+    for i in (1, 2):
+        done = kvtool("trace", "run", str(workload), "--connector", "redis", "--connector-opt", f"url={server.url}",
+                      "--no-local-reuse", "--output", str(tmp_path / f"run{i}"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        import json
+        runs.append(json.loads((tmp_path / f"run{i}" / "summary.json").read_text()))
+    first, second = runs
+    assert first["integrity_errors"] == second["integrity_errors"] == 0
+    assert second["failed_requests"] == 0
+    # The second process computes only what no prompt of the workload shares with another
+    # (and the last position): everything else comes from what the first one saved.
+    assert second["connector_hit_tokens"] > first["connector_hit_tokens"]
+    assert second["computed_tokens"] < first["computed_tokens"] / 5

@@ -15,10 +15,12 @@ from dataclasses import replace
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                deprecated, fail, frame_text, progress_bar)
+from kvtool.cli.trace_instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
 from kvtool.cli.trace_options import with_replay_options
 from kvtool.cli.trace_setup import Replay, ReplayOptions, build_replay
 from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
+from kvtool.report.instances_report import instances_table, write_instances_folder
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
 from kvtool.report.trace_report import tier_table, ttft_report, ttft_table, write_trace_folder
@@ -49,6 +51,12 @@ def trace_run(
         files="summary.json, summary.csv, requests.csv, iterations.csv, ttft_cdf.png"))] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
+    instances: Annotated[int, typer.Option(metavar="N", help="Engine instances, each in its own process with its "
+                                           "own GPU pool and connector (a shared store: redis, redis-index).")] = 1,
+    route: Annotated[Route, typer.Option(help="How requests reach instances: round-robin, or prefix "
+                                         "(cache-aware).")] = Route.ROUND_ROBIN,
+    sync_window: Annotated[float, typer.Option(metavar="SECONDS", help="No instance runs more than this many "
+                                               "simulated seconds ahead of another.")] = DEFAULT_SYNC_WINDOW_S,
 ) -> None:
     """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
     if json_out is not None:
@@ -56,9 +64,13 @@ def trace_run(
         check_writable_file(json_out, "--json")
     if timeline is not None:
         check_writable_file(timeline, "--timeline")
+    options = replace(options, tokens_per_block=tokens_per_block, connector=connector,
+                      connector_dir=connector_dir, num_ranks=num_ranks, tp=tp)
+    if instances != 1:
+        _run_instances(options, instances, route, sync_window, baseline, timeline, json_out, output, format)
+        return
     folder = prepare_run_folder(output) if output is not None else None
-    replay = build_replay(replace(options, tokens_per_block=tokens_per_block, connector=connector,
-                                  connector_dir=connector_dir, num_ranks=num_ranks, tp=tp))
+    replay = build_replay(options)
     if baseline and replay.connector is None:
         raise InputError("--baseline compares with a run without the connector: give a --connector")
     console = Console(stderr=True)
@@ -84,6 +96,35 @@ def trace_run(
                             "connector_options": replay.options})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
+
+
+def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_window: float, baseline: bool,
+                   timeline: Optional[Path], json_out: Optional[Path], output: Optional[Path],
+                   format: OutputFormat) -> None:
+    if instances < 1:
+        raise InputError(f"--instances must be positive, got {instances}")
+    if baseline or timeline or json_out:
+        raise InputError("--baseline, --timeline and --json replay one instance: drop them or --instances")
+    if not sync_window > 0:
+        raise InputError(f"--sync-window must be a positive number of seconds, got {sync_window}")
+    folder = prepare_run_folder(output) if output is not None else None
+    plan = InstancesPlan(options, instances, route, sync_window)
+    with progress_bar("instances", instances, Console(stderr=True)) as update:
+        rows = run_instances(plan, lambda finished: update(completed=finished))
+    total = global_row(rows)
+    if format is OutputFormat.table:
+        Console().print(instances_table(rows + [total], f"trace over {instances} instances · {options.connector} "
+                                                          f"· {route.value}"))
+    elif format is OutputFormat.json:
+        print(json.dumps({"instances": rows, "all": total}, indent=2))
+    else:
+        print(frame_text(pd.DataFrame(rows + [total]), format), end="")
+    if folder is not None:
+        write_instances_folder(folder, rows, total, {"workload": str(options.workload), "route": route.value,
+                                                     "instances": instances, "sync_window_s": sync_window,
+                                                     "connector": options.connector})
+    if total["failed_checks"]:
+        raise fail(total["failed_checks"], ExitCode.CHECK_FAILED)
 
 
 def _replay(replay: Replay, console: Console, subscribers: list) -> TraceResult:

@@ -26,6 +26,7 @@ from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict
 from kvtool.validate.runner import run_all
+from kvtool.validate.remote_scenarios import remote_client
 from kvtool.validate.scenarios import SCENARIOS
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -60,6 +61,8 @@ def validate(
                                            "fingerprints and worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel shards (N = --num-ranks): each rank holds "
                                     "1/N of the KV heads.")] = 1,
+    remote: Annotated[Optional[str], typer.Option(metavar="URL", help="The Redis server TARGET stores into, "
+                      "dedicated to the test: the remote-* scenarios flush, pause and disconnect it.")] = None,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -89,6 +92,8 @@ def validate(
         check_writable_file(json_out, "--json")
     if junit is not None:
         check_writable_file(junit, "--junit")
+    if remote is not None:
+        _check_remote(remote)
     folder = prepare_run_folder(output) if output is not None else None
     _install_compat(compat)
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
@@ -100,7 +105,7 @@ def validate(
               compat, timeout)
     spec = load_connector(_absolute(target))
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp)
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote)
                 for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
@@ -118,6 +123,15 @@ def validate(
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(f"{len(failed)} of {len(results)} checks failed", ExitCode.CHECK_FAILED)
+
+
+def _check_remote(url: str) -> None:
+    """InputError unless the --remote server answers."""
+    import redis
+    try:
+        remote_client(url).ping()
+    except (redis.RedisError, ValueError) as exc:
+        raise InputError(f"--remote {url}: the server does not answer ({exc})") from None
 
 
 def _resolved_model(name: str) -> str:

@@ -15,6 +15,9 @@ store or found on the GPU is not computed, hence not written again). Checking fi
 round trip and protect nothing: a value is rewritten with the same bytes. A failed write is a lost
 cache entry, counted and warned about, never a failed request.
 Options: `url`, `password_env`, `ttl`, `prefix`, `timeout`, `staging`, `mode`, `backend`.
+
+`redis-index` is the same tier for block fidelity: the same keys, asks and saves, but each value is
+the block's header alone (no page bytes exist to store), and nothing is fetched or copied.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class RedisConnectorScheduler(BlockStoreScheduler):
 
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
-        self.store = RedisBlockStore(llm_args)
+        self.store = RedisBlockStore(llm_args, payloads=getattr(self, "kvtool_moves_bytes", True))
         self.staging_capacity = parse_size(llm_args.connector_options.get("staging", DEFAULT_STAGING))
         self.num_staged_bytes = 0
         self._block_bytes = llm_args.world_size * sum(g.bytes_per_page for g in self.groups)
@@ -95,3 +98,35 @@ class RedisConnectorWorker(BlockStoreWorker):
         if transfers:
             self.store.put(((t.key, t.layer_group_id), payload)
                            for t, payload in zip(transfers, self.saved_payloads(transfers)))
+
+
+class RedisIndexConnectorScheduler(RedisConnectorScheduler):
+    kvtool_moves_bytes = False
+    """Read by the engine: this connector stands in for byte movement (block fidelity only)."""
+
+    def __init__(self, llm_args: LlmArgs) -> None:
+        super().__init__(llm_args)
+        self._block_bytes = 1      # nothing is staged: the room is never short
+
+    def secure(self, plan: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        return plan                # nothing will be read: there is no window to close
+
+    def pin(self, location: Entry) -> None:
+        pass
+
+    def unpin(self, location: Entry) -> None:
+        pass
+
+
+class RedisIndexConnectorWorker(BlockStoreWorker):
+    kvtool_moves_bytes = False
+
+    def open_store(self, layout: KvCacheLayout) -> None:
+        self.store = RedisBlockStore(self._llm_args, payloads=False)
+
+    def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        """Nothing moves in block fidelity."""
+
+    def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
+        if layer_id is None and transfers:
+            self.store.put(((t.key, t.layer_group_id), b"") for t in transfers)

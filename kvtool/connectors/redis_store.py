@@ -102,18 +102,21 @@ def connect(options: dict[str, str]):
 class RedisBlockStore:
     """The blocks of one layout on one server: both halves of the connector hold one."""
 
-    def __init__(self, llm_args: LlmArgs) -> None:
+    def __init__(self, llm_args: LlmArgs, payloads: bool = True) -> None:
+        """`payloads` False: values are headers of empty payloads (block fidelity's index), under
+        a signature of their own, so they never meet a store of real blocks."""
         options = llm_args.connector_options
         self.client = connect(options)
         self.world_size = llm_args.world_size
         self.rank = llm_args.rank
         self.ttl_ms = int(1000 * _seconds(options.get("ttl", "0")))
         base_model = _SHARD_SUFFIX.sub("", llm_args.model)
-        signature = layout_signature(f"{base_model} x{llm_args.world_size}", llm_args)
+        index_only = "" if payloads else " index-only"
+        signature = layout_signature(f"{base_model} x{llm_args.world_size}{index_only}", llm_args)
         namespace = os.environ.get(STORE_NAMESPACE_ENV)
         prefix = options.get("prefix", DEFAULT_PREFIX) + (f":{namespace}" if namespace else "")
         self._key_head = f"{prefix}:{signature}:"
-        self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in llm_args.layer_groups}
+        self._payload_bytes = {g.layer_group_id: g.bytes_per_page if payloads else 0 for g in llm_args.layer_groups}
         self.num_errors = 0
         self.num_corrupt = 0
         self._warned: set[str] = set()

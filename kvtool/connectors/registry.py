@@ -9,7 +9,8 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
-from kvtool.connectors.redis_connector import RedisConnectorScheduler, RedisConnectorWorker
+from kvtool.connectors.redis_connector import (RedisConnectorScheduler, RedisConnectorWorker,
+                                               RedisIndexConnectorScheduler, RedisIndexConnectorWorker)
 
 
 def _builtin(name: str, scheduler: type, worker: type, mode: str) -> tuple[str, ConnectorSpec]:
@@ -23,6 +24,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("disk", DiskConnectorScheduler, DiskConnectorWorker, "sync"),
     _builtin("index", IndexConnectorScheduler, IndexConnectorWorker, "sync"),
     _builtin("redis", RedisConnectorScheduler, RedisConnectorWorker, "sync"),
+    _builtin("redis-index", RedisIndexConnectorScheduler, RedisIndexConnectorWorker, "sync"),
 ]))
 
 

@@ -39,6 +39,15 @@ class Context:
     """Ranks 1..num_ranks-1 run as processes, each with its own pools and worker."""
     tp_size: int = 1
     """Tensor-parallel shards (1: every rank holds every head; else num_ranks)."""
+    remote: str | None = None
+    """A Redis server the connector stores into, given to the remote scenarios to disrupt."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    purpose: str
+    run: Callable[[Context], list[CheckResult]]
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,6 @@ nothing, say), its evidence says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.engine.engine import Engine
 from kvtool.engine.events import Ask
@@ -17,19 +15,13 @@ from kvtool.engine.request_state import Phase
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model
-from kvtool.validate.harness import (Context, Req, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
+from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
                                      judge_warm_hit, reference_tokens, result, run, skipped, tokens)
+from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.results import CheckResult
 from kvtool.validate.store_scope import own_store
 
 SENTINEL_ID = -434343
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    purpose: str
-    run: Callable[[Context], list[CheckResult]]
 
 
 def _common(name: str, ctx: Context, r) -> list[CheckResult]:
@@ -413,4 +405,5 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("contract", "prompts of 1 token to several blocks, repeated and salted: answers in contract", contract),
     Scenario("cache-salt", "no hit across cache salts", cache_salt),
     Scenario("concurrency", "many requests sharing prefixes at once, chunked, small batches", concurrency),
+    *REMOTE_SCENARIOS,
 )}

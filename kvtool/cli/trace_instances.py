@@ -1,0 +1,150 @@
+"""`kvtool trace run --instances N`: one workload over N engine instances, each in its own process
+with its own GPU pool and connector, requests routed to them, and the per-instance and global hit
+rates. With a shared store (`redis`, `redis-index`) the instances hit each other's prefixes; with
+an in-process tier (`host`, `index`) each has its own: the local-versus-global comparison.
+
+Routing (`--route`):
+- `round-robin`: request i goes to instance i mod N.
+- `prefix`: a cache-aware router. It remembers, per 512-token prefix, the instance it last sent that
+  prefix to; a request goes to the instance holding its longest remembered prefix when that covers
+  at least half of its prompt, else to the instance with the fewest prompt tokens so far.
+
+The instances' simulated clocks advance in lockstep: none runs more than `--sync-window` simulated
+seconds ahead of another still running, so what one saves at time t is in the store before another
+passes t + window (whatever the real speed of each process).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvtool.cli.trace_setup import ReplayOptions, build_replay
+from kvtool.connector.request import Request
+from kvtool.engine.trace import run_trace
+from kvtool.errors import InputError
+from kvtool.manager.block_keys import ReuseScope, chained_block_keys
+from kvtool.types import TextEnum
+
+ROUTE_BLOCK_TOKENS = 512
+DEFAULT_SYNC_WINDOW_S = 1.0
+
+
+class Route(TextEnum):
+    ROUND_ROBIN = "round-robin"
+    PREFIX = "prefix"
+
+
+@dataclass(frozen=True)
+class InstancesPlan:
+    options: ReplayOptions
+    num_instances: int
+    route: Route
+    sync_window_s: float
+
+
+def assign_requests(requests, num_instances: int, route: Route) -> bytes:
+    """The instance of each request, in workload order (one byte each)."""
+    if route is Route.ROUND_ROBIN:
+        return bytes(i % num_instances for i, _ in enumerate(requests))
+    router = _PrefixRouter(num_instances)
+    return bytes(router.route(r) for r in requests)
+
+
+class _PrefixRouter:
+    def __init__(self, num_instances: int) -> None:
+        self.owner: dict[bytes, int] = {}
+        self.load = [0] * num_instances
+
+    def route(self, request: Request) -> int:
+        tokens = request.get_tokens(0)[:request.prompt_len]
+        keys = [key for _, key in chained_block_keys(tokens, ROUTE_BLOCK_TOKENS,
+                                                     ReuseScope.from_cache_salt(request.cache_salt))]
+        matched = 0
+        while matched < len(keys) and keys[matched] in self.owner:
+            matched += 1
+        if matched and 2 * matched * ROUTE_BLOCK_TOKENS >= len(tokens):
+            chosen = self.owner[keys[matched - 1]]
+        else:
+            chosen = min(range(len(self.load)), key=self.load.__getitem__)
+        for key in keys:
+            self.owner[key] = chosen
+        self.load[chosen] += len(tokens)
+        return chosen
+
+
+def run_instances(plan: InstancesPlan, on_progress: Callable[[int], None]) -> list[dict[str, Any]]:
+    """Every instance's summary (a dict, with `instance`); InputError naming the instance that
+    broke. `on_progress` gets the number of instances finished."""
+    replay = build_replay(plan.options)
+    if replay.config.num_ranks != 1:
+        raise InputError("--instances runs one rank per instance: drop --num-ranks")
+    assignment = assign_requests(replay.workload.requests(), plan.num_instances, plan.route)
+    context = multiprocessing.get_context("spawn")
+    clocks = context.Array("d", plan.num_instances, lock=False)
+    done = context.Array("b", plan.num_instances, lock=False)
+    results = context.Queue()
+    processes = [context.Process(target=_instance_main, daemon=True,
+                                 args=(plan, k, assignment, clocks, done, results)) for k in range(plan.num_instances)]
+    for p in processes:
+        p.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        while len(rows) < plan.num_instances:
+            kind, k, payload = results.get()
+            if kind == "error":
+                raise InputError(f"instance {k}: {payload}")
+            rows.append(payload)
+            on_progress(len(rows))
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    return sorted(rows, key=lambda row: row["instance"])
+
+
+def _instance_main(plan: InstancesPlan, k: int, assignment: bytes, clocks, done, results) -> None:
+    try:
+        replay = build_replay(plan.options)
+        mine = (r for i, r in enumerate(replay.workload.requests()) if assignment[i] == k)
+        lockstep = _lockstep(k, clocks, done, plan.sync_window_s)
+        try:
+            result = run_trace(mine, replay.config, replay.connector, replay.options, on_iteration=lockstep,
+                               keep_iterations=False)
+        finally:
+            done[k] = 1
+        row = {"instance": k, **result.summary.as_dict(), "failed_checks": "; ".join(result.failed_checks)}
+        results.put(("row", k, row))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits with it
+        done[k] = 1
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        results.put(("error", k, f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"))
+
+
+def _lockstep(k: int, clocks, done, window_s: float) -> Callable:
+    """An on_iteration hook: publish this instance's clock, and wait while another instance that is
+    still running lags more than `window_s` behind it."""
+    others = [j for j in range(len(clocks)) if j != k]
+
+    def wait_for_the_others(engine) -> None:
+        clocks[k] = engine.clock
+        while any(not done[j] and clocks[j] < engine.clock - window_s for j in others):
+            time.sleep(0.0005)
+    return wait_for_the_others
+
+
+def global_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The instances together: sums, and the hit rate over every prompt token."""
+    summed = ("num_requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "connector_hit_tokens",
+              "cancelled_tokens", "integrity_errors", "failed_requests", "iterations", "evictions")
+    total = {name: sum(r[name] for r in rows) for name in summed}
+    hits = total["local_hit_tokens"] + total["connector_hit_tokens"]
+    total["hit_rate"] = round(hits / total["prompt_tokens"], 6) if total["prompt_tokens"] else 0.0
+    total["wall_seconds"] = max(r["wall_seconds"] for r in rows)
+    total["failed_checks"] = "; ".join(f"instance {r['instance']}: {r['failed_checks']}"
+                                       for r in rows if r["failed_checks"])
+    return {"instance": "all", **total}

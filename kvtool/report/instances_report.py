@@ -1,0 +1,44 @@
+"""The report of a replay over several engine instances: a row per instance and one for all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.table import Table
+
+from kvtool.report.run_folder import write_file, write_json, write_meta
+
+COLUMNS = (("instance", "in-\nstance"), ("num_requests", "re-\nquests"), ("prompt_tokens", "prompt\ntokens"),
+           ("local_hit_tokens", "local\nhits"), ("connector_hit_tokens", "connector\nhits"),
+           ("hit_rate", "hit\nrate"), ("integrity_errors", "integrity\nerrors"), ("wall_seconds", "wall\ns"))
+
+
+def instances_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for _, header in COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in rows:
+        cells = []
+        for name, _ in COLUMNS:
+            value = row[name]
+            if name == "hit_rate":
+                cells.append(f"{100 * value:.2f} %")
+            elif isinstance(value, int):
+                cells.append(f"{value:,}")
+            elif isinstance(value, float):
+                cells.append(f"{value:.1f}")
+            else:
+                cells.append(str(value))
+        table.add_row(*cells, end_section=row["instance"] == rows[-2]["instance"] if len(rows) > 1 else False)
+    return table
+
+
+def write_instances_folder(folder: Path, rows: list[dict[str, Any]], total: dict[str, Any],
+                           extra_meta: dict[str, Any]) -> None:
+    """instances.csv/json (a row per instance, then `all`), summary.json (`all`), meta.json."""
+    write_file(folder / "instances.csv", pd.DataFrame(rows + [total]).to_csv(index=False))
+    write_json(folder / "instances.json", {"instances": rows, "all": total})
+    write_json(folder / "summary.json", total)
+    write_meta(folder, "trace-instances", **extra_meta)

@@ -1,0 +1,103 @@
+"""Scenarios for connectors with a remote store, run when `--remote URL` names the Redis server the
+connector under test stores into. They disrupt that server the way production does, at the worst
+moment, and require every request to complete with the bytes a run without the connector computes:
+a failing store may cost hits, never a wrong byte or a failed request.
+
+The server must be dedicated to the test: these scenarios flush its database, pause it and close
+its clients' connections.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvtool.engine.engine import Engine
+from kvtool.errors import InputError
+from kvtool.validate.harness import Context, Req, Scenario, judge_integrity, result, run, skipped, tokens
+from kvtool.validate.results import CheckResult
+
+
+def remote_client(url: str):
+    """A client of the server under test (InputError when the redis package is missing)."""
+    try:
+        import redis
+    except ImportError:
+        raise InputError("--remote needs the redis client: pip install 'kvtool[redis]'") from None
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
+def _workload(T: int) -> list[Req]:
+    """A request that saves a prefix, then three that would be served it, one after another."""
+    prompt = tokens(70, 8 * T + 1)
+    return [Req(0, prompt)] + [Req(i, prompt[:(4 + i) * T] + tokens(70 + i, T + 1), arrival=float(i))
+                               for i in (1, 2, 3)]
+
+
+def _after_each_ask(disrupt: Callable[[], None], counts: list[int]) -> Callable[[Engine], None]:
+    """Setup that runs `disrupt` right after every ask the connector answers with tokens (the
+    store changes between the offer and the load), counting how often."""
+    def setup(engine: Engine) -> None:
+        scheduler = engine.connector.scheduler
+        ask = scheduler.get_num_new_matched_tokens
+
+        def asked(request, num_computed_tokens):
+            answer = ask(request, num_computed_tokens)
+            if isinstance(answer, tuple) and answer and answer[0]:
+                disrupt()
+                counts.append(answer[0])
+            return answer
+        scheduler.get_num_new_matched_tokens = asked
+    return setup
+
+
+def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, counts=None) -> list[CheckResult]:
+    if ctx.remote is None:
+        return [skipped(name, ctx, "integrity", "needs --remote URL (the Redis server the connector stores into)")]
+    reqs = _workload(ctx.tokens_per_block)
+    r = run(ctx, reqs, setup=disrupt_setup, on_iteration=on_iteration)
+    out = [judge_integrity(name, ctx, [(r, reqs)])]
+    if counts is not None:
+        out.append(result(name, ctx, "disrupted", bool(counts),
+                          [f"disrupted after {len(counts)} asks that offered {counts} tokens"] if counts else
+                          ["the connector offered nothing, so there was no ask→load window to disrupt"]))
+    return out
+
+
+def lost_after_ask(ctx: Context) -> list[CheckResult]:
+    counts: list[int] = []
+    client = remote_client(ctx.remote) if ctx.remote else None
+    return _judged("remote-lost-after-ask", ctx, _after_each_ask(lambda: client.flushdb(), counts), counts=counts)
+
+
+def restarted_empty(ctx: Context) -> list[CheckResult]:
+    client = remote_client(ctx.remote) if ctx.remote else None
+
+    def wipe_and_disconnect(engine: Engine) -> None:
+        if engine.iteration % 3 == 0:
+            client.flushdb()
+            client.client_kill_filter(_type="normal", skipme=True)
+    return _judged("remote-restarted-empty", ctx, on_iteration=wipe_and_disconnect)
+
+
+def stalled(ctx: Context) -> list[CheckResult]:
+    counts: list[int] = []
+    client = remote_client(ctx.remote) if ctx.remote else None
+    pause = lambda: client.execute_command("CLIENT", "PAUSE", "1500", "ALL")   # noqa: E731
+    return _judged("remote-stalled", ctx, _after_each_ask(pause, counts), counts=counts)
+
+
+def connections_dropped(ctx: Context) -> list[CheckResult]:
+    client = remote_client(ctx.remote) if ctx.remote else None
+    drop = lambda engine: client.client_kill_filter(_type="normal", skipme=True)   # noqa: E731
+    return _judged("remote-connections-dropped", ctx, on_iteration=drop)
+
+
+REMOTE_SCENARIOS = (
+    Scenario("remote-lost-after-ask", "--remote: the server loses every block right after each offer",
+             lost_after_ask),
+    Scenario("remote-restarted-empty", "--remote: every third iteration the server is emptied and its "
+                                       "connections closed", restarted_empty),
+    Scenario("remote-stalled", "--remote: the server stops answering for 1.5 s right after each offer", stalled),
+    Scenario("remote-connections-dropped", "--remote: every client connection is closed each iteration",
+             connections_dropped),
+)
