@@ -10,6 +10,7 @@ from kvtool.bench.sweep import SweepChoice, plan
 from kvtool.bench.workspace import Direction, geometry, make_workspace
 from kvtool.cli import app
 from kvtool.report.bench_report import ROW_KEYS
+from tests.helpers.servers import RedisServer, need_redis
 
 runner = CliRunner()
 
@@ -85,3 +86,36 @@ def test_manager_suite(tmp_path, monkeypatch):
 def test_bad_options_exit_2_with_one_line(args, message, tmp_path):
     result = runner.invoke(app, ["bench", "--output", str(tmp_path), *args])
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("connector", ["host", "disk", "redis"])
+def test_store_suite_round_trips_the_bytes_and_reports_the_ratio(tmp_path, connector):
+    extra = []
+    server = None
+    if connector == "redis":
+        need_redis()
+        server = RedisServer().start()
+        extra = ["--connector-opt", f"url={server.url}"]
+    try:
+        result = runner.invoke(app, ["bench", "--suite", "store", "--connector", connector, "--model", "tiny",
+                                     "--tokens-per-block", "4", "--tokens-per-block", "8", "--batch-bytes", "64KiB",
+                                     "--repeats", "2", "--format", "json", "--output", str(tmp_path), *extra])
+        assert result.exit_code == 0, result.output
+        rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+        assert [(r["direction"], r["tokens_per_block"]) for r in rows] == [("save", 4), ("load", 4), ("save", 8),
+                                                                            ("load", 8)]
+        for r in rows:
+            assert r["verified"] and r["connector"] == connector
+            assert r["batch_blocks"] == 65536 // r["block_bytes"]
+            assert r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=0.01)
+            assert 0 < r["p50_us"] <= r["p99_us"]
+        if server is not None:
+            assert server.client().dbsize() == 0          # the bench deletes what it saved
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_store_suite_refuses_a_store_it_has_no_raw_loop_for(tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", "index", "--output", str(tmp_path)])
+    assert result.exit_code == 2 and "measures host" in result.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,10 +15,12 @@ import torch
 from rich.console import Console
 
 from kvtool.bench import compute, manager_suite
+from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
-from kvtool.cli.common import ExitCode, clean_errors, fail, progress_bar
+from kvtool.cli.common import ExitCode, clean_errors, connector_options, fail, progress_bar
+from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import load_model
 from kvtool.report.bench_report import bench_notes, default_output_dir, rows_table, write_run
@@ -36,6 +39,7 @@ def _sweep_models() -> str:
 class Suite(str, Enum):
     transfer = "transfer"
     manager = "manager"
+    store = "store"
 
 
 class Format(str, Enum):
@@ -71,7 +75,11 @@ def bench(
     format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
                                                    "the plot [default: results/<UTC timestamp>/].")] = None,
-    suite: Annotated[Suite, typer.Option(help="transfer (the link) or manager (CPU cost per block).")] = Suite.transfer,
+    suite: Annotated[Suite, typer.Option(help="transfer (the link), manager (CPU cost per block) or store (a "
+                                         "connector's save/load paths against a raw loop).")] = Suite.transfer,
+    connector: Annotated[str, typer.Option(help="--suite store: host, disk or redis.")] = "host",
+    connector_opt: Annotated[list[str], typer.Option(help="--suite store: KEY=VALUE for the connector "
+                                                     "(repeatable).")] = [],
     with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
                                                                       "while saving.")] = False,
 ) -> None:
@@ -85,6 +93,9 @@ def bench(
         write_run(out_dir, rows, {}, "manager")
         _print(rows, format, "manager cost per block (µs) at 1x, 10x, 100x cached blocks")
         console.print(f"results in {out_dir}", highlight=False)
+        return
+    if suite is Suite.store:
+        _store_suite(connector, connector_opt, model, tokens_per_block, batch_bytes, repeats, quick, out_dir, format)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -122,6 +133,36 @@ def bench(
     console.print(f"results in {out_dir}", highlight=False)
     if not all(r["verified"] for r in rows):
         raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
+
+
+STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
+
+
+def _store_suite(connector: str, connector_opt: list[str], model: list[str], tokens_per_block: list[int],
+                 batch_bytes: Optional[str], repeats: Optional[int], quick: bool, out_dir: Path,
+                 format: Format) -> None:
+    if len(model) > 1:
+        raise InputError("--suite store measures one --model at a time")
+    name = model[0] if model else "llama-3.1-8b"
+    load_model(name)
+    sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
+    if any(t <= 0 for t in sizes):
+        raise InputError(f"tokens per block must be positive, got {sizes}")
+    if repeats is not None and repeats <= 0:
+        raise InputError(f"--repeats must be positive, got {repeats}")
+    spec = load_connector(connector)
+    options = connector_options(spec, connector_opt)
+    batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
+    with tempfile.TemporaryDirectory(prefix="kvtool-bench-store-") as scratch:
+        if connector == "disk" and "dir" not in options:
+            options["dir"] = str(Path(scratch) / "disk-store")
+        rows = [r.as_dict() for r in run_store_suite(spec, options, name, list(sizes), batch,
+                                                       repeats or (3 if quick else 5), Path(scratch))]
+    write_run(out_dir, rows, {}, "store")
+    _print(rows, format, f"kvtool bench --suite store · {connector} · GB/s against a raw loop of the same bytes")
+    Console(stderr=True).print(f"results in {out_dir}", highlight=False)
+    if not all(r["verified"] for r in rows):
+        raise fail("the store gave back other bytes than it saved (verified = NO)", ExitCode.CHECK_FAILED)
 
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:

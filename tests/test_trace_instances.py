@@ -1,0 +1,90 @@
+"""`trace run --instances`: routing, the lockstep of clocks, and N processes sharing one store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+from kvtool.cli.trace_instances import ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests
+from kvtool.connector.request import Request
+from tests.helpers.servers import RedisServer, need_redis
+
+WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
+B = ROUTE_BLOCK_TOKENS
+
+
+def prompt(seed: int, blocks: float) -> list[int]:
+    return [seed * 100_000 + i for i in range(int(blocks * B))]
+
+
+def test_round_robin_deals_requests_in_turn():
+    reqs = [Request(i, [i + 1] * 10, 1) for i in range(7)]
+    assert list(assign_requests(reqs, 3, Route.ROUND_ROBIN)) == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_prefix_routing_follows_the_longest_prefix_it_sent_and_balances_the_rest():
+    a, b = prompt(1, 4), prompt(2, 2)
+    reqs = [Request(0, a, 1),                       # nothing known: the least loaded, 0
+            Request(1, b, 1),                       # nothing shared: the least loaded, 1
+            Request(2, a + prompt(3, 2), 1),        # 4 of 6 blocks where request 0 went: 0
+            Request(3, b[:B] + prompt(4, 3), 1),    # 1 block of 4 shared: not enough; least loaded is 1
+            Request(4, a[:B] + prompt(5, 1), 1)]    # 1 block of 2 shared, half: follows it to 0
+    assert list(assign_requests(reqs, 2, Route.PREFIX)) == [0, 1, 0, 1, 0]
+
+
+def test_an_instance_waits_while_another_lags_past_the_window():
+    clocks, done = [0.0, 2.0], [0, 0]
+    hook = _lockstep(0, clocks, done, window_s=1.0)
+    engine = type("E", (), {"clock": 5.0})()
+    waiter = threading.Thread(target=hook, args=(engine,))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()                      # instance 1 is 3 s behind
+    clocks[1] = 4.5
+    waiter.join(timeout=2)
+    assert not waiter.is_alive() and clocks[0] == 5.0
+    clocks[1] = 0.0
+    done[1] = 1                                   # a finished instance holds nobody back
+    hook(engine)
+
+
+def kvtool(*args):
+    return subprocess.run([sys.executable, "-m", "kvtool", *args], capture_output=True, text=True, timeout=600)
+
+
+def replay(tmp_path, name, *args):
+    done = kvtool("trace", "run", str(WORKLOAD), "--no-local-reuse", "--output", str(tmp_path / name), *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((tmp_path / name / "instances.json").read_text())
+
+
+def test_instances_sharing_redis_hit_each_others_prefixes(tmp_path):
+    need_redis()
+    server = RedisServer().start()
+    try:
+        shared = replay(tmp_path, "shared", "--instances", "2", "--connector", "redis", "--connector-opt",
+                        f"url={server.url}")
+    finally:
+        server.stop()
+    local = replay(tmp_path, "local", "--instances", "2", "--connector", "host")
+    for document in (shared, local):
+        rows, total = document["instances"], document["all"]
+        assert [r["num_requests"] for r in rows] == [12, 12] and total["num_requests"] == 24
+        assert total["integrity_errors"] == 0 and total["failed_requests"] == 0
+        assert total["prompt_tokens"] == 7408 == sum(r["prompt_tokens"] for r in rows)
+    # One cache for both: each prefix is computed once in all, not once per instance.
+    assert shared["all"]["connector_hit_tokens"] > local["all"]["connector_hit_tokens"]
+    assert shared["all"]["hit_rate"] > local["all"]["hit_rate"]
+
+
+def test_bad_instance_options_are_usage_errors():
+    for args, message in ((["--instances", "0"], "--instances must be positive"),
+                          (["--instances", "2", "--baseline", "--connector", "host"], "replay one instance"),
+                          (["--instances", "2", "--sync-window", "0"], "--sync-window must be")):
+        done = kvtool("trace", "run", str(WORKLOAD), *args)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
