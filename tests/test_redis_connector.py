@@ -163,7 +163,7 @@ def test_a_server_killed_and_restarted_empty_mid_run(server, reference):
         if engine.iteration == 6:
             server.start()                                 # same port, nothing in it
 
-    engine = run("redis", options=opts(server, timeout=0.5), reqs=reqs, on_iteration=crash_and_restart)
+    engine = run("redis", options=opts(server, timeout=0.5, retry_after=0), reqs=reqs, on_iteration=crash_and_restart)
     assert_served_right(engine, reference)
     assert engine.connector.scheduler.store.num_errors > 0
     assert server.client().dbsize() > 0                    # saves resumed after the restart
