@@ -9,6 +9,8 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
+from kvtool.connectors.mooncake_connector import (MooncakeConnectorScheduler, MooncakeConnectorWorker,
+                                                 MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker)
 from kvtool.connectors.redis_connector import (RedisConnectorScheduler, RedisConnectorWorker,
                                                RedisIndexConnectorScheduler, RedisIndexConnectorWorker)
 
@@ -25,6 +27,8 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("index", IndexConnectorScheduler, IndexConnectorWorker, "sync"),
     _builtin("redis", RedisConnectorScheduler, RedisConnectorWorker, "sync"),
     _builtin("redis-index", RedisIndexConnectorScheduler, RedisIndexConnectorWorker, "sync"),
+    _builtin("mooncake", MooncakeConnectorScheduler, MooncakeConnectorWorker, "sync"),
+    _builtin("mooncake-index", MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker, "sync"),
 ]))
 
 

@@ -74,3 +74,65 @@ def need_redis() -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     pytest.importorskip("redis", reason="the redis client is not installed (pip install 'kvtool[redis]')")
+
+
+def mooncake_binary(name: str) -> str | None:
+    """A Mooncake program installed with the wheel (beside this Python) or on PATH."""
+    import sys
+    from pathlib import Path
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+class MooncakeStore:
+    """A Mooncake master (RPC and HTTP metadata on 127.0.0.1) and one `mooncake_client` holding the
+    pool. Only run inside a private network namespace: the master's listeners bind every interface."""
+
+    def __init__(self, segment: str = "256MB") -> None:
+        self.rpc_port, self.http_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
+        self.segment = segment
+        self.master: subprocess.Popen | None = None
+        self.pool: subprocess.Popen | None = None
+
+    @property
+    def options(self) -> dict[str, str]:
+        return {"master": f"127.0.0.1:{self.rpc_port}", "metadata": f"http://127.0.0.1:{self.http_port}/metadata"}
+
+    def start(self) -> "MooncakeStore":
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        self.master = subprocess.Popen(
+            [mooncake_binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}"], **quiet)
+        _wait_for_port(self.rpc_port, self.master)
+        _wait_for_port(self.http_port, self.master)
+        self.pool = subprocess.Popen(
+            [mooncake_binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.client_port}",
+             f"--global_segment_size={self.segment}", f"--master_server_address=127.0.0.1:{self.rpc_port}",
+             f"--metadata_server=http://127.0.0.1:{self.http_port}/metadata"], **quiet,
+            env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+        _wait_for_port(self.client_port, self.pool)
+        time.sleep(0.5)     # the pool's segment is mounted just after its service listens
+        return self
+
+    def kill_master(self) -> None:
+        if self.master and self.master.poll() is None:
+            os.kill(self.master.pid, signal.SIGKILL)
+            self.master.wait()
+
+    def stop(self) -> None:
+        for process in (self.pool, self.master):
+            if process and process.poll() is None:
+                os.kill(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.wait()
+
+    def client(self):
+        """A raw Mooncake client (segment 0) for tests that tamper with the store."""
+        from mooncake.store import MooncakeDistributedStore
+        raw = MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", self.options["metadata"], 0, 16 << 20, "tcp", "", self.options["master"]) == 0
+        return raw

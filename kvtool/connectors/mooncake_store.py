@@ -1,0 +1,146 @@
+"""Mooncake Store as a remote block store: `batch_is_exist`, and the zero-copy `batch_get_into` /
+`batch_put_from` through one registered host buffer (a batch larger than the buffer goes in
+several calls). Key naming, verification and failures: `remote_store`.
+
+The engine's client contributes no memory to the pool (`global_segment_size` 0): the blocks live
+in the segments of the store's own processes (`mooncake_client`), so they outlive every engine.
+Before the first call the master's RPC port is probed (a client set up against a dead master
+blocks for minutes); a store that cannot be reached is a miss, tried again after `retry_after`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import numpy as np
+
+from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.options import ConnectorOption
+from kvtool.connectors.remote_store import REMOTE_OPTIONS, RemoteBlockStore, StoreUnavailable
+from kvtool.errors import InputError
+from kvtool.units import parse_size
+
+DEFAULT_MASTER = "127.0.0.1:50051"
+DEFAULT_METADATA = "http://127.0.0.1:8080/metadata"
+OBJECT_NOT_FOUND = -704
+"""Mooncake's error code for a key it does not hold (a miss, not a failure)."""
+PROBE_TIMEOUT_S = 1.0
+
+
+def _host_port(text: str) -> None:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError("must be HOST:PORT")
+
+
+MOONCAKE_OPTIONS = REMOTE_OPTIONS + (
+    ConnectorOption("master", "the master's RPC address, HOST:PORT", DEFAULT_MASTER, check=_host_port),
+    ConnectorOption("metadata", "the metadata server (the master's HTTP one: http://HOST:PORT/metadata)",
+                    DEFAULT_METADATA),
+    ConnectorOption("protocol", "the transfer protocol", "tcp", ("tcp", "rdma")),
+    ConnectorOption("device", "RDMA device names (protocol rdma)", ""),
+    ConnectorOption("host", "this client's address as the store sees it", "127.0.0.1"),
+    ConnectorOption("buffer", "the registered host buffer a batch moves through, e.g. 64MiB", "64MiB",
+                    check=parse_size),
+)
+
+
+class MooncakeBlockStore(RemoteBlockStore):
+    kind = "mooncake"
+
+    def __init__(self, llm_args: LlmArgs, payloads: bool = True) -> None:
+        super().__init__(llm_args, payloads)
+        options = llm_args.connector_options
+        self.master = options.get("master", DEFAULT_MASTER)
+        self.metadata = options.get("metadata", DEFAULT_METADATA)
+        self.protocol = options.get("protocol", "tcp")
+        self.device = options.get("device", "")
+        self.host = options.get("host", "127.0.0.1")
+        self.buffer_bytes = parse_size(options.get("buffer", "64MiB"))
+        if self.buffer_bytes < max(self.value_bytes(g) for g in self.payload_bytes):
+            raise InputError(f"mooncake connector: buffer {self.buffer_bytes} bytes holds less than one page")
+        self._client = None
+        self._buffer: np.ndarray | None = None
+        self._lock = threading.Lock()
+        """One buffer: a background save and a foreground call never share it at once."""
+
+    def exist_many(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            codes = self._connected().batch_is_exist(keys)
+        failed = [c for c in codes if c < 0]
+        if failed:
+            raise StoreUnavailable(f"batch_is_exist: error {failed[0]}")
+        return [c == 1 for c in codes]
+
+    def get_many(self, keys: list[str], sizes: list[int]) -> list[bytes | None]:
+        values: list[bytes | None] = []
+        with self._lock:
+            client = self._connected()
+            for chunk in self._chunks(sizes):
+                offsets = np.cumsum([0] + [sizes[i] for i in chunk])[:-1]
+                base = self._buffer.ctypes.data
+                codes = client.batch_get_into([keys[i] for i in chunk], [base + int(o) for o in offsets],
+                                              [sizes[i] for i in chunk])
+                for i, offset, code in zip(chunk, offsets, codes):
+                    if code < 0 and code != OBJECT_NOT_FOUND and all(c < 0 for c in codes):
+                        raise StoreUnavailable(f"batch_get_into: error {code}")
+                    values.append(self._buffer[offset:offset + code].tobytes() if code >= 0 else None)
+        return values
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        sizes = [len(value) for _, value in items]
+        with self._lock:
+            client = self._connected()
+            for chunk in self._chunks(sizes):
+                offsets = np.cumsum([0] + [sizes[i] for i in chunk])[:-1]
+                for i, offset in zip(chunk, offsets):
+                    self._buffer[offset:offset + sizes[i]] = np.frombuffer(items[i][1], dtype=np.uint8)
+                base = self._buffer.ctypes.data
+                codes = client.batch_put_from([items[i][0] for i in chunk], [base + int(o) for o in offsets],
+                                              [sizes[i] for i in chunk])
+                failed = [c for c in codes if c < 0]
+                if failed:
+                    raise StoreUnavailable(f"batch_put_from: error {failed[0]} ({len(failed)} of {len(codes)})")
+
+    def _chunks(self, sizes: list[int]) -> list[list[int]]:
+        """Indices of `sizes` in runs that fit the buffer."""
+        chunks, current, used = [], [], 0
+        for i, size in enumerate(sizes):
+            if current and used + size > self.buffer_bytes:
+                chunks.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += size
+        return chunks + ([current] if current else [])
+
+    def _connected(self):
+        if self._client is not None:
+            return self._client
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError:
+            raise InputError("the mooncake connector needs Mooncake Store: pip install 'kvtool[mooncake]' "
+                             "(and apt-get install -y libibverbs1)") from None
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            raise StoreUnavailable(f"master {self.master} unreachable: {exc}") from None
+        # The transfer engine otherwise advertises the first non-loopback address, not `host`.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+        client = MooncakeDistributedStore()
+        if client.setup(self.host, self.metadata, 0, 16 << 20, self.protocol, self.device, self.master) != 0:
+            raise StoreUnavailable(f"setup against master {self.master} failed")
+        buffer = np.zeros(self.buffer_bytes, dtype=np.uint8)
+        if client.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+            client.close()
+            raise StoreUnavailable("register_buffer failed")
+        self._client, self._buffer = client, buffer
+        return client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
