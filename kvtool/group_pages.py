@@ -43,6 +43,16 @@ class GroupPages(Mapping[int, tuple[int, ...]]):
     def __len__(self) -> int:
         return len(self._lists)
 
+    # The Mapping mixins go through __getitem__ for every entry; connectors walk these per block.
+    def items(self):
+        return self._lists.items()
+
+    def keys(self):
+        return self._lists.keys()
+
+    def values(self):
+        return self._lists.values()
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
             return NotImplemented

@@ -88,3 +88,9 @@ def test_bad_instance_options_are_usage_errors():
                           (["--instances", "2", "--sync-window", "0"], "--sync-window must be")):
         done = kvtool("trace", "run", str(WORKLOAD), *args)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_an_instance_that_dies_is_reported_not_waited_for():
+    done = kvtool("trace", "run", str(WORKLOAD), "--instances", "2", "--connector",
+                  "tests.helpers.dying_connector:DiesAtAsk:HostConnectorWorker")
+    assert done.returncode == 2 and "exited with code 7 without a report" in done.stderr, done.stderr[-2000:]

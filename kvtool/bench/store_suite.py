@@ -8,7 +8,8 @@ bytes must equal the saved pages' (`verified`). Latency p50/p99: single-block sa
 
 The raw loops, per store: `host`, one contiguous copy of the batch's bytes; `disk`, one file per
 block written and fsynced, read back; `redis`, one pipeline of SETs and one MGET of the same values
-with the same client library. ratio = connector GB/s / raw GB/s.
+with the same client library; `mooncake`, one zero-copy `batch_put_from` and `batch_get_into` from
+and into registered buffers. ratio = connector GB/s / raw GB/s.
 """
 
 from __future__ import annotations
@@ -247,9 +248,53 @@ def _batched(items, size: int):
         yield batch
 
 
-CLEANUP = {"redis": _forget_redis_blocks}
+def _mooncake_client(options: dict[str, str]):
+    from kvtool.connectors.mooncake_store import DEFAULT_MASTER, DEFAULT_METADATA
+    from mooncake.store import MooncakeDistributedStore
+    client = MooncakeDistributedStore()
+    if client.setup(options.get("host", "127.0.0.1"), options.get("metadata", DEFAULT_METADATA), 0, 16 << 20,
+                    options.get("protocol", "tcp"), options.get("device", ""),
+                    options.get("master", DEFAULT_MASTER)) != 0:
+        raise InputError("the raw Mooncake client could not be set up")
+    return client
+
+
+def _raw_mooncake(payloads: list[bytes], repeats: int, options: dict[str, str],
+                  workdir: Path) -> tuple[Timing, Timing]:
+    """Zero-copy from and into registered buffers: the floor a connector on this client can reach."""
+    client = _mooncake_client(options)
+    source = np.frombuffer(b"".join(payloads), dtype=np.uint8).copy()
+    target = np.empty_like(source)
+    for buffer in (source, target):
+        client.register_buffer(buffer.ctypes.data, buffer.nbytes)
+    sizes = [len(p) for p in payloads]
+    offsets = [int(o) for o in np.cumsum([0] + sizes)[:-1]]
+    keys = [f"kvtool-bench-raw-{os.getpid()}-{i}" for i in range(len(payloads))]
+    counter = iter(range(1_000_000))
+
+    def write() -> None:
+        round_keys = [f"{k}-{next(counter)}" for k in keys]   # a put of an existing key is not a write
+        client.batch_put_from(round_keys, [source.ctypes.data + o for o in offsets], sizes)
+        write.last = round_keys
+
+    def read() -> None:
+        client.batch_get_into(write.last, [target.ctypes.data + o for o in offsets], sizes)
+    try:
+        return _timed(write, repeats), _timed(read, repeats)
+    finally:
+        client.remove_by_regex(f"^kvtool-bench-raw-{os.getpid()}-", True)
+        client.close()
+
+
+def _forget_mooncake_blocks(options: dict[str, str]) -> None:
+    client = _mooncake_client(options)
+    client.remove_by_regex(f".*:{os.environ[STORE_NAMESPACE_ENV]}:.*", True)
+    client.close()
+
+
+CLEANUP = {"redis": _forget_redis_blocks, "mooncake": _forget_mooncake_blocks}
 """What a store keeps after the bench that must go (host memory and the scratch folder go by themselves)."""
 
 RAW_LOOPS = {"host": _raw_memory, "host-async": _raw_memory, "host-layerwise": _raw_memory, "disk": _raw_files,
-             "redis": _raw_redis}
+             "redis": _raw_redis, "mooncake": _raw_mooncake}
 """The raw loop each store is measured against, by connector name."""

@@ -17,6 +17,7 @@ passes t + window (whatever the real speed of each process).
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import time
 import traceback
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def run_instances(plan: InstancesPlan, on_progress: Callable[[int], None]) -> li
     rows: list[dict[str, Any]] = []
     try:
         while len(rows) < plan.num_instances:
-            kind, k, payload = results.get()
+            kind, k, payload = _next_report(results, processes, {row["instance"] for row in rows})
             if kind == "error":
                 raise InputError(f"instance {k}: {payload}")
             rows.append(payload)
@@ -105,6 +106,21 @@ def run_instances(plan: InstancesPlan, on_progress: Callable[[int], None]) -> li
                 p.terminate()
             p.join()
     return sorted(rows, key=lambda row: row["instance"])
+
+
+def _next_report(results, processes, reported: set[int]) -> tuple[str, int, Any]:
+    """The next report; an error for an instance whose process died without one (it could not even
+    start, or was killed)."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            for k, p in enumerate(processes):
+                if k not in reported and p.exitcode is not None:
+                    try:
+                        return results.get(timeout=1.0)    # it reported just before exiting
+                    except queue.Empty:
+                        return "error", k, f"its process exited with code {p.exitcode} without a report"
 
 
 def _instance_main(plan: InstancesPlan, k: int, assignment: bytes, clocks, done, results) -> None:

@@ -244,6 +244,9 @@ class Engine:
         return "; ".join(parts)
 
     def step(self) -> Batch:
+        # Subscribers come and go: the page table reports evictions only while one reads them
+        # (a block-fidelity replay evicts millions of pages).
+        self.manager.page_table.on_evict = self._on_evict if self.events.wants(Evicted) else None
         self.iteration += 1
         self.stats.iterations = self.iteration
         self._skip_idle_time()
