@@ -13,7 +13,7 @@ from kvtool.engine.request_state import Phase
 from kvtool.errors import InputError
 from kvtool.manager import ReuseScope
 from kvtool.manager.block_keys import chained_block_keys
-from tests.helpers.servers import RedisServer, need_redis
+from tests.helpers.servers import CuttingProxy, RedisServer, need_redis
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
@@ -176,6 +176,23 @@ def test_connections_dropped_mid_run_reconnect(server, reference):
     engine = run("redis", options=opts(server), reqs=requests(spacing=1.0), on_iteration=drop_connections)
     assert [engine.states[i].num_external for i in range(4)][1:] != [0, 0, 0]
     assert_served_right(engine, reference)
+
+
+def test_a_connection_cut_in_the_middle_of_a_reply_is_a_miss(server, reference):
+    """The MGET of the first offer breaks off part-way through the values: that offer is not made,
+    the client reconnects, and the later requests are served."""
+    run("redis", options=opts(server))
+    proxy = CuttingProxy(server.port, cut_after=10_000)     # inside the first MGET: 10 values of 2 KiB
+    try:
+        def arm(engine):
+            proxy.armed = True
+        engine = run("redis", options=opts(proxy, retry_after=0), reqs=requests(offset=10, spacing=1.0), setup=arm)
+    finally:
+        proxy.close()
+    assert proxy.num_cuts == 1 and engine.connector.scheduler.store.num_errors == 1
+    hits = [engine.states[10 + i].num_external for i in range(4)]
+    assert hits[0] == 0 and hits[1:] == [43, 44, 44]
+    assert_served_right(engine, reference, offset=10)
 
 
 def test_a_paused_server_times_out_into_misses(server, reference):

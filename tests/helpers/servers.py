@@ -136,3 +136,59 @@ class MooncakeStore:
         raw = MooncakeDistributedStore()
         assert raw.setup("127.0.0.1", self.options["metadata"], 0, 16 << 20, "tcp", "", self.options["master"]) == 0
         return raw
+
+
+class CuttingProxy:
+    """A TCP proxy to 127.0.0.1:`port` that, once armed, cuts the connection carrying the
+    `cut_after`-th byte from the server to the client: a connection dropped in the middle of a
+    reply. Later connections pass untouched."""
+
+    def __init__(self, port: int, cut_after: int) -> None:
+        import threading
+        self.target, self.cut_after = port, cut_after
+        self.armed = False
+        self.num_cuts = 0
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, to_client: bool) -> None:
+        sent = 0
+        try:
+            while data := source.recv(65536):
+                if to_client and self.armed and sent + len(data) >= self.cut_after:
+                    sink.sendall(data[:max(self.cut_after - sent, 1)])
+                    self.armed = False
+                    self.num_cuts += 1
+                    break
+                sink.sendall(data)
+                sent += len(data) if self.armed else 0
+        except OSError:
+            pass
+        for s in (source, sink):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._listener.close()
