@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvtool.bench.timing import Timing
+from kvtool.bench.timing import Timing, time_repeats
 from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.metadata import PageTransfer
@@ -179,12 +179,7 @@ def _digits(value: float) -> float:
 
 def _timed(run: Callable[[], None], repeats: int) -> Timing:
     run()                                   # warm-up: the first call opens files and connections
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
-    return Timing(seconds)
+    return time_repeats(run, repeats, cuda=False)
 
 
 def _raw_memory(payloads: list[bytes], repeats: int, options: dict[str, str], workdir: Path) -> tuple[Timing, Timing]:

@@ -137,7 +137,6 @@ class BlockStoreWorker(KvCacheConnectorWorker):
                 entry_offset += region.size
         return ops
 
-
     def staging_rows(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
         """A CPU row per transfer, one buffer per layer group: where a store that hands out bytes
         (files, a server) puts them on their way to or from the pages."""
@@ -159,6 +158,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         if self._staged_batch is None or self._staged_batch[0] is not transfers:
             self._staged_batch = (transfers, *self.staged_pages(transfers, read(transfers)))
         _, staging, rows = self._staged_batch
+        if layer_id is None:
+            self._staged_batch = None    # a whole-page load is the batch's only one: free its staging
         self.backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
         self.backend.synchronize()
 
@@ -182,6 +183,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             group = staging[t.layer_group_id]
             payloads.append(group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes())
         return payloads
+
 
 def _layer_chunk(region, layer_id: int | None) -> tuple[int, int] | None:
     """(offset, bytes) of `layer_id`'s buffers inside one page of `region`; the whole page for None."""

@@ -31,6 +31,17 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 10.0) 
     raise RuntimeError(f"server on port {port} did not listen within {timeout} s")
 
 
+def stop_process(process: subprocess.Popen | None) -> None:
+    """SIGTERM, and SIGKILL when it has not exited 10 s later."""
+    if process and process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 class RedisServer:
     """One redis-server process; `kill` and `start` again give a server restarted empty."""
 
@@ -57,12 +68,7 @@ class RedisServer:
             self.process.wait()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.process)
 
     def client(self):
         import redis
@@ -122,13 +128,7 @@ class MooncakeStore:
 
     def stop(self) -> None:
         for process in (self.pool, self.master):
-            if process and process.poll() is None:
-                os.kill(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.kill(process.pid, signal.SIGKILL)
-                    process.wait()
+            stop_process(process)
 
     def client(self):
         """A raw Mooncake client (segment 0) for tests that tamper with the store."""
