@@ -4,6 +4,7 @@ a wrong byte (each test checks the fingerprints and the tokens against a run wit
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -243,7 +244,7 @@ def test_ttl_and_prefix(server):
     assert all(0 < client.pttl(key) <= 100_000 for key in keys)
 
 
-def test_the_password_comes_from_the_environment(reference, monkeypatch):
+def test_the_password_comes_from_the_environment(reference, monkeypatch, tmp_path):
     need_redis()
     server = RedisServer("--requirepass", "s3cret-pw").start()
     try:
@@ -252,6 +253,12 @@ def test_the_password_comes_from_the_environment(reference, monkeypatch):
         engine = run("redis", options=opts(server, password_env="KVTOOL_TEST_REDIS_PW"), reqs=requests(offset=10))
         assert engine.states[10].num_external == 40
         assert_served_right(engine, reference, offset=10)
+        workload = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
+        done = kvtool("trace", "run", str(workload), "--connector", "redis", "--connector-opt", f"url={server.url}",
+                      "--connector-opt", "password_env=KVTOOL_TEST_REDIS_PW", "--output", str(tmp_path / "run"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        written = "".join(p.read_text() for p in (tmp_path / "run").iterdir() if p.suffix in (".json", ".csv"))
+        assert "s3cret-pw" not in written + done.stdout + done.stderr and "KVTOOL_TEST_REDIS_PW" in written
         monkeypatch.delenv("KVTOOL_TEST_REDIS_PW")
         with pytest.raises(InputError, match="KVTOOL_TEST_REDIS_PW, which is not set"):
             run("redis", options=opts(server, password_env="KVTOOL_TEST_REDIS_PW"))
