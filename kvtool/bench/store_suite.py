@@ -35,6 +35,7 @@ from kvtool.manager.block_keys import ReuseScope, chained_block_keys
 from kvtool.models import load_model
 
 LATENCY_SAMPLES = 30
+_LOST = "the store does not hold the blocks the bench just saved (too small, or failing: see the warnings above)"
 
 
 @dataclass
@@ -87,12 +88,12 @@ class _Bench:
         try:
             plan = {(j, g): self.scheduler.lookup(self.keys[j], g) for j in blocks for g in self.groups}
             if any(location is None for location in plan.values()):
-                raise InputError("the store lost blocks the bench had just saved (is it full?)")
+                raise InputError(_LOST)
             secured = self.scheduler.secure(plan)
         finally:
             self.scheduler.end_ask()
         if secured is None:
-            raise InputError("the store lost blocks the bench had just saved (is it full?)")
+            raise InputError(_LOST)
         return [PageTransfer(0, g, j, self.target_pages[j], secured[(j, g)], self.keys[j]) for (j, g) in secured]
 
     def pages_equal(self, blocks: range) -> bool:

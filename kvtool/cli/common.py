@@ -7,6 +7,7 @@ import contextlib
 import enum
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -52,6 +53,7 @@ class OneLineErrorsGroup(TyperGroup):
     option) is one line on stderr and exit 2, like kvtool's own errors."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        warnings.formatwarning = _one_line_warning
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS_IS_HELP as exc:
@@ -162,6 +164,12 @@ def note_model_origin(spec: ModelSpec) -> None:
     """Say on stderr which name a model read from a config file got, and from what."""
     if spec.origin != "preset":
         print(f"kvtool: model {spec.name!r} from {spec.origin}", file=sys.stderr)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A library's warning on the terminal as kvtool's own: one line, no source excerpt."""
+    text = str(message)
+    return f"kvtool: warning: {text.removeprefix('kvtool ')}\n"
 
 
 def warn(message: str) -> None:
