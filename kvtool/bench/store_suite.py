@@ -245,14 +245,14 @@ def _batched(items, size: int):
 
 
 def _mooncake_client(options: dict[str, str]):
-    from kvtool.connectors.mooncake_store import DEFAULT_MASTER, DEFAULT_METADATA
-    from mooncake.store import MooncakeDistributedStore
-    client = MooncakeDistributedStore()
-    if client.setup(options.get("host", "127.0.0.1"), options.get("metadata", DEFAULT_METADATA), 0, 16 << 20,
-                    options.get("protocol", "tcp"), options.get("device", ""),
-                    options.get("master", DEFAULT_MASTER)) != 0:
-        raise InputError("the raw Mooncake client could not be set up")
-    return client
+    from kvtool.connectors.mooncake_store import DEFAULT_MASTER, DEFAULT_METADATA, open_client
+    from kvtool.connectors.remote_store import StoreUnavailable
+    try:
+        return open_client(options.get("host", "127.0.0.1"), options.get("metadata", DEFAULT_METADATA),
+                           options.get("master", DEFAULT_MASTER), options.get("protocol", "tcp"),
+                           options.get("device", ""))
+    except StoreUnavailable as exc:
+        raise InputError(f"the raw Mooncake client: {exc}") from None
 
 
 def _raw_mooncake(payloads: list[bytes], repeats: int, options: dict[str, str],

@@ -26,7 +26,7 @@ from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict
 from kvtool.validate.runner import run_all
-from kvtool.validate.remote_scenarios import remote_client
+from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.scenarios import SCENARIOS
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -61,8 +61,9 @@ def validate(
                                            "fingerprints and worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel shards (N = --num-ranks): each rank holds "
                                     "1/N of the KV heads.")] = 1,
-    remote: Annotated[Optional[str], typer.Option(metavar="URL", help="The Redis server TARGET stores into, "
-                      "dedicated to the test: the remote-* scenarios flush, pause and disconnect it.")] = None,
+    remote: Annotated[Optional[str], typer.Option(metavar="URL", help="The server TARGET stores into (redis://... "
+                      "or mooncake://HOST:RPC_PORT?metadata=URL), dedicated to the test: the remote-* scenarios "
+                      "empty, pause and disconnect it.")] = None,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -127,11 +128,10 @@ def validate(
 
 def _check_remote(url: str) -> None:
     """InputError unless the --remote server answers."""
-    import redis
     try:
-        remote_client(url).ping()
-    except (redis.RedisError, ValueError) as exc:
-        raise InputError(f"--remote {url}: the server does not answer ({exc})") from None
+        remote_control(url).check()
+    except InputError as exc:
+        raise InputError(f"--remote {url}: {exc}") from None
 
 
 def _resolved_model(name: str) -> str:

@@ -47,6 +47,28 @@ MOONCAKE_OPTIONS = REMOTE_OPTIONS + (
 )
 
 
+def open_client(host: str, metadata: str, master: str, protocol: str = "tcp", device: str = ""):
+    """A Mooncake Store client contributing no memory to the pool; StoreUnavailable (with the
+    reason) when the master cannot be reached, InputError when Mooncake is not installed."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError:
+        raise InputError("the mooncake connector needs Mooncake Store: pip install 'kvtool[mooncake]' "
+                         "(and apt-get install -y libibverbs1)") from None
+    master_host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((master_host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise StoreUnavailable(f"master {master} unreachable: {exc}") from None
+    # The transfer engine otherwise advertises the first non-loopback address, not `host` (and
+    # finds none in a private network namespace).
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+    client = MooncakeDistributedStore()
+    if client.setup(host, metadata, 0, 16 << 20, protocol, device, master) != 0:
+        raise StoreUnavailable(f"setup against master {master} failed")
+    return client
+
+
 class MooncakeBlockStore(RemoteBlockStore):
     kind = "mooncake"
 
@@ -118,21 +140,7 @@ class MooncakeBlockStore(RemoteBlockStore):
     def _connected(self):
         if self._client is not None:
             return self._client
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError:
-            raise InputError("the mooncake connector needs Mooncake Store: pip install 'kvtool[mooncake]' "
-                             "(and apt-get install -y libibverbs1)") from None
-        host, _, port = self.master.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
-        except OSError as exc:
-            raise StoreUnavailable(f"master {self.master} unreachable: {exc}") from None
-        # The transfer engine otherwise advertises the first non-loopback address, not `host`.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
-        client = MooncakeDistributedStore()
-        if client.setup(self.host, self.metadata, 0, 16 << 20, self.protocol, self.device, self.master) != 0:
-            raise StoreUnavailable(f"setup against master {self.master} failed")
+        client = open_client(self.host, self.metadata, self.master, self.protocol, self.device)
         buffer = np.zeros(self.buffer_bytes, dtype=np.uint8)
         if client.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
             client.close()

@@ -1,10 +1,10 @@
-"""Scenarios for connectors with a remote store, run when `--remote URL` names the Redis server the
-connector under test stores into. They disrupt that server the way production does, at the worst
+"""Scenarios for connectors with a remote store, run when `--remote URL` names the server (Redis or
+Mooncake Store, see `remote_servers`) the connector under test stores into. They disrupt that server the way production does, at the worst
 moment, and require every request to complete with the bytes a run without the connector computes:
 a failing store may cost hits, never a wrong byte or a failed request.
 
-The server must be dedicated to the test: these scenarios flush its database, pause it and close
-its clients' connections.
+The server must be dedicated to the test: these scenarios empty it, pause it and close its
+clients' connections.
 """
 
 from __future__ import annotations
@@ -12,18 +12,9 @@ from __future__ import annotations
 from typing import Callable
 
 from kvtool.engine.engine import Engine
-from kvtool.errors import InputError
 from kvtool.validate.harness import Context, Req, Scenario, judge_integrity, result, run, skipped, tokens
+from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CheckResult
-
-
-def remote_client(url: str):
-    """A client of the server under test (InputError when the redis package is missing)."""
-    try:
-        import redis
-    except ImportError:
-        raise InputError("--remote needs the redis client: pip install 'kvtool[redis]'") from None
-    return redis.Redis.from_url(url, socket_timeout=5)
 
 
 def _workload(T: int) -> list[Req]:
@@ -52,7 +43,7 @@ def _after_each_ask(disrupt: Callable[[], None], counts: list[int]) -> Callable[
 
 def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, counts=None) -> list[CheckResult]:
     if ctx.remote is None:
-        return [skipped(name, ctx, "integrity", "needs --remote URL (the Redis server the connector stores into)")]
+        return [skipped(name, ctx, "integrity", "needs --remote URL (the server the connector stores into)")]
     reqs = _workload(ctx.tokens_per_block)
     r = run(ctx, reqs, setup=disrupt_setup, on_iteration=on_iteration)
     out = [judge_integrity(name, ctx, [(r, reqs)])]
@@ -65,31 +56,35 @@ def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, coun
 
 def lost_after_ask(ctx: Context) -> list[CheckResult]:
     counts: list[int] = []
-    client = remote_client(ctx.remote) if ctx.remote else None
-    return _judged("remote-lost-after-ask", ctx, _after_each_ask(lambda: client.flushdb(), counts), counts=counts)
+    server = remote_control(ctx.remote) if ctx.remote else None
+    return _judged("remote-lost-after-ask", ctx, _after_each_ask(lambda: server.flush(), counts), counts=counts)
 
 
 def restarted_empty(ctx: Context) -> list[CheckResult]:
-    client = remote_client(ctx.remote) if ctx.remote else None
+    server = remote_control(ctx.remote) if ctx.remote else None
 
     def wipe_and_disconnect(engine: Engine) -> None:
         if engine.iteration % 3 == 0:
-            client.flushdb()
-            client.client_kill_filter(_type="normal", skipme=True)
+            server.flush()
+            if server.can_drop_connections:
+                server.drop_connections()
     return _judged("remote-restarted-empty", ctx, on_iteration=wipe_and_disconnect)
 
 
 def stalled(ctx: Context) -> list[CheckResult]:
     counts: list[int] = []
-    client = remote_client(ctx.remote) if ctx.remote else None
-    pause = lambda: client.execute_command("CLIENT", "PAUSE", "1500", "ALL")   # noqa: E731
-    return _judged("remote-stalled", ctx, _after_each_ask(pause, counts), counts=counts)
+    server = remote_control(ctx.remote) if ctx.remote else None
+    if server is not None and not server.can_pause:
+        return [skipped("remote-stalled", ctx, "integrity", f"{server.kind} cannot pause its clients")]
+    return _judged("remote-stalled", ctx, _after_each_ask(lambda: server.pause(1500), counts), counts=counts)
 
 
 def connections_dropped(ctx: Context) -> list[CheckResult]:
-    client = remote_client(ctx.remote) if ctx.remote else None
-    drop = lambda engine: client.client_kill_filter(_type="normal", skipme=True)   # noqa: E731
-    return _judged("remote-connections-dropped", ctx, on_iteration=drop)
+    server = remote_control(ctx.remote) if ctx.remote else None
+    if server is not None and not server.can_drop_connections:
+        return [skipped("remote-connections-dropped", ctx, "integrity",
+                        f"{server.kind} cannot drop its clients' connections")]
+    return _judged("remote-connections-dropped", ctx, on_iteration=lambda engine: server.drop_connections())
 
 
 REMOTE_SCENARIOS = (

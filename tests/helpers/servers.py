@@ -132,10 +132,8 @@ class MooncakeStore:
 
     def client(self):
         """A raw Mooncake client (segment 0) for tests that tamper with the store."""
-        from mooncake.store import MooncakeDistributedStore
-        raw = MooncakeDistributedStore()
-        assert raw.setup("127.0.0.1", self.options["metadata"], 0, 16 << 20, "tcp", "", self.options["master"]) == 0
-        return raw
+        from kvtool.connectors.mooncake_store import open_client
+        return open_client("127.0.0.1", self.options["metadata"], self.options["master"])
 
 
 class CuttingProxy:

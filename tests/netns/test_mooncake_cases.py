@@ -158,7 +158,24 @@ def test_two_processes_share_prefixes_through_the_store(store, tmp_path):
     assert second["computed_tokens"] < first["computed_tokens"] / 5
 
 
-def test_validate_mooncake_passes(store):
-    done = kvtool("validate", "mooncake", "--model", "tiny-vswa",
+def remote_url(store):
+    return f"mooncake://127.0.0.1:{store.rpc_port}?metadata={store.options['metadata']}"
+
+
+def test_validate_mooncake_passes_with_the_remote_scenarios(store):
+    done = kvtool("validate", "mooncake", "--model", "tiny-vswa", "--remote", remote_url(store), "--format", "json",
                   *[a for k, v in store.options.items() for a in ("--connector-opt", f"{k}={v}")])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    verdicts = {(c["scenario"], c["check"]): c["verdict"] for c in json.loads(done.stdout)["results"]}
+    assert verdicts[("remote-lost-after-ask", "integrity")] == verdicts[("remote-lost-after-ask", "disrupted")] \
+        == verdicts[("remote-restarted-empty", "integrity")] == "pass"
+    assert verdicts[("remote-stalled", "integrity")] == "skip"        # Mooncake cannot pause its clients
+
+
+def test_the_remote_scenarios_catch_a_fetch_at_load_connector_on_mooncake(store):
+    done = kvtool("validate", "tests.helpers.broken_remote_connectors:MooncakeFetchAtLoad:MooncakeFetchAtLoadWorker",
+                  "--model", "tiny", "--remote", remote_url(store), "--scenario", "remote-lost-after-ask",
+                  "--format", "json", *[a for k, v in store.options.items() for a in ("--connector-opt", f"{k}={v}")])
+    assert done.returncode == 1, done.stderr[-2000:]
+    verdicts = {(c["scenario"], c["check"]): c["verdict"] for c in json.loads(done.stdout)["results"]}
+    assert verdicts[("remote-lost-after-ask", "integrity")] == "fail"
