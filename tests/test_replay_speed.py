@@ -14,4 +14,19 @@ def test_it_replays_each_fraction_and_the_shipped_workload(tmp_path, capsys):
     assert [r["requests"] for r in rows] == [10, 40, 24]
     assert [r["fidelity"] for r in rows] == ["blocks", "blocks", "bytes"]
     assert all(r["tokens_per_second"] > 0 and not r["failed_checks"] for r in rows)
-    assert (tmp_path / "out" / "meta.json").is_file() and len(capsys.readouterr().out.splitlines()) == 3
+    # Three replays and a median line for each of the two fractions.
+    assert (tmp_path / "out" / "meta.json").is_file() and len(capsys.readouterr().out.splitlines()) == 5
+
+
+def test_repeats_interleave_the_fractions_and_report_medians(tmp_path):
+    trace = tmp_path / "m.jsonl"
+    random_mooncake_trace(trace, 20, 512, seed=2)
+    assert main([str(trace), "--fractions", "0.5,1", "--repeats", "2", "--output", str(tmp_path / "out")]) == 0
+    document = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["requests"], r.get("repeat")) for r in document["rows"]] == [(10, 0), (20, 0), (10, 1), (20, 1),
+                                                                             (24, None)]
+    medians = {m["run"]: m for m in document["medians"]}
+    assert [m["repeats"] for m in medians.values()] == [2, 2]
+    for run, m in medians.items():
+        seconds = sorted(r["seconds"] for r in document["rows"] if r["run"] == run)
+        assert m["seconds"] == round(sum(seconds) / 2, 3)

@@ -2,7 +2,7 @@
 grows: the first 1 %, 10 % and 100 % of a trace, prefill only, one connector-tier capacity, one
 core; and the shipped workload in bytes fidelity (the path `validate` uses).
 
-    python -m kvtool.cli.replay_speed TRACE [--fractions 0.01,0.1,1] [--output DIR] [--profile]
+    python -m kvtool.cli.replay_speed TRACE [--fractions 0.01,0.1,1] [--repeats N] [--output DIR] [--profile]
 
 Prints one JSON row per replay (tokens/s, µs per block) and, with --output, writes
 results.json, results.csv, meta.json and (--profile) the top of a cProfile of the largest run.
@@ -78,33 +78,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", default="1e8", help="tokens of the index tier")
     parser.add_argument("--output", type=Path, help="run folder for results.json/csv and meta.json")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over the fractions, interleaved (a slow minute of the machine hits every "
+                             "fraction alike); the medians are reported")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)   # the target is one core
     folder = prepare_run_folder(args.output) if args.output else None
     fractions = sorted(float(f) for f in args.fractions.split(","))
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     rows, profile_text = [], ""
     with tempfile.TemporaryDirectory() as scratch:
-        for fraction in fractions:
-            path, count = head_of(args.trace, fraction, Path(scratch))
-            options = ReplayOptions(path, prefill_only=True, fidelity="blocks", tokens_per_block=args.tokens_per_block,
-                                    connector="index", connector_opt=(f"capacity={args.capacity}",))
-            row, top = replay_row(f"{fraction:g} of the trace ({count} requests)", options,
-                                  args.profile and fraction == fractions[-1])
-            rows.append(row)
-            profile_text = top or profile_text
-            print(json.dumps(row), flush=True)
+        heads = [head_of(args.trace, fraction, Path(scratch)) for fraction in fractions]
+        for repeat in range(args.repeats):
+            for fraction, (path, count) in zip(fractions, heads):
+                options = ReplayOptions(path, prefill_only=True, fidelity="blocks",
+                                        tokens_per_block=args.tokens_per_block, connector="index",
+                                        connector_opt=(f"capacity={args.capacity}",))
+                row, top = replay_row(f"{fraction:g} of the trace ({count} requests)", options,
+                                      args.profile and repeat == 0 and fraction == fractions[-1])
+                rows.append({**row, "repeat": repeat})
+                profile_text = top or profile_text
+                print(json.dumps(rows[-1]), flush=True)
     shipped, _ = replay_row("shipped workload, bytes fidelity, host connector",
                             ReplayOptions(SHIPPED, connector="host", no_local_reuse=True))
     rows.append(shipped)
     print(json.dumps(shipped), flush=True)
+    medians = _medians(rows)
+    for row in medians:
+        print(json.dumps({"median": row}), flush=True)
     if folder is not None:
-        write_json(folder / "results.json", {"rows": rows})
+        write_json(folder / "results.json", {"rows": rows, "medians": medians})
         write_file(folder / "results.csv", pd.DataFrame(rows).to_csv(index=False))
         if profile_text:
             write_file(folder / "profile.txt", profile_text)
         write_meta(folder, "trace-replay-bench", trace=str(args.trace), capacity_tokens=args.capacity,
                    threads=1)
     return 1 if any(r["failed_checks"] for r in rows) else 0
+
+
+def _medians(rows: list[dict]) -> list[dict]:
+    """Per run label: the median seconds, tokens/s and µs per block over the repeats."""
+    frame = pd.DataFrame([r for r in rows if "repeat" in r])
+    if frame.empty:
+        return []
+    grouped = frame.groupby("run", sort=False)[["seconds", "tokens_per_second", "us_per_block"]].median()
+    return [{"run": run, **{k: round(float(v), 3) for k, v in values.items()}, "repeats": int((frame.run == run).sum())}
+            for run, values in grouped.iterrows()]
 
 
 if __name__ == "__main__":
