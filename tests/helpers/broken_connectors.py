@@ -26,7 +26,7 @@ class Worker(HostConnectorWorker):
 class WrongSlotWorker(HostConnectorWorker):
     def load(self, transfers, layer_id=None):
         pages = [t.page for t in transfers]
-        shifted = [replace(t, page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
+        shifted = [t._replace(page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
         super().load(shifted, layer_id)
 
 
@@ -76,7 +76,7 @@ class NoBadSkip(HostConnectorScheduler):
 class NoBadSkipWorker(HostConnectorWorker):
     def load(self, transfers, layer_id=None):
         # -1 used as an index, as Python allows: the last slot
-        fixed = [replace(t, page=self.layout.group(t.layer_group_id).regions[0].num_slots - 1)
+        fixed = [t._replace(page=self.layout.group(t.layer_group_id).regions[0].num_slots - 1)
                  if t.page == BAD_PAGE_INDEX else t for t in transfers]
         super().load(fixed, layer_id)
 
@@ -116,7 +116,7 @@ class HeadShift(HostConnectorScheduler):
         first = tracker.offer[0] // self.tokens_per_block if tracker.offer else 0
         super().update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)
         if head_cancelled:
-            tracker.pending_loads = [replace(t, location=self.lookup(tracker.keys[first + i], t.layer_group_id) or
+            tracker.pending_loads = [t._replace(location=self.lookup(tracker.keys[first + i], t.layer_group_id) or
                                              t.location) for i, t in enumerate(tracker.pending_loads)]
 
 

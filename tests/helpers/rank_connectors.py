@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
@@ -57,7 +56,7 @@ class OtherPlanOnRank1(HostConnectorWorker):
     def load(self, transfers, layer_id=None):
         if self._llm_args.rank == 1 and transfers:
             pages = [t.page for t in transfers]
-            transfers = [replace(t, page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
+            transfers = [t._replace(page=pages[(i + 1) % len(pages)]) for i, t in enumerate(transfers)]
         super().load(transfers, layer_id)
 
 
