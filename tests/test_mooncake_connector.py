@@ -25,7 +25,8 @@ def _why_not() -> str | None:
         return "Mooncake Store is not installed (pip install 'kvtool[mooncake]')"
     probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return f"mooncake.store does not import ({probe.stderr.strip().splitlines()[-1]}; apt-get install -y libibverbs1)"
+        last = probe.stderr.strip().splitlines()[-1]
+        return f"mooncake.store does not import ({last}; apt-get install -y libibverbs1)"
     return None
 
 

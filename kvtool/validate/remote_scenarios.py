@@ -1,7 +1,8 @@
 """Scenarios for connectors with a remote store, run when `--remote URL` names the server (Redis or
-Mooncake Store, see `remote_servers`) the connector under test stores into. They disrupt that server the way production does, at the worst
-moment, and require every request to complete with the bytes a run without the connector computes:
-a failing store may cost hits, never a wrong byte or a failed request.
+Mooncake Store, see `remote_servers`) the connector under test stores into. They disrupt that
+server the way production does, at the worst moment, and require every request to complete with
+the bytes a run without the connector computes: a failing store may cost hits, never a wrong byte
+or a failed request.
 
 The server must be dedicated to the test: these scenarios empty it, pause it and close its
 clients' connections.

@@ -15,8 +15,9 @@ from kvtool.engine.request_state import Phase
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model
-from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                     judge_warm_hit, reference_tokens, result, run, skipped, tokens)
+from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
+                                     judge_integrity, judge_warm_hit, reference_tokens, result, run, skipped,
+                                     tokens)
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.results import CheckResult
 from kvtool.validate.store_scope import own_store
