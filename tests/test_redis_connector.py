@@ -318,3 +318,36 @@ def test_two_processes_share_prefixes_through_the_server(server, tmp_path):
     # (and the last position): everything else comes from what the first one saved.
     assert second["connector_hit_tokens"] > first["connector_hit_tokens"]
     assert second["computed_tokens"] < first["computed_tokens"] / 5
+
+
+def test_tensor_parallel_ranks_each_save_and_are_served_their_own_shard(server, tmp_path):
+    """Two ranks as processes, each saving its half of the heads under its rank; the second run's
+    scheduler fetches both halves at the ask and each rank loads its own."""
+    workload = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
+    summaries = []
+    for i in (1, 2):
+        done = kvtool("trace", "run", str(workload), "--connector", "redis", "--connector-opt", f"url={server.url}",
+                      "--num-ranks", "2", "--tp", "2", "--no-local-reuse", "--output", str(tmp_path / f"run{i}"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        import json
+        summaries.append(json.loads((tmp_path / f"run{i}" / "summary.json").read_text()))
+    assert all(s["integrity_errors"] == 0 and s["failed_requests"] == 0 for s in summaries)
+    assert summaries[1]["computed_tokens"] < summaries[0]["computed_tokens"] / 5
+    ranks = {key.split(b":")[2] for key in server.client().keys("*")}
+    assert ranks == {b"r0", b"r1"}
+
+
+def test_the_index_tier_saves_in_every_mode(server):
+    """Block fidelity's redis-index writes its headers whether saves come per pass or per layer."""
+    from kvtool.engine.engine import Engine, EngineConfig
+    from kvtool.connectors.registry import load_connector as load
+    for mode in ("sync", "layerwise"):
+        config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=64, device="cpu"),
+                              SchedulerConfig(local_reuse=False), fidelity="blocks")
+        engine = Engine(config, load("redis-index"), opts(server, mode=mode, prefix=f"idx-{mode}"))
+        for r in requests():
+            engine.add_request(r)
+        engine.run()
+        engine.close()
+        assert [engine.states[i].num_external for i in range(4)] == [0, 40, 40, 40], mode
+        assert server.client().keys(f"idx-{mode}:*")

@@ -5,8 +5,8 @@ failures: `remote_store`; the server's calls: its store class).
 The ask→load window: a remote server may evict a block, expire it, lose it in a restart, or drop
 the connection at any moment, and an offer is a promise. So the ask fetches what it offers: one
 batched existence check finds the run of stored blocks, one batched read fetches every rank's value
-of the planned entries into host staging, and each is verified (key, group, size, SHA-256) before the offer is
-made. The load then copies from staging and cannot fail on the server. What does not check out is
+of the planned entries into host staging, and each is verified (key, group, size, SHA-256) before
+the offer is made. The load then copies from staging and cannot fail on the server. What does not check out is
 a miss, and the ask plans again without it. Staged bytes are bounded by the `staging` option (an
 offer is shortened to fit). Ranks: the scheduler fetches every rank's shard (the key names the
 rank), and the metadata carries them to each rank's worker.
@@ -15,8 +15,9 @@ Saves: every block this engine computed is written (one batch per pass; a block 
 store or found on the GPU is not computed, hence not written again). Checking first would cost a
 round trip and protect nothing: a value is rewritten with the same bytes. A failed write is a lost
 cache entry, counted and warned about, never a failed request.
-The `-index` variants are the same tiers for block fidelity: the same keys, asks and saves, but each value is
-the block's header alone (no page bytes exist to store), and nothing is fetched or copied.
+The `-index` variants are the same tiers for block fidelity: the same keys, asks and saves, but
+each value is the block's header alone (no page bytes exist to store), and nothing is fetched or
+copied.
 """
 
 from __future__ import annotations
@@ -124,10 +125,11 @@ class RemoteIndexWorker(BlockStoreWorker):
 
     def open_store(self, layout: KvCacheLayout) -> None:
         self.store = self.store_class(self._llm_args, payloads=False)
+        self._last_layer = max(l for g in layout.layer_groups for l in g.layer_ids)
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         """Nothing moves in block fidelity."""
 
     def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
-        if layer_id is None and transfers:
+        if transfers and layer_id in (None, self._last_layer):
             self.store.put(((t.key, t.layer_group_id), b"") for t in transfers)
