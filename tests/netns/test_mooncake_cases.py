@@ -179,3 +179,18 @@ def test_the_remote_scenarios_catch_a_fetch_at_load_connector_on_mooncake(store)
     assert done.returncode == 1, done.stderr[-2000:]
     verdicts = {(c["scenario"], c["check"]): c["verdict"] for c in json.loads(done.stdout)["results"]}
     assert verdicts[("remote-lost-after-ask", "integrity")] == "fail"
+
+
+def test_instances_sharing_mooncake_hit_each_others_prefixes(store, tmp_path):
+    pairs = [a for k, v in opts(store).items() for a in ("--connector-opt", f"{k}={v}")]
+    done = kvtool("trace", "run", str(WORKLOAD), "--instances", "2", "--connector", "mooncake", "--no-local-reuse",
+                  "--output", str(tmp_path / "shared"), *pairs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads((tmp_path / "shared" / "instances.json").read_text())
+    done = kvtool("trace", "run", str(WORKLOAD), "--instances", "2", "--connector", "host", "--no-local-reuse",
+                  "--output", str(tmp_path / "local"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    local = json.loads((tmp_path / "local" / "instances.json").read_text())
+    assert [r["num_requests"] for r in shared["instances"]] == [12, 12]
+    assert shared["all"]["integrity_errors"] == 0 and shared["all"]["failed_requests"] == 0
+    assert shared["all"]["connector_hit_tokens"] > local["all"]["connector_hit_tokens"]
