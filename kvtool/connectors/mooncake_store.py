@@ -47,6 +47,12 @@ MOONCAKE_OPTIONS = REMOTE_OPTIONS + (
 )
 
 
+def probe(host: str, port: int) -> None:
+    """OSError unless something listens at host:port (a Mooncake setup against nothing blocks for
+    minutes; a connect says at once)."""
+    socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+
+
 def open_client(host: str, metadata: str, master: str, protocol: str = "tcp", device: str = ""):
     """A Mooncake Store client contributing no memory to the pool; StoreUnavailable (with the
     reason) when the master cannot be reached, InputError when Mooncake is not installed."""
@@ -57,7 +63,7 @@ def open_client(host: str, metadata: str, master: str, protocol: str = "tcp", de
                          "(and apt-get install -y libibverbs1)") from None
     master_host, _, port = master.rpartition(":")
     try:
-        socket.create_connection((master_host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+        probe(master_host, int(port))
     except OSError as exc:
         raise StoreUnavailable(f"master {master} unreachable: {exc}") from None
     # The transfer engine otherwise advertises the first non-loopback address, not `host` (and
@@ -100,42 +106,43 @@ class MooncakeBlockStore(RemoteBlockStore):
         values: list[bytes | None] = []
         with self._lock:
             client = self._connected()
-            for chunk in self._chunks(sizes):
-                offsets = np.cumsum([0] + [sizes[i] for i in chunk])[:-1]
-                base = self._buffer.ctypes.data
-                codes = client.batch_get_into([keys[i] for i in chunk], [base + int(o) for o in offsets],
+            for chunk, offsets in self._chunks(sizes):
+                codes = client.batch_get_into([keys[i] for i in chunk], self._addresses(offsets),
                                               [sizes[i] for i in chunk])
-                for i, offset, code in zip(chunk, offsets, codes):
-                    if code < 0 and code != OBJECT_NOT_FOUND and all(c < 0 for c in codes):
-                        raise StoreUnavailable(f"batch_get_into: error {code}")
-                    values.append(self._buffer[offset:offset + code].tobytes() if code >= 0 else None)
+                failures = [c for c in codes if c < 0 and c != OBJECT_NOT_FOUND]
+                if failures and all(c < 0 for c in codes):   # nothing came back: the store failed
+                    raise StoreUnavailable(f"batch_get_into: error {failures[0]}")
+                values += [self._buffer[o:o + c].tobytes() if c >= 0 else None for o, c in zip(offsets, codes)]
         return values
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
         sizes = [len(value) for _, value in items]
         with self._lock:
             client = self._connected()
-            for chunk in self._chunks(sizes):
-                offsets = np.cumsum([0] + [sizes[i] for i in chunk])[:-1]
+            for chunk, offsets in self._chunks(sizes):
                 for i, offset in zip(chunk, offsets):
                     self._buffer[offset:offset + sizes[i]] = np.frombuffer(items[i][1], dtype=np.uint8)
-                base = self._buffer.ctypes.data
-                codes = client.batch_put_from([items[i][0] for i in chunk], [base + int(o) for o in offsets],
+                codes = client.batch_put_from([items[i][0] for i in chunk], self._addresses(offsets),
                                               [sizes[i] for i in chunk])
                 failed = [c for c in codes if c < 0]
                 if failed:
                     raise StoreUnavailable(f"batch_put_from: error {failed[0]} ({len(failed)} of {len(codes)})")
 
-    def _chunks(self, sizes: list[int]) -> list[list[int]]:
-        """Indices of `sizes` in runs that fit the buffer."""
-        chunks, current, used = [], [], 0
+    def _chunks(self, sizes: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Runs of indices of `sizes` that fit the buffer, each with its values' offsets in it."""
+        chunks, current, offsets, used = [], [], [], 0
         for i, size in enumerate(sizes):
             if current and used + size > self.buffer_bytes:
-                chunks.append(current)
-                current, used = [], 0
+                chunks.append((current, offsets))
+                current, offsets, used = [], [], 0
             current.append(i)
+            offsets.append(used)
             used += size
-        return chunks + ([current] if current else [])
+        return chunks + ([(current, offsets)] if current else [])
+
+    def _addresses(self, offsets: list[int]) -> list[int]:
+        base = self._buffer.ctypes.data
+        return [base + offset for offset in offsets]
 
     def _connected(self):
         if self._client is not None:
@@ -147,8 +154,3 @@ class MooncakeBlockStore(RemoteBlockStore):
             raise StoreUnavailable("register_buffer failed")
         self._client, self._buffer = client, buffer
         return client
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None

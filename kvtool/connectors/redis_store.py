@@ -83,6 +83,3 @@ class RedisBlockStore(RemoteBlockStore):
             return call()
         except redis.RedisError as exc:
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
-
-    def close(self) -> None:
-        self.client.close()

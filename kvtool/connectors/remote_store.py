@@ -109,9 +109,6 @@ class RemoteBlockStore(ABC):
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
         """Store every (key, value) (StoreUnavailable when the server fails)."""
 
-    def close(self) -> None:
-        """Release the connection."""
-
     # ---- what the connector calls ----------------------------------------------------------------
     def key(self, entry: Entry, rank: int) -> str:
         return f"{self._key_head}r{rank}:g{entry[1]}:{entry[0].hex()}"

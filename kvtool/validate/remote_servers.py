@@ -59,11 +59,11 @@ class MooncakeControl:
         """The master and its metadata server listen. No client is made here: this runs in the
         parent of the forked scenario processes, and a Mooncake client's threads do not survive a
         fork (a child inheriting one hangs)."""
-        import socket
+        from kvtool.connectors.mooncake_store import probe
         metadata = urlsplit(self.metadata)
         for host, port in (self.master.rsplit(":", 1), (metadata.hostname, metadata.port or 80)):
             try:
-                socket.create_connection((host, int(port)), timeout=1.0).close()
+                probe(host, int(port))
             except OSError as exc:
                 raise InputError(f"nothing answers at {host}:{port} ({exc})") from None
 
