@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,6 +26,7 @@ import torch
 from kvtool.bench.timing import Timing, time_repeats
 from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.store_namespace import store_namespace
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.engine.worker_setup import rank_llm_args
 from kvtool.errors import InputError
@@ -112,17 +112,10 @@ def run_store_suite(spec: ConnectorSpec, options: dict[str, str], model: str, to
     if spec.name not in RAW_LOOPS:
         raise InputError(f"--suite store measures {', '.join(RAW_LOOPS)}, not {spec.name!r}")
     rows = []
-    previous = os.environ.get(STORE_NAMESPACE_ENV)
-    os.environ[STORE_NAMESPACE_ENV] = f"bench-{os.getpid()}-{time.time_ns()}"
-    try:
+    with store_namespace(label="bench"):   # its blocks are deleted afterwards, and only its own
         for tpb in tokens_per_block:
             bench = _setup(spec, options, model, tpb, batch_bytes, workdir)
             rows += _measure(spec.name, bench, model, tpb, repeats, options, workdir)
-    finally:
-        if previous is None:
-            os.environ.pop(STORE_NAMESPACE_ENV, None)
-        else:
-            os.environ[STORE_NAMESPACE_ENV] = previous
     return rows
 
 

@@ -13,12 +13,12 @@ from typing import Callable, Iterable
 
 import torch
 
+from kvtool.connector.store_namespace import store_namespace
 from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.processes import scenario_processes
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
-from kvtool.validate.store_scope import store_namespace
 
 SETUP = "setup"
 
@@ -27,7 +27,7 @@ def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
     """One scenario, here, in a fresh temporary working directory; errors become ERROR results."""
     started = time.perf_counter()
     here = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir, store_namespace():
+    with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir, store_namespace(label="validate"):
         os.chdir(workdir)
         try:
             results = _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
