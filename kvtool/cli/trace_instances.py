@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from kvtool.cli.trace_setup import ReplayOptions, build_replay
 from kvtool.connector.request import Request
-from kvtool.engine.trace import run_trace
+from kvtool.engine.trace import run_trace, token_hit_rate
 from kvtool.errors import InputError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
 from kvtool.types import TextEnum
@@ -158,8 +158,8 @@ def global_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summed = ("num_requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "connector_hit_tokens",
               "cancelled_tokens", "integrity_errors", "failed_requests", "iterations", "evictions")
     total = {name: sum(r[name] for r in rows) for name in summed}
-    hits = total["local_hit_tokens"] + total["connector_hit_tokens"]
-    total["hit_rate"] = round(hits / total["prompt_tokens"], 6) if total["prompt_tokens"] else 0.0
+    total["hit_rate"] = token_hit_rate(total["local_hit_tokens"], total["connector_hit_tokens"],
+                                       total["prompt_tokens"])
     total["wall_seconds"] = max(r["wall_seconds"] for r in rows)
     total["failed_checks"] = "; ".join(f"instance {r['instance']}: {r['failed_checks']}"
                                        for r in rows if r["failed_checks"])

@@ -82,6 +82,13 @@ class TraceSummary:
         return dataclasses.asdict(self)
 
 
+def token_hit_rate(local_hit_tokens: int, connector_hit_tokens: int, prompt_tokens: int) -> float:
+    """The token-weighted hit rate (the module's definition), to 6 decimals; 0 without prompt tokens."""
+    if not prompt_tokens:
+        return 0.0
+    return round((local_hit_tokens + connector_hit_tokens) / prompt_tokens, 6)
+
+
 @dataclass
 class TraceResult:
     summary: TraceSummary
@@ -202,7 +209,7 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
         connector_evictions=counters.get("evicted_entries"),
         bytes_loaded=None if loaded is None else loaded * block_bytes,
         bytes_saved=None if saved is None else saved * block_bytes,
-        hit_rate=round((local + external) / prompt_tokens, 6) if prompt_tokens else 0.0,
+        hit_rate=token_hit_rate(local, external, prompt_tokens),
         simulated_seconds=round(engine.clock, 6),
         fidelity=engine.config.fidelity,
         invariant_errors=len(invariant_errors),
