@@ -580,7 +580,8 @@ def _require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> 
             raise InputError("block fidelity runs one rank: drop --num-ranks (or use --fidelity bytes)")
         if connector is not None and moves_bytes:
             raise InputError(f"connector {connector.name!r} moves KV bytes, and block fidelity has none: "
-                             "use --connector index or redis-index (tiers that only index) or --fidelity bytes")
+                             "use --connector index, redis-index or mooncake-index (tiers that only index) "
+                             "or --fidelity bytes")
     elif not moves_bytes:
         raise InputError(f"connector {connector.name!r} moves no bytes (it stands in for a tier in block "
                          "fidelity): use it with --fidelity blocks")

@@ -40,7 +40,7 @@ class Context:
     tp_size: int = 1
     """Tensor-parallel shards (1: every rank holds every head; else num_ranks)."""
     remote: str | None = None
-    """A Redis server the connector stores into, given to the remote scenarios to disrupt."""
+    """The server the connector stores into (redis:// or mooncake://), for the remote scenarios to disrupt."""
 
 
 @dataclass(frozen=True)
