@@ -351,3 +351,12 @@ def test_the_index_tier_saves_in_every_mode(server):
         engine.close()
         assert [engine.states[i].num_external for i in range(4)] == [0, 40, 40, 40], mode
         assert server.client().keys(f"idx-{mode}:*")
+
+
+def test_an_offer_is_shortened_to_the_staging_room(server, reference):
+    """Four tiny blocks (2 KiB each) of staging: each offer stages at most four of the ten shared blocks."""
+    run("redis", options=opts(server))
+    engine = run("redis", options=opts(server, staging="8KiB"), reqs=requests(offset=10, spacing=1.0))
+    assert [engine.states[10 + i].num_external for i in range(4)] == [16, 16, 16, 16]
+    assert engine.connector.scheduler.num_staged_bytes == 0
+    assert_served_right(engine, reference, offset=10)

@@ -45,9 +45,14 @@ class RemoteStoreScheduler(BlockStoreScheduler):
         self._present: set[Entry] = set()
         """This ask's snapshot: entries rank 0's shard had when the ask began (less what vanished)."""
 
+    def staging_room(self) -> int | None:
+        """Blocks an offer may still stage (None: no bound)."""
+        return max(self.staging_capacity - self.num_staged_bytes, 0) // self._block_bytes
+
     def begin_ask(self, keys: list[bytes], first: int) -> None:
-        room = max(self.staging_capacity - self.num_staged_bytes, 0) // self._block_bytes
-        wanted = [(key, g.layer_group_id) for key in keys[first:first + room] for g in self.groups]
+        room = self.staging_room()
+        candidates = keys[first:] if room is None else keys[first:first + room]
+        wanted = [(key, g.layer_group_id) for key in candidates for g in self.groups]
         self._present = self.store.existing(wanted)
 
     def contains(self, key: bytes, layer_group_id: int) -> bool:
@@ -105,9 +110,8 @@ class RemoteIndexScheduler(RemoteStoreScheduler):
     kvtool_moves_bytes = False
     """Read by the engine: this connector stands in for byte movement (block fidelity only)."""
 
-    def __init__(self, llm_args: LlmArgs) -> None:
-        super().__init__(llm_args)
-        self._block_bytes = 1      # nothing is staged: the room is never short
+    def staging_room(self) -> None:
+        return None                # nothing is staged
 
     def secure(self, plan: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
         return plan                # nothing will be read: there is no window to close
