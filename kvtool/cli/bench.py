@@ -84,8 +84,9 @@ def bench(
                                                                       "while saving.")] = False,
 ) -> None:
     """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
-    link peak measured in the same run, or the manager's cost with --suite manager. Writes
-    meta.json, results.csv, results.json and a plot under --output."""
+    link peak measured in the same run; the manager's cost with --suite manager; or a connector's
+    own save and load paths against a raw loop of its store with --suite store --connector NAME.
+    Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
     out_dir = prepare_run_folder((output or default_output_dir()).resolve())
     console = Console(stderr=True)
     if suite is Suite.manager:

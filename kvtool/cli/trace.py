@@ -52,7 +52,8 @@ def trace_run(
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     instances: Annotated[int, typer.Option(metavar="N", help="Engine instances, each in its own process with its "
-                                           "own GPU pool and connector (a shared store: redis, redis-index).")] = 1,
+                                           "own GPU pool and connector (a shared store: redis, mooncake, or their -index "
+                                           "tiers for block fidelity).")] = 1,
     route: Annotated[Route, typer.Option(help="How requests reach instances: round-robin, or prefix "
                                          "(cache-aware).")] = Route.ROUND_ROBIN,
     sync_window: Annotated[float, typer.Option(metavar="SECONDS", help="No instance runs more than this many "
