@@ -30,6 +30,9 @@ class GroupPages(Mapping[int, tuple[int, ...]]):
     __slots__ = ("_lists",)
 
     def __init__(self, lists: Mapping[int, Iterable[int]] | Iterable[tuple[int, Iterable[int]]] = ()) -> None:
+        if isinstance(lists, GroupPages):   # immutable: share, do not copy (a connector re-wraps them each pass)
+            self._lists = lists._lists
+            return
         items = lists.items() if isinstance(lists, Mapping) else lists
         self._lists: dict[int, tuple[int, ...]] = {int(g): tuple(map(int, pages)) for g, pages in items}
 

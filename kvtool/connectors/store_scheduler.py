@@ -266,22 +266,24 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
     def _completed_blocks(self, tracker: _Tracker, start: int, end: int) -> list[PageTransfer]:
         """Saves for the full blocks this pass completes (their pages are written now)."""
         tpb = self.tokens_per_block
-        saves = []
-        for j in range(start // tpb, min(end // tpb, len(tracker.keys))):
-            saves.extend(self._save_block(tracker, j, windowed_only=self.mode is StoreMode.ASYNC))
-        return saves
+        return self._save_blocks(tracker, range(start // tpb, min(end // tpb, len(tracker.keys))),
+                                 windowed_only=self.mode is StoreMode.ASYNC)
 
-    def _save_block(self, tracker: _Tracker, ordinal: int, windowed_only: bool = False) -> list[PageTransfer]:
-        saves = []
-        for g, pages in tracker.pages.items():
-            if windowed_only and self._window_of[g] is None:
-                continue
-            if ordinal < len(pages) and pages[ordinal] != BAD_PAGE_INDEX:
-                location = self.reserve(tracker.keys[ordinal], g)
-                if location is not None:
-                    saves.append(PageTransfer(tracker.request_id, g, ordinal, pages[ordinal], location,
-                                              tracker.keys[ordinal]))
-        self.num_saved_blocks += bool(saves)
+    def _save_blocks(self, tracker: _Tracker, ordinals: range, windowed_only: bool = False) -> list[PageTransfer]:
+        """A save per real page of each block in `ordinals` whose entry `reserve` hands out: block
+        by block, a block's layer groups in order (the order the store's index sees them)."""
+        groups = [(g, pages) for g, pages in tracker.pages.items()
+                  if not (windowed_only and self._window_of[g] is None)]
+        reserve, keys, request_id = self.reserve, tracker.keys, tracker.request_id
+        saves: list[PageTransfer] = []
+        for j in ordinals:
+            key, before = keys[j], len(saves)
+            for g, pages in groups:
+                if j < len(pages) and pages[j] != BAD_PAGE_INDEX:
+                    location = reserve(key, g)
+                    if location is not None:
+                        saves.append(PageTransfer(request_id, g, j, pages[j], location, key))
+            self.num_saved_blocks += len(saves) > before
         return saves
 
     def request_finished(self, request: Request, cache_block_ids: list[int]) -> bool:
@@ -305,7 +307,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.tokens = request.get_tokens(0)
         tracker.extend_keys(self.tokens_per_block)
         num_written = self._written_tokens(tracker, request) // self.tokens_per_block
-        saves = [s for j in range(min(num_written, len(tracker.keys))) for s in self._save_block(tracker, j)]
+        saves = self._save_blocks(tracker, range(min(num_written, len(tracker.keys))))
         if not saves:
             return False
         self._finished[request.request_id] = saves

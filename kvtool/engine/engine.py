@@ -100,8 +100,8 @@ class Engine:
             if config.fidelity == "bytes" else NoBytesModel(self.manager.layer_groups)
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}
-        self._order: dict[int, RequestState] = {}
-        """Requests in arrival order (live ones only with `forget_finished`)."""
+        self._live: dict[int, RequestState] = {}
+        """The live requests, in arrival order (a long replay's queue is scanned every iteration)."""
         self.clock = 0.0
         self.iteration = 0
         self.events = EventStream()
@@ -184,7 +184,7 @@ class Engine:
         self._require_room_for(request)
         state = RequestState(request)
         self.states[request.request_id] = state
-        self._order[request.request_id] = state
+        self._live[request.request_id] = state
         self.emit(Arrived, request_id=request.request_id, prompt_len=request.prompt_len, arrival=request.arrival)
         return state
 
@@ -208,10 +208,10 @@ class Engine:
 
     @property
     def live_states(self) -> list[RequestState]:
-        return [s for s in self._order.values() if s.is_live]
+        return list(self._live.values())
 
     def is_done(self) -> bool:
-        return not self.live_states
+        return not self._live
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
@@ -251,7 +251,7 @@ class Engine:
         self.stats.iterations = self.iteration
         self._skip_idle_time()
         phases_before = [(s.request_id, s.phase) for s in self.live_states]
-        states = list(self._order.values())
+        states = list(self._live.values())
         running = [s for s in states if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
         waiting = [s for s in states if s.phase is Phase.WAITING and s.request.arrival <= self.clock]
         deferrals_before = sum(s.num_deferrals for s in waiting)
@@ -552,10 +552,11 @@ class Engine:
         self._drop_if_forgetting(state)
 
     def _drop_if_forgetting(self, state: RequestState) -> None:
-        if not state.is_live:
-            self.stats.num_finished += 1
-        if self.config.forget_finished and not state.is_live:
-            self._order.pop(state.request_id, None)
+        if state.is_live:
+            return
+        self.stats.num_finished += 1
+        self._live.pop(state.request_id, None)
+        if self.config.forget_finished:
             self.states.pop(state.request_id, None)
 
     def verify_all(self) -> None:

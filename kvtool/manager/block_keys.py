@@ -65,11 +65,19 @@ def chain_keys(previous: bytes, packed: bytes, tokens_per_block: int) -> list[by
 
 def chained_block_keys(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope,
                        include_partial: bool = False) -> Iterator[tuple[Sequence[int], bytes]]:
-    """(block tokens, key) for each full block, then the trailing partial one if asked."""
+    """(block tokens, key) for each full block, then the trailing partial one if asked.
+
+    The tokens are packed a window of blocks at a time: a caller that stops at the first block
+    it does not know (a match) packs little more than it hashes."""
     previous = root_key(scope)
     end = len(tokens) if include_partial else len(tokens) - len(tokens) % tokens_per_block
-    packed = tokens_bytes(tokens[:end])
     sha256 = hashlib.sha256
-    for start in range(0, end, tokens_per_block):
-        previous = sha256(previous + packed[4 * start:4 * (start + tokens_per_block)]).digest()
-        yield tokens[start:start + tokens_per_block], previous
+    window = _PACK_WINDOW_BLOCKS * tokens_per_block
+    for window_start in range(0, end, window):
+        packed = tokens_bytes(tokens[window_start:min(window_start + window, end)])
+        for start in range(0, len(packed) // 4, tokens_per_block):
+            previous = sha256(previous + packed[4 * start:4 * (start + tokens_per_block)]).digest()
+            yield tokens[window_start + start:window_start + start + tokens_per_block], previous
+
+
+_PACK_WINDOW_BLOCKS = 64

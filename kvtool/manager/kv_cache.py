@@ -9,6 +9,7 @@ None (reported as BAD_PAGE_INDEX) where a block has no page: stale blocks of win
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Callable, Iterable, Sequence
 
 from kvtool.blocks import ceil_div
@@ -170,24 +171,28 @@ class KvCache:
             return
         active = self._status is KvCacheStatus.ACTIVE
         self._commit_partial_leaf()
-        num = max((len(p) for p in self._pages.values()), default=0)
-        for j in reversed(range(num)):  # later blocks are released first, so they are evicted first
-            for group_id, pages in self._pages.items():
-                if j < len(pages) and pages[j] is not None:
-                    self._table.release(pages[j], active)
+        self._table.release_many(self._pages_last_block_first(), active)
         for pages in self._scratch_idle.values():
-            for page in pages:
-                self._table.release(page, active)
+            self._table.release_many(pages, active)
         self._pages = {g: [] for g in self._pages}
         self._snapshot = None
         self._scratch_idle = {g: [] for g in self._scratch_idle}
         self._shared_partial.clear()
+        prune = self._context.tree.prune
         for node in reversed(self._nodes):
             node.num_users -= 1
-            self._context.tree.prune(node)
+            prune(node)
         self._nodes = []
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)
+
+    def _pages_last_block_first(self) -> list[Page]:
+        """Every block's pages, later blocks first (released first, so they are evicted first)."""
+        groups = list(self._pages.values())
+        if len(groups) == 1:
+            return [page for page in reversed(groups[0]) if page is not None]
+        num = max(len(pages) for pages in groups)
+        return [pages[j] for j in reversed(range(num)) for pages in groups if j < len(pages) and pages[j] is not None]
 
     # ---- resize ------------------------------------------------------------------------------
     def resize(self, capacity: int, history_length: int | None = None, *, scratch_reuse: bool = True) -> bool:
@@ -293,11 +298,15 @@ class KvCache:
             self._pages[gid][j] = private
             del self._shared_partial[gid]
             self._table.release(shared, active=True)
-        for gid, j, transient in plan.allocations:
-            if transient and self._scratch_idle[gid]:
-                self._pages[gid][j] = self._scratch_idle[gid].pop()
+        for (gid, transient), run in groupby(plan.allocations, key=lambda allocation: (allocation[0], allocation[2])):
+            ordinals = [j for _, j, _ in run]
+            pages, idle = self._pages[gid], self._scratch_idle[gid]
+            if transient:
+                for j in ordinals:
+                    pages[j] = idle.pop() if idle else self._table.allocate(gid, active=True, is_scratch=True)
             else:
-                self._pages[gid][j] = self._table.allocate(gid, active=True, is_scratch=transient)
+                for j, page in zip(ordinals, self._table.allocate_many(gid, len(ordinals), active=True)):
+                    pages[j] = page
 
     # ---- commit ------------------------------------------------------------------------------
     def commit(self, tokens: Sequence[int]) -> None:
@@ -313,30 +322,32 @@ class KvCache:
             return
         parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
         keys = chain_keys(parent.key, tokens_bytes(self._committed[first * tpb:end * tpb]), tpb)
-        for j, key in enumerate(keys, first):
-            self._insert_block(j, self._committed[j * tpb:(j + 1) * tpb], key)
+        get_or_insert, committed, nodes = self._context.tree.get_or_insert, self._committed, self._nodes
+        for j, key in enumerate(keys, first):   # one loop, no call per block: a prefill commits thousands
+            parent = get_or_insert(parent, committed[j * tpb:(j + 1) * tpb], key)
+            self._attach_pages(parent, j)
+            parent.num_users += 1
+            nodes.append(parent)
 
-    def _insert_block(self, ordinal: int, tokens: Sequence[int], key: bytes | None = None) -> RadixNode:
-        tree = self._context.tree
-        parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
-        node = tree.get_or_insert(parent, tokens, key or block_key(parent.key, tokens))
+    def _attach_pages(self, node: RadixNode, ordinal: int) -> None:
+        """Let the tree hold this cache's pages of block `ordinal` as `node`'s, where it has none."""
         for gid, pages in self._pages.items():
             page = pages[ordinal] if ordinal < len(pages) else None
             if page is not None and page.node is None and not page.is_scratch and gid not in node.pages:
                 page.priority = self.priority
                 self._table.attach(page, node)
-        if len(tokens) == self.tokens_per_block:
-            node.num_users += 1
-            self._nodes.append(node)
-        else:
-            tree.prune(node)
-        return node
 
     def _commit_partial_leaf(self) -> None:
+        """A trailing partial block joins the tree as a leaf (pruned at once when it holds nothing)."""
         tpb = self.tokens_per_block
         num_full = self.num_committed_tokens // tpb
         if self.num_committed_tokens % tpb and len(self._nodes) == num_full:
-            self._insert_block(num_full, self._committed[num_full * tpb:])
+            tree = self._context.tree
+            parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
+            tokens = self._committed[num_full * tpb:]
+            node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
+            self._attach_pages(node, num_full)
+            tree.prune(node)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _adopt_match(self, match: Match, reused: int) -> None:

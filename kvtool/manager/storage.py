@@ -49,6 +49,15 @@ class SlotAllocator:
         self._owned.add(slot)
         return slot
 
+    def allocate_many(self, count: int) -> list[PageIndex]:
+        """The next `count` slots, as `count` calls of `allocate` would hand them out."""
+        if count > len(self._free):
+            raise OutOfPagesError(f"{count} slots asked, {len(self._free)} free")
+        popleft = self._free.popleft
+        slots = [popleft() for _ in range(count)]
+        self._owned.update(slots)
+        return slots
+
     def free(self, slot: PageIndex) -> None:
         if slot not in self._owned:
             raise LogicError(f"slot {slot} freed but not owned")
