@@ -6,6 +6,12 @@ core; and the shipped workload in bytes fidelity (the path `validate` uses).
 
 Prints one JSON row per replay (tokens/s, µs per block) and, with --output, writes
 results.json, results.csv, meta.json and (--profile) the top of a cProfile of the largest run.
+
+Whether the cost per block stays flat is also measured inside one replay, free of the machine's
+minute-to-minute drift between runs: the largest replay of the first round is cut into
+`--segments` parts of equal prompt tokens (in the order requests finish), and each part's
+seconds per prompt block is reported with its hit rate (hit blocks cost less than computed ones,
+so a part's mix of the two moves its cost). Written to segments.csv.
 """
 
 from __future__ import annotations
@@ -25,21 +31,58 @@ import pandas as pd
 import torch
 
 from kvtool.cli.trace_setup import ReplayOptions, build_replay
+from kvtool.engine.events import Finished
 from kvtool.engine.trace import run_trace
 from kvtool.report.run_folder import prepare_run_folder, write_file, write_json, write_meta
 
 SHIPPED = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
 
 
-def replay_row(label: str, options: ReplayOptions, profile: bool = False) -> tuple[dict, str]:
-    """One timed replay of `options.workload`: its row, and the cProfile top (when asked)."""
+class SegmentClock:
+    """Subscriber and per-iteration hook: the clock and the finished prompt and hit tokens after
+    every iteration, cut afterwards into parts of equal prompt tokens."""
+
+    event_kinds = frozenset({Finished})
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.hit_tokens = 0
+        self.marks: list[tuple[float, int, int]] = [(time.perf_counter(), 0, 0)]
+
+    def __call__(self, event) -> None:
+        if isinstance(event, Finished):
+            self.prompt_tokens += event.prompt_len
+            self.hit_tokens += event.num_local_hit + event.num_external
+
+    def after_iteration(self, _engine) -> None:
+        self.marks.append((time.perf_counter(), self.prompt_tokens, self.hit_tokens))
+
+    def segments(self, count: int, tokens_per_block: int) -> list[dict]:
+        """Per part: its share of the prompt tokens, µs per prompt block, hit rate."""
+        total = self.marks[-1][1]
+        rows, start = [], self.marks[0]
+        for k in range(1, count + 1):
+            end = next(m for m in self.marks if m[1] >= total * k / count)
+            tokens = end[1] - start[1]
+            if tokens:
+                rows.append({"segment": k, "prompt_tokens": tokens,
+                             "us_per_block": round(1e6 * (end[0] - start[0]) / (tokens / tokens_per_block), 3),
+                             "hit_rate": round((end[2] - start[2]) / tokens, 6)})
+            start = end
+        return rows
+
+
+def replay_row(label: str, options: ReplayOptions, profile: bool = False,
+               clock: SegmentClock | None = None) -> tuple[dict, str]:
+    """One timed replay of `options.workload`: its row, and the cProfile top (when asked).
+    `clock`, when given, is fed every finished request and iteration."""
     replay = build_replay(options)
     profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
     if profiler:
         profiler.enable()
     result = run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options,
-                       keep_iterations=False)
+                       keep_iterations=False, subscribers=[clock] if clock else (),
+                       on_iteration=clock.after_iteration if clock else None)
     if profiler:
         profiler.disable()
     seconds = time.perf_counter() - started
@@ -78,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", default="1e8", help="tokens of the index tier")
     parser.add_argument("--output", type=Path, help="run folder for results.json/csv and meta.json")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
+    parser.add_argument("--segments", type=int, default=10,
+                        help="parts of the largest replay (first round) whose cost per block is compared")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over the fractions, interleaved (a slow minute of the machine hits every "
                              "fraction alike); the medians are reported")
@@ -85,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)   # the target is one core
     folder = prepare_run_folder(args.output) if args.output else None
     fractions = sorted(float(f) for f in args.fractions.split(","))
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    rows, profile_text = [], ""
+    if args.repeats < 1 or args.segments < 1:
+        parser.error("--repeats and --segments must be at least 1")
+    rows, profile_text, segments = [], "", []
     with tempfile.TemporaryDirectory() as scratch:
         heads = [head_of(args.trace, fraction, Path(scratch)) for fraction in fractions]
         for repeat in range(args.repeats):
@@ -95,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
                 options = ReplayOptions(path, prefill_only=True, fidelity="blocks",
                                         tokens_per_block=args.tokens_per_block, connector="index",
                                         connector_opt=(f"capacity={args.capacity}",))
+                largest_first = repeat == 0 and fraction == fractions[-1]
+                clock = SegmentClock() if largest_first and not args.profile else None
                 row, top = replay_row(f"{fraction:g} of the trace ({count} requests)", options,
-                                      args.profile and repeat == 0 and fraction == fractions[-1])
+                                      args.profile and largest_first, clock)
                 rows.append({**row, "repeat": repeat})
                 profile_text = top or profile_text
                 print(json.dumps(rows[-1]), flush=True)
+                if clock is not None:
+                    segments = clock.segments(args.segments, args.tokens_per_block)
+                    for segment in segments:
+                        print(json.dumps({"segment": segment}), flush=True)
     shipped, _ = replay_row("shipped workload, bytes fidelity, host connector",
                             ReplayOptions(SHIPPED, connector="host", no_local_reuse=True))
     rows.append(shipped)
@@ -108,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in medians:
         print(json.dumps({"median": row}), flush=True)
     if folder is not None:
-        write_json(folder / "results.json", {"rows": rows, "medians": medians})
+        write_json(folder / "results.json", {"rows": rows, "medians": medians, "segments": segments})
         write_file(folder / "results.csv", pd.DataFrame(rows).to_csv(index=False))
+        if segments:
+            write_file(folder / "segments.csv", pd.DataFrame(segments).to_csv(index=False))
         if profile_text:
             write_file(folder / "profile.txt", profile_text)
         write_meta(folder, "trace-replay-bench", trace=str(args.trace), capacity_tokens=args.capacity,
