@@ -7,6 +7,7 @@ generation steps until max_new_tokens, then request_finished with the request's 
 from __future__ import annotations
 
 import time
+from bisect import insort
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
@@ -100,8 +101,13 @@ class Engine:
             if config.fidelity == "bytes" else NoBytesModel(self.manager.layer_groups)
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}
-        self._live: dict[int, RequestState] = {}
-        """The live requests, in arrival order (a long replay's queue is scanned every iteration)."""
+        self._waiting: dict[int, RequestState] = {}
+        """Live requests not yet admitted, in arrival order (WAITING is only ever a request's first
+        phase). A long replay's queue holds thousands: an iteration looks at no more of them than
+        the scheduler takes, so its cost does not grow with the queue."""
+        self._started: list[RequestState] = []
+        """The other live requests, in arrival order (as many as the pool holds)."""
+        self._num_added = 0
         self.clock = 0.0
         self.iteration = 0
         self.events = EventStream()
@@ -182,9 +188,10 @@ class Engine:
         if request.request_id in self.states:
             raise InputError(f"request id {request.request_id} is used twice")
         self._require_room_for(request)
-        state = RequestState(request)
+        state = RequestState(request, arrival_order=self._num_added)
+        self._num_added += 1
         self.states[request.request_id] = state
-        self._live[request.request_id] = state
+        self._waiting[request.request_id] = state
         self.emit(Arrived, request_id=request.request_id, prompt_len=request.prompt_len, arrival=request.arrival)
         return state
 
@@ -208,10 +215,11 @@ class Engine:
 
     @property
     def live_states(self) -> list[RequestState]:
-        return list(self._live.values())
+        """Every request not over yet, in arrival order."""
+        return sorted([*self._started, *self._waiting.values()], key=_arrival_order)
 
     def is_done(self) -> bool:
-        return not self._live
+        return not self._waiting and not self._started
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
@@ -250,14 +258,13 @@ class Engine:
         self.iteration += 1
         self.stats.iterations = self.iteration
         self._skip_idle_time()
-        phases_before = [(s.request_id, s.phase) for s in self.live_states]
-        states = list(self._live.values())
-        running = [s for s in states if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
-        waiting = [s for s in states if s.phase is Phase.WAITING and s.request.arrival <= self.clock]
-        deferrals_before = sum(s.num_deferrals for s in waiting)
-        loading = [s for s in states if s.phase is Phase.TRANSMISSION]
-        batch = self.scheduler.schedule(running, waiting, self.iteration, loading)
-        self.stats.num_deferrals += sum(s.num_deferrals for s in waiting) - deferrals_before
+        progress_before = self._progress_mark()
+        running = [s for s in self._started if s.phase in (Phase.CONTEXT, Phase.GENERATION)]
+        loading = [s for s in self._started if s.phase is Phase.TRANSMISSION]
+        visited: list[tuple[RequestState, int]] = []
+        batch = self.scheduler.schedule(running, self._arrived_waiting(visited), self.iteration, loading)
+        self.stats.num_deferrals += sum(s.num_deferrals - before for s, before in visited)
+        self._move_started(visited)
         for state in batch.received:
             item = PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(), 0,
                             state.position, False)
@@ -275,12 +282,12 @@ class Engine:
         for dummy, _ in dummies:
             dummy.close()
         self._finish_pass(batch, items)
-        self._check_progress(batch, phases_before)
+        self._check_progress(batch, progress_before)
         seconds = self.config.iteration_seconds if self.config.iteration_time is None else \
             self.config.iteration_time(batch, items)
         if self.events.wants(PassDone):
             started = {s.request_id: s for s in batch.first_chunks}
-            started.update((s.request_id, s) for s in self.live_states if s.delivered_at == self.iteration)
+            started.update((s.request_id, s) for s in self._started if s.delivered_at == self.iteration)
             self.emit(PassDone, items=tuple((i.request_id, i.start, i.end) for i in items if i.request_id >= 0),
                       seconds=seconds, pages_in_use=self._pages_in_use(),
                       hit_tokens=sum(s.num_local_hit + s.num_external for s in started.values()))
@@ -292,11 +299,29 @@ class Engine:
         return sum(n - self.manager.num_free_slots(i) for i, n in enumerate(self.manager.num_slots))
 
     def _skip_idle_time(self) -> None:
-        if any(s.phase is not Phase.WAITING for s in self.live_states):
+        if self._started:
             return
-        pending = [s.request.arrival for s in self.live_states if s.request.arrival > self.clock]
-        if pending and all(s.request.arrival > self.clock for s in self.live_states):
+        pending = [s.request.arrival for s in self._waiting.values() if s.request.arrival > self.clock]
+        if pending and len(pending) == len(self._waiting):
             self.clock = min(pending)
+
+    def _arrived_waiting(self, visited: list[tuple[RequestState, int]]):
+        """The waiting requests that have arrived, in order, lazily: the scheduler stops at the
+        first it cannot take. Each one it is handed goes into `visited` with its deferral count."""
+        for state in list(self._waiting.values()):
+            if state.phase is Phase.WAITING and state.request.arrival <= self.clock:
+                visited.append((state, state.num_deferrals))
+                yield state
+
+    def _move_started(self, visited: list[tuple[RequestState, int]]) -> None:
+        """Requests the scheduler admitted leave the queue for the started list (arrival order)."""
+        for state, _ in visited:
+            if state.phase is not Phase.WAITING and self._waiting.pop(state.request_id, None) is not None:
+                insort(self._started, state, key=_arrival_order)
+
+    def _progress_mark(self) -> tuple:
+        """What changes when an iteration makes progress: a started request's phase, or the queue."""
+        return [(s.request_id, s.phase) for s in self._started], len(self._waiting)
 
     def _pass_items(self, batch: Batch) -> list[PassItem]:
         items = []
@@ -371,7 +396,7 @@ class Engine:
         in_pass = {item.request_id for item in items}
         return [PassItem(s.request_id, s.request.get_tokens(), s.kv.page_indices_by_group(), 0, s.kv.history_length,
                          False)
-                for s in self.live_states
+                for s in self._started
                 if s.kv is not None and s.phase in (Phase.CONTEXT, Phase.GENERATION) and s.kv.is_active
                 and s.request_id not in in_pass]
 
@@ -485,19 +510,17 @@ class Engine:
     def _fail_stuck_transmissions(self) -> None:
         seconds, limit = self.config.max_transmission_seconds, self.config.max_transmission_iterations
         now = time.monotonic()
-        for state in self.live_states:
-            if state.phase is not Phase.TRANSMISSION:
-                continue
+        for state in [s for s in self._started if s.phase is Phase.TRANSMISSION]:
             if seconds is not None and now - state.transmission_started_at > seconds:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {seconds:g} s")
             elif seconds is None and self.iteration - state.transmission_since > limit:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
 
-    def _check_progress(self, batch: Batch, phases_before: list) -> None:
+    def _check_progress(self, batch: Batch, progress_before: tuple) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
-        if batch.num_requests or batch.received or phases_before != [(s.request_id, s.phase) for s in self.live_states]:
+        if batch.num_requests or batch.received or progress_before != self._progress_mark():
             return
-        if any(s.phase in (Phase.TRANSMISSION, Phase.SAVING) for s in self.live_states):
+        if any(s.phase in (Phase.TRANSMISSION, Phase.SAVING) for s in self._started):
             time.sleep(0.0005)   # let the connector's background copies run
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]
@@ -555,13 +578,16 @@ class Engine:
         if state.is_live:
             return
         self.stats.num_finished += 1
-        self._live.pop(state.request_id, None)
+        if self._waiting.pop(state.request_id, None) is None:
+            at = next((i for i, s in enumerate(self._started) if s is state), None)
+            if at is not None:
+                del self._started[at]
         if self.config.forget_finished:
             self.states.pop(state.request_id, None)
 
     def verify_all(self) -> None:
         """Check the fingerprints of every live page of every request whose KV is complete."""
-        for state in self.live_states:
+        for state in list(self._started):
             if state.kv is not None and state.phase in (Phase.CONTEXT, Phase.GENERATION) and state.kv.is_active:
                 self.fake.verify_cache(state.request_id, state.request.get_tokens(),
                                        state.kv.page_indices_by_group(), state.kv.history_length)
@@ -586,6 +612,10 @@ def _require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> 
     elif not moves_bytes:
         raise InputError(f"connector {connector.name!r} moves no bytes (it stands in for a tier in block "
                          "fidelity): use it with --fidelity blocks")
+
+
+def _arrival_order(state: RequestState) -> int:
+    return state.arrival_order
 
 
 class _Lookahead:

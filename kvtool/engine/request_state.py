@@ -66,6 +66,8 @@ class RequestState:
     """What went wrong, for people (set with `failure`)."""
     failure: FailureReason | None = None
     num_deferrals: int = 0
+    arrival_order: int = 0
+    """Its place among the engine's requests, in the order they were added."""
 
     @property
     def request_id(self) -> int:
