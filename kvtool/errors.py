@@ -40,12 +40,25 @@ class LayoutError(KvToolError):
     """A query outside what a layout describes (unknown layer group, layer, or view)."""
 
 
+class UnknownLayerGroupError(LayoutError, KeyError):
+    """`layout.group(id)` / `group_of_layer(layer)` for what the layout lacks: a KeyError, as
+    TensorRT-LLM raises there."""
+
+    def __str__(self) -> str:   # KeyError quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
 class UnsupportedTierError(KvToolError):
     """A cache tier that the bundled manager or a connector cannot work with."""
 
 
 class ConnectorError(KvToolError):
     """A connector broke the API contract, or one of its hooks raised."""
+
+
+class LayoutNotSupportedError(ConnectorError, NotImplementedError):
+    """A worker that takes one pool tensor was handed a KV cache that is not one (TensorRT-LLM
+    raises NotImplementedError there)."""
 
 
 class IntegrityError(KvToolError):

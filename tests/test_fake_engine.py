@@ -78,6 +78,6 @@ def test_swapped_layers_are_caught(setup):
 def test_a_read_of_a_missing_page_is_an_error(setup):
     manager, cache, fake = setup
     pages = cache.page_indices_by_group()
-    holed = GroupPages({0: pages[0][:1] + (BAD_PAGE_INDEX,) + pages[0][2:]})
+    holed = GroupPages([pages[0][:1] + (BAD_PAGE_INDEX,) + pages[0][2:]])
     fake.verify_cache(1, list(range(40, 52)), holed, 12)
     assert fake.issues[0].what == "read of a block with no page"

@@ -16,7 +16,8 @@ from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.ranks import PassOrder, RankExecutor, RankGroupError, RankSetup
+from kvtool.engine.pass_driver import PassPlan
+from kvtool.engine.ranks import FinishedOrder, PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.trace import run_trace
 from kvtool.workloads.source import load_workload
@@ -165,11 +166,11 @@ def test_a_follower_verifies_the_idle_requests_pages_it_is_sent():
                       (), 0, 1.0)
     follower = RankExecutor(1, setup)
     tokens = list(range(1, 10))
-    written = PassItem(5, tokens, {0: [0, 1, 2]}, 0, 9, False)
-    clean = follower.run(PassOrder(1, None, [], [written], [], [], [], [], True, [replace(written, end=9)]))
+    written = PassItem(5, tokens, [[0, 1, 2]], 0, 9, False)
+    clean = follower.run(PassOrder(1, None, [], [written], [], PassPlan(False, True), [replace(written, end=9)]))
     assert not clean.errors_by_request
     follower.manager.poison_slot(0, 1)      # a stray write into an idle request's page
-    dirty = follower.run(PassOrder(2, None, [], [], [], [], [], [], True, [replace(written, end=9)]))
+    dirty = follower.run(PassOrder(2, None, [], [], [], PassPlan(False, True), [replace(written, end=9)]))
     assert dirty.errors_by_request[5] > 0 and {i.block_ordinal for i in dirty.issues} == {1}
     assert {i.head for i in dirty.issues} == {1}     # rank 1 of 2 holds global head 1
 
@@ -179,6 +180,8 @@ def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished
     setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 2, 2, 0, spec,
                       (), 0, 1.0)
     follower = RankExecutor(1, setup)
-    report = follower.run(PassOrder(1, StoreMetadata(), [], [], [], [], [], [], True))
+    report = follower.run(PassOrder(1, StoreMetadata(), [], [], [], PassPlan(starts=True, forwards=False)))
+    assert report.failures == []                                             # start_load_kv's synchronize ran
+    report = follower.run(FinishedOrder([], [], [], []))
     assert report.finished is None
-    assert [hook for hook, _ in report.failures] == ["get_finished (rank 1)"]   # start_load_kv's synchronize ran
+    assert [hook for hook, _ in report.failures] == ["get_finished (rank 1)"]

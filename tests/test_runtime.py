@@ -142,13 +142,13 @@ def test_vswa_page_lists_are_aligned_and_the_flat_list_is_empty():
     engine.add_request(Request(1, list(range(30)), 1))
     engine.run()
     (alloc,) = [c for c in sched(engine).calls if c[0] == "alloc"]
-    (flat,) = [c for c in sched(engine).calls if c[0] == "alloc_flat"]
+    assert not [c for c in sched(engine).calls if c[0] == "alloc_flat"]   # several groups: no flat call
     lists = alloc[2]
-    assert sorted(lists) == [0, 1] and len(lists[0]) == len(lists[1]) == 8
+    assert len(lists) == 2 and len(lists[0]) == len(lists[1]) == 8      # position = layer group id
     assert lists[0][:3] == [B, B, B] and B not in lists[1]  # stale at 20 in the window-8 group
-    assert flat[2] == []
     (data,) = sched(engine).outputs[0].new_requests
     assert data.new_block_ids == [] and data.new_block_ids_by_layer_group == lists
+    assert type(data.new_block_ids_by_layer_group) is list and type(data.new_block_ids_by_layer_group[0]) is list
     assert data.computed_position == 0 and data.num_scheduled_tokens == 10
     assert engine.integrity_errors == 0
 
@@ -166,22 +166,22 @@ def test_chunked_prefill_reports_append_deltas():
     assert [d.num_scheduled_tokens for d, _ in reports] == [4, 4, 4, 4, 1]
     assert rest[-1][0].new_tokens == engine.states[1].request.generated_token_ids[:1]
     (alloc,) = [c for c in sched(engine).calls if c[0] == "alloc"]
-    assert alloc[2] == {0: [0]}   # update_state_after_alloc covers the first chunk only
+    assert alloc[2] == [[0]]   # update_state_after_alloc covers the first chunk only
 
 
 def test_request_finished_receives_the_page_indices():
     engine = make_engine(scripted(lambda r, n: (0, False)))
     engine.add_request(Request(1, list(range(10)), 3))
-    final = {}
+    final = []
 
     def spy(state, original=engine._finish):
-        final.update({g: list(p) for g, p in state.kv.page_indices_by_group().items()})
+        final.extend(list(p) for p in state.kv.page_indices_by_group())
         original(state)
 
     engine._finish = spy
     engine.run()
     (finished,) = [c for c in sched(engine).calls if c[0] == "finished"]
-    assert finished[2] == final == {0: [0, 1, 2]}
+    assert finished[2] == final == [[0, 1, 2]]
     (flat,) = [c for c in sched(engine).calls if c[0] == "finished_flat"]
     assert flat[2] == [0, 1, 2]
 
@@ -286,7 +286,7 @@ def test_a_tensor_only_worker_gets_the_pool_for_a_single_region_layout():
 
 
 def test_a_tensor_only_worker_gets_the_actionable_error_for_vswa():
-    with pytest.raises(InputError, match="does not support the V2 KV cache layout"):
+    with pytest.raises(InputError, match="does not implement register_kv_cache_layout, and this KV cache is not one pool"):
         make_engine(scripted(lambda r, n: (0, False), worker=_TensorOnly), model="tiny-vswa")
 
 

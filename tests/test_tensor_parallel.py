@@ -76,7 +76,7 @@ def _engine(model, num_slots=16):
 
 
 def _forward(fake: FakeEngine, tokens: list[int]) -> PassItem:
-    pages = {0: list(range(len(tokens) // 4 + 1))}
+    pages = [list(range(len(tokens) // 4 + 1))]
     fake.write_context(PassItem(1, tokens, pages, 0, len(tokens) - 1, False))
     item = PassItem(1, tokens, pages, len(tokens) - 1, len(tokens), True)
     for layer_id in fake.layer_ids:
@@ -102,6 +102,6 @@ def test_a_rank_holding_another_ranks_heads_is_caught_with_the_global_head():
     for g0, g1 in zip(m0.layout.layer_groups, m1.layout.layer_groups):
         for r0, r1 in zip(g0.regions, g1.regions):
             r0.as_tensor().copy_(r1.as_tensor())     # rank 0's pages now hold rank 1's heads
-    rank0.verify_cache(1, tokens, {0: list(range(4))}, len(tokens))
+    rank0.verify_cache(1, tokens, [list(range(4))], len(tokens))
     assert rank0.num_integrity_errors > 0
     assert {issue.head for issue in rank0.issues} == {0}

@@ -18,8 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvtool.errors import ConnectorError
-from kvtool.group_pages import GroupPages, valid_page_slots as valid_page_slots  # re-exported: the API names it
+from kvtool.errors import LayoutNotSupportedError
+from kvtool.group_pages import valid_page_slots as valid_page_slots  # re-exported: the API names it
 
 STORE_NAMESPACE_ENV = "KVTOOL_STORE_NAMESPACE"
 """A connector whose store outlives the process on a shared server (not in the working folder)
@@ -36,17 +36,20 @@ if TYPE_CHECKING:
 
 @dataclass
 class RequestData:
-    """One scheduled request, as `build_connector_meta` sees it.
+    """One scheduled request, as `build_connector_meta` sees it (TensorRT-LLM's fields, in its order).
 
     - `new_tokens`, `new_block_ids`, `new_block_ids_by_layer_group`: what was added since this
       request was last reported (everything, the first time): successive reports are append-deltas.
-    - `new_block_ids_by_layer_group`: group id -> page list, positionally aligned (BAD_PAGE_INDEX in
-      place). With one layer group `new_block_ids` is that group's list; with several it is `[]`,
-      because a page index is scoped to its group and there is no correct flattening.
+      A request whose allocation was destroyed and that runs again is reported as new, whole.
+    - `new_block_ids_by_layer_group`: `List[List[int]]`, position = layer group id, each list
+      positionally aligned (BAD_PAGE_INDEX in place). With one layer group `new_block_ids` is that
+      group's list; with several it is `[]`, because a page index is scoped to its group.
     - `computed_position`: tokens already in the cache before this pass. For a request reported for
       the first time it excludes the tokens the connector will load (it is the local match).
-    - `num_scheduled_tokens`: tokens the coming pass computes.
-    - `block_hashes`, `priorities`: empty means not reported.
+    - `num_scheduled_tokens`: tokens the coming pass computes (1 for a decode step).
+    - `block_hashes`: `[]` and `priorities`: None, as on TensorRT-LLM's V2 manager (not reported).
+    - `cache_salt`: the request's salt (None without one); a connector mixes it into its keys.
+    - `cache_salt_id`: the integer id older TensorRT-LLM versions carried instead (None without a salt).
     """
 
     request_id: int
@@ -54,38 +57,86 @@ class RequestData:
     new_block_ids: list[int]
     computed_position: int
     num_scheduled_tokens: int
-    new_block_ids_by_layer_group: GroupPages = field(default_factory=GroupPages)
-    block_hashes: list[bytes] = field(default_factory=list)
-    priorities: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    priorities: list[int] | None = None
+    cache_salt: str | None = None
+    new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
+    cache_salt_id: int | None = None
 
 
 @dataclass
 class SchedulerOutput:
-    """`new_requests` holds each request the first time it is scheduled, `cached_requests` after."""
+    """`new_requests` holds each request the first time it is scheduled (and again, whole, after
+    its allocation was destroyed), `cached_requests` after. `attention_dp_rank` is None: kvtool
+    runs tensor-parallel ranks, never attention data parallelism."""
 
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
+    attention_dp_rank: int | None = None
+
+
+def _stand_in(flat: str, grouped: str) -> Callable[..., Any]:
+    """What a flat hook becomes in a class that implements only its per-layer-group form."""
+    def stand_in(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} implements {grouped}, not {flat}: "
+                                  f"call {grouped} (the runtime always does)")
+    stand_in.__name__ = stand_in.__qualname__ = flat
+    return stand_in
+
+
+def _satisfy_flat_forms(cls: type, base: type, grouped_of: dict[str, str]) -> None:
+    """A subclass overriding the grouped form of a still-abstract flat hook needs no flat stub:
+    the flat one becomes a stand-in that raises NotImplementedError naming the grouped one. A class
+    implementing neither keeps the flat hook abstract, so constructing it raises TypeError naming it."""
+    for flat, grouped in grouped_of.items():
+        overrides_grouped = getattr(cls, grouped, None) is not getattr(base, grouped, None)
+        if overrides_grouped and getattr(getattr(cls, flat, None), "__isabstractmethod__", False):
+            setattr(cls, flat, _stand_in(flat, grouped))
+
+
+def _only_group(pages_by_group: list[list[int]], cls: type, flat: str, grouped: str) -> list[int]:
+    """The one group's list for a flat-only connector; NotImplementedError with several groups."""
+    if len(pages_by_group) != 1:
+        raise NotImplementedError(f"{cls.__name__} implements only {flat}, but this KV cache has "
+                                  f"{len(pages_by_group)} layer groups: implement {grouped}")
+    return list(pages_by_group[0])
 
 
 class KvCacheConnectorScheduler(ABC):
     """Scheduler side. Obligations of the runtime towards it:
 
-    - `get_num_new_matched_tokens` is asked **exactly once per request** (also across deferral),
-      never for generation-only or dummy requests, while the request's cache is suspended.
+    - `get_num_new_matched_tokens` is asked **once per request** (also across deferral), never
+      for generation-only or dummy requests, while the request's cache is suspended.
     - Every offered token is, in the end, either delivered (loaded into the request's pages) or
       handed back with `cancel_load(request, start, end)`; never both, never neither.
-    - `update_state_after_alloc` receives the pages of the first chunk once they are allocated;
-      later chunks arrive as append-deltas through `build_connector_meta`.
-    - `build_connector_meta` runs once per iteration; its result reaches every worker.
-    - `request_finished` runs once per request that finishes (or fails after the connector saw it).
+    - `update_state_after_alloc_by_layer_group` receives the pages of the first chunk once they are
+      allocated; later chunks arrive as append-deltas through `build_connector_meta`.
+    - `build_connector_meta` runs once per iteration that schedules a request; its result reaches
+      every worker.
+    - `request_finished` runs once per request that finishes (or fails after the connector saw
+      it), before that iteration's `get_finished`. `request_reset` runs instead when an allocation
+      the connector saw is released and the request will run again from the start.
+
+    The per-layer-group forms are what the runtime calls (with an empty list, for a request with
+    no KV cache, it calls the flat form). A connector implements either form of each; the flat
+    form alone serves a cache of one layer group only.
 
     Obligations of the connector: answer `(num_tokens >= 0, is_async)` with `num_tokens` no larger
     than the prompt past `num_computed_tokens`, never `(0, True)`; hold nothing for a request once
     its tokens were cancelled or it finished.
     """
 
+    supports_attention_dp: bool = False
+    """TensorRT-LLM's opt-in for attention data parallelism (kvtool never runs it)."""
+
     def __init__(self, llm_args: LlmArgs) -> None:
         self._llm_args = llm_args
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _satisfy_flat_forms(cls, KvCacheConnectorScheduler,
+                            {"update_state_after_alloc": "update_state_after_alloc_by_layer_group",
+                             "request_finished": "request_finished_by_layer_group"})
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -95,42 +146,60 @@ class KvCacheConnectorScheduler(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
-        """The pages that now back the request (the flat list: `[]` with several layer groups)."""
+        """The pages that now back the request, for a cache of one layer group."""
 
     def update_state_after_alloc_by_layer_group(self, request: Request,
-                                                block_ids_by_layer_group: GroupPages) -> None:
-        """Per-group form, always called by the runtime; the default forwards the flat list."""
-        self.update_state_after_alloc(request, block_ids_by_layer_group.flat())
+                                                block_ids_by_layer_group: list[list[int]]) -> None:
+        """Per-group form (position = layer group id). Default: the flat form, with one group only."""
+        self.update_state_after_alloc(request, _only_group(block_ids_by_layer_group, type(self),
+                                                           "update_state_after_alloc",
+                                                           "update_state_after_alloc_by_layer_group"))
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        """Once per iteration: the metadata every worker receives (as `self._metadata`)."""
+        """Once per iteration that schedules a request: the metadata every worker receives."""
 
     @abstractmethod
     def request_finished(self, request: Request, cache_block_ids: list[int]) -> bool:
-        """The request finished. True: the connector saves asynchronously and the runtime keeps
-        the pages alive until every worker reports the request in `get_finished`."""
+        """The request finished (cache of one layer group). True: the connector saves
+        asynchronously and the runtime keeps the pages alive until every worker reports the
+        request in `get_finished`."""
 
     def request_finished_by_layer_group(self, request: Request,
-                                        cache_block_ids_by_layer_group: GroupPages) -> bool:
-        """Per-group form, always called by the runtime; the default forwards the flat list."""
-        return self.request_finished(request, cache_block_ids_by_layer_group.flat())
+                                        cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        """Per-group form (position = layer group id). Default: the flat form, with one group only."""
+        return self.request_finished(request, _only_group(cache_block_ids_by_layer_group, type(self),
+                                                          "request_finished", "request_finished_by_layer_group"))
 
     def cancel_load(self, request: Request, start: int, end: int) -> None:
         """The runtime will not use offered tokens `[start, end)` (absolute prompt positions):
         the tail cut by the last-position clamp, a head the local cache overtook, an offer whose
         pages could not be reserved, or a request freed before delivery. Default: nothing."""
 
+    def request_reset(self, request: Request) -> None:
+        """The request's allocation was released and it will run again from the start: drop what
+        was keyed by its page indices (they may now belong to another request). Its replay is
+        reported in `new_requests` with its whole block list. Default: nothing."""
+
+    def wait_for_initialization(self) -> None:
+        """Called once, after every worker registered its KV cache. Default: nothing."""
+
 
 class KvCacheConnectorWorker(ABC):
-    """Worker side, one per rank. The runtime calls, for each pass: `start_load_kv`, then per layer
-    `wait_for_layer_load` (before the layer reads its KV) and `save_kv_layer` (after it wrote),
-    then `wait_for_save` (after which the pages may be reused), then `get_finished`.
+    """Worker side, one per rank. In an iteration that schedules requests the runtime calls
+    `start_load_kv`; when the batch still holds requests once those loading asynchronously left
+    it, the forward pass runs: per layer `wait_for_layer_load` (before the layer reads its KV) and
+    `save_kv_layer` (after it wrote), then `wait_for_save` (after which the pages may be reused).
+    `get_finished` is called at the end of every iteration, after `request_finished` of the
+    requests that ended in it.
 
     The metadata built for the pass is `self._metadata`. Loads for a pass must have landed when
     `wait_for_layer_load` returns for that layer (synchronous loads) or before the worker reports
     the request in `get_finished` (asynchronous loads).
     """
+
+    supports_attention_dp: bool = False
+    """TensorRT-LLM's opt-in for attention data parallelism (kvtool never runs it)."""
 
     def __init__(self, llm_args: LlmArgs) -> None:
         self._llm_args = llm_args
@@ -145,17 +214,27 @@ class KvCacheConnectorWorker(ABC):
     def _clear_connector_meta(self) -> None:
         self._metadata = None
 
-    def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
-        """Receive the KV cache layout (regions per layer group). Override it: the default raises,
-        because a connector that only knows `register_kv_caches(tensor)` cannot address a V2 cache."""
-        raise ConnectorError(
-            f"{type(self).__name__} does not support the V2 KV cache layout: implement "
-            "register_kv_cache_layout(layout) and address pages through layout.group(g).regions")
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _satisfy_flat_forms(cls, KvCacheConnectorWorker, {"register_kv_caches": "register_kv_cache_layout"})
 
+    def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
+        """Receive the KV cache layout (regions per layer group). Default: a cache that is one
+        pool tensor (one layer group, one whole-slot region) goes to `register_kv_caches`; any
+        other raises LayoutNotSupportedError (a NotImplementedError) naming this method."""
+        tensor = layout.as_single_pool_tensor()
+        if tensor is None:
+            raise LayoutNotSupportedError(
+                f"{type(self).__name__} does not implement register_kv_cache_layout, and this KV cache is "
+                f"not one pool tensor ({layout.num_layer_groups} layer group(s), "
+                f"{sum(len(g.regions) for g in layout.groups)} region(s)): implement "
+                "register_kv_cache_layout(layout) and address pages through layout.groups[g].regions")
+        self.register_kv_caches(tensor)
+
+    @abstractmethod
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
-        """Single-tensor registration, only for a layout of one layer group with one whole-slot region."""
-        raise ConnectorError(f"{type(self).__name__} implements neither register_kv_cache_layout nor "
-                             "register_kv_caches")
+        """Single-tensor registration: `[num_slots, num_layers, roles, tokens_per_block, heads,
+        head_dim]`, reached through `register_kv_cache_layout`'s default for a one-pool cache."""
 
     def register_forward_pass_callable(self) -> Callable[[], None] | None:
         """Optionally a callable the runtime runs at the end of every forward pass (after the last

@@ -29,10 +29,58 @@ class LayerGroupInfo:
 class KvCacheConfig:
     tokens_per_block: int
     max_attention_window: tuple[int | None, ...] = ()
-    """Window per layer (None: full attention)."""
+    """Window per layer (None: full attention; TensorRT-LLM normalises a window of at least
+    max_seq_len to None too)."""
     sink_token_length: int = 0
     host_cache_size: int = 0
     disk_cache_size: int = 0
+    enable_block_reuse: bool = True
+    use_kv_cache_manager_v2: bool = True
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """What `parallel_config.to_mapping()` gives a connector: where this rank sits. kvtool runs
+    tensor parallelism only (no pipeline, context or attention-data parallelism)."""
+
+    world_size: int = 1
+    rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    enable_attention_dp: bool = False
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`llm_args.parallel_config` (TensorRT-LLM's `_ParallelConfig`, the fields kvtool models)."""
+
+    tp_size: int = 1
+    rank: int = 0
+    num_ranks: int = 1
+    """Every rank kvtool runs: the TP shards, or (tp 1) replicas that each hold the whole cache."""
+    pp_size: int = 1
+    cp_size: int = 1
+    enable_attention_dp: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_ranks
+
+    @property
+    def is_multi_gpu(self) -> bool:
+        return self.world_size > 1
+
+    def to_mapping(self) -> Mapping:
+        return Mapping(self.world_size, self.rank, self.tp_size, self.pp_size, self.cp_size, self.enable_attention_dp)
 
 
 @dataclass(frozen=True)
@@ -54,3 +102,13 @@ class LlmArgs:
     """Options for kvtool's built-in connectors (for example `dir`, `capacity`)."""
     rank: int = 0
     world_size: int = 1
+    tensor_parallel_size: int = 1
+    """Ranks sharding the KV heads (`--tp`); 1 where ranks replicate the whole cache."""
+    enable_attention_dp: bool = False
+    pipeline_parallel_size: int = 1
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """This rank's place, as TensorRT-LLM's `llm_args.parallel_config`: kvtool's ranks are
+        tensor-parallel shards (`--tp N`), or replicas that each hold the whole cache (tp 1)."""
+        return ParallelConfig(tp_size=self.tensor_parallel_size, rank=self.rank, num_ranks=self.world_size)

@@ -7,7 +7,15 @@ The runtime changes a request only through the underscore methods.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
+
+
+def cache_salt_id(cache_salt: str | None) -> int | None:
+    """A stable 64-bit id of a salt (the first 8 bytes of its SHA-256), None without one."""
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
 
 
 class Request:
@@ -26,6 +34,9 @@ class Request:
         self._is_dummy = is_dummy
         self._arrival = arrival
         self._context_position = 0
+        self.py_num_connector_matched_tokens = 0
+        """Tokens the runtime committed to load from the connector (set at delivery: what was
+        honoured, not what was offered), as TensorRT-LLM's `commit_new_matched_tokens` sets it."""
 
     @property
     def request_id(self) -> int:
@@ -46,6 +57,11 @@ class Request:
     @property
     def cache_salt(self) -> str | None:
         return self._cache_salt
+
+    @property
+    def cache_salt_id(self) -> int | None:
+        """The salt as the 64-bit id older TensorRT-LLM versions carry (None without a salt)."""
+        return cache_salt_id(self._cache_salt)
 
     @property
     def max_new_tokens(self) -> int:
@@ -78,6 +94,33 @@ class Request:
     @property
     def arrival(self) -> float:
         return self._arrival
+
+    @property
+    def num_connector_matched_tokens(self) -> int:
+        """`py_num_connector_matched_tokens`, under the binding's name."""
+        return self.py_num_connector_matched_tokens
+
+    @property
+    def lora_task_id(self) -> int | None:
+        """None: kvtool's requests carry no LoRA adapter."""
+        return None
+
+    @property
+    def multimodal_hashes(self) -> list[list[int]] | None:
+        """None: kvtool's prompts are text only (no multimodal items)."""
+        return None
+
+    @property
+    def multimodal_positions(self) -> list[int] | None:
+        return None
+
+    @property
+    def multimodal_lengths(self) -> list[int] | None:
+        return None
+
+    @property
+    def is_dummy(self) -> bool:
+        return self._is_dummy
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         """Prompt then generated tokens (beam search is not modelled: beam must be 0)."""

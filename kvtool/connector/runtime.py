@@ -90,8 +90,8 @@ class _RankReports:
 class ConnectorRuntime:
     def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker],
                  num_ranks: int | None = None) -> None:
-        """`workers` are the ranks in this process (0, 1, ...); `num_ranks` counts the others too,
-        whose `get_finished` answers arrive through `collect_finished(remote=...)`."""
+        """`workers` are the ranks in this process (0, 1, ...), kept for inspection (the pass driver
+        calls them); `num_ranks` counts the others too."""
         self.scheduler = scheduler
         self.workers = list(workers)
         self.num_ranks = num_ranks or len(self.workers)
@@ -106,7 +106,6 @@ class ConnectorRuntime:
         self._loads = [_RankReports() for _ in range(self.num_ranks)]
         self._saves = [_RankReports() for _ in range(self.num_ranks)]
         self._load_reports: dict[int, set[int]] = {}
-        self._end_of_pass: list[tuple[int, Callable[[], Any]]] = []
         self._save_reports: dict[int, set[int]] = {}
 
     # ---- guarded calls -----------------------------------------------------------------------
@@ -164,8 +163,17 @@ class ConnectorRuntime:
         return ok
 
     def after_alloc(self, request: Request, pages_by_group: GroupPages) -> bool:
-        ok, _ = self.call("update_state_after_alloc", self.scheduler.update_state_after_alloc_by_layer_group,
-                          request, pages_by_group, request_id=request.request_id)
+        """`update_state_after_alloc_by_layer_group` with fresh `List[List[int]]` (the flat form,
+        with `[]`, for a request that has no KV cache: an empty group list)."""
+        lists = pages_by_group.as_lists()
+        hook = self.scheduler.update_state_after_alloc_by_layer_group if lists else \
+            self.scheduler.update_state_after_alloc
+        ok, _ = self.call("update_state_after_alloc", hook, request, lists, request_id=request.request_id)
+        return ok
+
+    def reset(self, request: Request) -> bool:
+        """`request_reset`: the allocation the connector saw is gone, the request runs again."""
+        ok, _ = self.call("request_reset", self.scheduler.request_reset, request, request_id=request.request_id)
         return ok
 
     def start_async_load(self, request_id: int) -> None:
@@ -177,8 +185,9 @@ class ConnectorRuntime:
 
     def finish(self, request: Request, pages_by_group: GroupPages) -> tuple[bool, bool]:
         """(hook ok, saves asynchronously)."""
-        ok, result = self.call("request_finished", self.scheduler.request_finished_by_layer_group, request,
-                               pages_by_group, request_id=request.request_id)
+        lists = pages_by_group.as_lists()
+        hook = self.scheduler.request_finished_by_layer_group if lists else self.scheduler.request_finished
+        ok, result = self.call("request_finished", hook, request, lists, request_id=request.request_id)
         if ok and not isinstance(result, bool):
             self.violate(ViolationKind.FINISHED_SHAPE, request.request_id, f"request_finished returned {result!r}, not a bool")
             result = bool(result)
@@ -187,52 +196,17 @@ class ConnectorRuntime:
             self.num_async_saves += 1
         return ok, bool(ok and result)
 
-    # ---- worker side -------------------------------------------------------------------------
-    def ask_forward_pass_callables(self) -> None:
-        """Ask every worker once for its end-of-pass callable; ConnectorError when one raises or
-        answers something that is neither None nor callable."""
-        self._end_of_pass = []
-        for rank, worker in enumerate(self.workers):
-            hook = f"register_forward_pass_callable (rank {rank})"
-            ok, answer = self.call(hook, worker.register_forward_pass_callable)
-            if not ok:
-                raise ConnectorError(f"{hook} raised: {self.failures[-1].error}")
-            if answer is not None and not callable(answer):
-                raise ConnectorError(f"{hook} returned {answer!r}, which is neither None nor callable")
-            if answer is not None:
-                self._end_of_pass.append((rank, answer))
-
-    def end_forward_pass(self) -> bool:
-        """Run the callables of `ask_forward_pass_callables` (the caller makes the forward stream
-        current); False when one raised."""
-        ok = True
-        for rank, callback in self._end_of_pass:
-            ok &= self.call(f"forward pass callable (rank {rank})", callback)[0]
-        return ok
-
-    def for_each_worker(self, hook: str, *args: Any) -> bool:
-        ok = True
-        for rank, worker in enumerate(self.workers):
-            ok &= self.call(f"{hook} (rank {rank})", getattr(worker, hook), *args)[0]
-        return ok
-
-    def bind(self, metadata: Any) -> None:
-        for worker in self.workers:
-            worker.bind_connector_meta(metadata)
-
+    # ---- worker side (the hooks themselves run in kvtool.engine.pass_driver) -----------------
     def ids_to_report(self) -> tuple[list[int], list[int]]:
-        """The ids the coming `collect_finished` hands every rank's get_finished (saves, loads)."""
+        """The ids the coming `get_finished` calls hand every rank (saves, loads)."""
         return list(self._new_saving), list(self._new_loading)
 
-    def collect_finished(self, remote: dict[int, Any] | None = None) -> tuple[list[int], list[int], bool]:
-        """Ask every rank in this process, and take the answers of the others (`remote`: rank ->
-        what its get_finished returned, None when it raised); (ids saved on all ranks, ids loaded
-        on all ranks, every call ok)."""
+    def collect_finished(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], list[int], bool]:
+        """Take every rank's `get_finished` answer (rank -> (hook ok, what it returned)) for the
+        ids `ids_to_report` gave out; (ids saved on all ranks, ids loaded on all ranks, every
+        call ok)."""
         saving, loading = self._new_saving, self._new_loading
         self._new_saving, self._new_loading = [], []
-        answers = {rank: self.call(f"get_finished (rank {rank})", worker.get_finished, list(saving), list(loading))
-                   for rank, worker in enumerate(self.workers)}
-        answers.update({rank: (result is not None, result) for rank, result in (remote or {}).items()})
         ok = True
         for rank, (good, result) in sorted(answers.items()):
             self._saves[rank].given.update(saving)
@@ -274,6 +248,19 @@ class ConnectorRuntime:
     @property
     def pending_saves(self) -> set[int]:
         return {rid for r in self._saves for rid in r.given - r.reported} | set(self._new_saving)
+
+
+def require_grouped_hooks(scheduler_class: type, num_layer_groups: int) -> None:
+    """ConnectorError for a scheduler with only the flat `update_state_after_alloc` or
+    `request_finished` on a cache of several layer groups (TensorRT-LLM refuses it at start-up:
+    a page index is scoped to its group, so there is no flat list to hand it)."""
+    if num_layer_groups <= 1:
+        return
+    missing = [name for name in ("update_state_after_alloc_by_layer_group", "request_finished_by_layer_group")
+               if getattr(scheduler_class, name) is getattr(KvCacheConnectorScheduler, name)]
+    if missing:
+        raise ConnectorError(f"{scheduler_class.__name__} does not implement {' or '.join(missing)}, and this "
+                             f"KV cache has {num_layer_groups} layer groups: the flat form cannot address them")
 
 
 def require_gpu_tier_only(host_cache_bytes: int, disk_cache_bytes: int) -> None:

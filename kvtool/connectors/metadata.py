@@ -29,4 +29,5 @@ class StoreMetadata:
     saves: list[PageTransfer] = field(default_factory=list)
     """Blocks completed by this pass, saved before wait_for_save returns."""
     async_saves: dict[int, list[PageTransfer]] = field(default_factory=dict)
-    """Per finished request: saves reported through get_finished (pages held until then)."""
+    """Per request: blocks completed by this pass, saved in the background from the end of the
+    pass; reported through get_finished once the request finished (pages held until then)."""

@@ -7,8 +7,11 @@ sink blocks and the live window for sliding groups (the manager's own usability 
 
 Loads: exactly the delivered range (the offer minus what the runtime cancelled), only into real
 pages. Saves: each full block in the pass that completes it, while its pages are surely valid. In
-`async` mode only sliding-window groups save that way (their pages go as the window moves on);
-full-attention pages are saved in the background once the request finishes, held until then.
+`async` mode sliding-window groups save that way (their pages go as the window moves on), and
+full-attention pages are saved in the background, started by the worker at the end of the pass that
+wrote them; `request_finished` answers True while any of them may be in flight, so the runtime
+holds the pages until the worker reports the request. (No metadata reaches the workers after a
+request's last pass, so a save cannot wait for `request_finished` to be planned.)
 """
 
 from __future__ import annotations
@@ -60,8 +63,6 @@ class _Tracker:
     held_pins: list[Any] = field(default_factory=list)
     """Pins of emitted loads, released once the load has surely run (a later iteration)."""
     loads_emitted_at: int = -1
-    landed_tokens: int = 0
-    """Tokens whose KV earlier, completed passes wrote (the latest report's computed position)."""
 
     def extend_keys(self, tokens_per_block: int) -> None:
         first, end = len(self.keys), len(self.tokens) // tokens_per_block
@@ -80,7 +81,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self.groups = llm_args.layer_groups
         self.mode = store_mode(llm_args.connector_options)
         self._trackers: dict[int, _Tracker] = {}
-        self._finished: dict[int, list[PageTransfer]] = {}
+        self._saving_in_background: set[int] = set()
+        """Requests with a background save emitted: `request_finished` answers True for them."""
         self._window_of = {g.layer_group_id: g.window_size for g in self.groups}
         self.num_saved_blocks = 0
         self.num_loaded_blocks = 0
@@ -188,10 +190,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             tracker.cancelled.append((start, end))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
-        self.update_state_after_alloc_by_layer_group(request, GroupPages({self.groups[0].layer_group_id: block_ids}))
+        self.update_state_after_alloc_by_layer_group(request, GroupPages([block_ids]))
 
     def update_state_after_alloc_by_layer_group(self, request: Request,
-                                                block_ids_by_layer_group: GroupPages) -> None:
+                                                block_ids_by_layer_group: list[list[int]]) -> None:
         tracker = self._tracker(request.request_id, request.cache_salt)
         tracker.pages = GroupPages(block_ids_by_layer_group)
         if tracker.offer is None:
@@ -238,8 +240,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 target.extend(tracker.pending_loads)
                 tracker.pending_loads = []
                 tracker.loads_emitted_at = self._num_metas
-        meta.async_saves, self._finished = self._finished, {}
-        for save in meta.saves:
+        for save in [*meta.saves, *(t for transfers in meta.async_saves.values() for t in transfers)]:
             self._unlanded.setdefault(save.request_id, []).append(save)
         return meta
 
@@ -257,23 +258,28 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         if tracker.held_pins and 0 <= tracker.loads_emitted_at < self._num_metas:
             self._release_pins(tracker)
         start = data.computed_position
-        tracker.landed_tokens = start
         if tracker.delivered and not tracker.delivered_reported:
             start = max(start, tracker.delivered[1])
             tracker.delivered_reported = True
-        meta.saves.extend(self._completed_blocks(tracker, start, start + data.num_scheduled_tokens))
+        saves = self._completed_blocks(tracker, start, start + data.num_scheduled_tokens)
+        if self.mode is not StoreMode.ASYNC:
+            meta.saves.extend(saves)
+            return
+        meta.saves.extend(t for t in saves if self._window_of[t.layer_group_id] is not None)
+        background = [t for t in saves if self._window_of[t.layer_group_id] is None]
+        if background:
+            meta.async_saves.setdefault(tracker.request_id, []).extend(background)
+            self._saving_in_background.add(tracker.request_id)
 
     def _completed_blocks(self, tracker: _Tracker, start: int, end: int) -> list[PageTransfer]:
         """Saves for the full blocks this pass completes (their pages are written now)."""
         tpb = self.tokens_per_block
-        return self._save_blocks(tracker, range(start // tpb, min(end // tpb, len(tracker.keys))),
-                                 windowed_only=self.mode is StoreMode.ASYNC)
+        return self._save_blocks(tracker, range(start // tpb, min(end // tpb, len(tracker.keys))))
 
-    def _save_blocks(self, tracker: _Tracker, ordinals: range, windowed_only: bool = False) -> list[PageTransfer]:
+    def _save_blocks(self, tracker: _Tracker, ordinals: range) -> list[PageTransfer]:
         """A save per real page of each block in `ordinals` whose entry `reserve` hands out: block
         by block, a block's layer groups in order (the order the store's index sees them)."""
-        groups = [(g, pages) for g, pages in tracker.pages.items()
-                  if not (windowed_only and self._window_of[g] is None)]
+        groups = list(tracker.pages.items())
         reserve, keys, request_id = self.reserve, tracker.keys, tracker.request_id
         saves: list[PageTransfer] = []
         for j in ordinals:
@@ -287,39 +293,22 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return saves
 
     def request_finished(self, request: Request, cache_block_ids: list[int]) -> bool:
-        return self.request_finished_by_layer_group(request, GroupPages({self.groups[0].layer_group_id: cache_block_ids}))
+        return self.request_finished_by_layer_group(request, GroupPages([cache_block_ids]))
 
     def request_finished_by_layer_group(self, request: Request,
-                                        cache_block_ids_by_layer_group: GroupPages) -> bool:
+                                        cache_block_ids_by_layer_group: list[list[int]]) -> bool:
         unlanded = self._unlanded.pop(request.request_id, [])
         if not request.is_finished:   # ended early (failed or aborted), maybe in the pass of these saves
             for save in unlanded:
                 self.discard(save.key, save.layer_group_id, save.location)
+        saving = request.request_id in self._saving_in_background
+        self._saving_in_background.discard(request.request_id)
         tracker = self._trackers.pop(request.request_id, None)
-        if tracker is None:
-            return False
-        for location in tracker.planned.values():
-            self.unpin(location)
-        self._release_pins(tracker)
-        if self.mode is not StoreMode.ASYNC:
-            return False
-        tracker.pages = GroupPages(cache_block_ids_by_layer_group)
-        tracker.tokens = request.get_tokens(0)
-        tracker.extend_keys(self.tokens_per_block)
-        num_written = self._written_tokens(tracker, request) // self.tokens_per_block
-        saves = self._save_blocks(tracker, range(min(num_written, len(tracker.keys))))
-        if not saves:
-            return False
-        self._finished[request.request_id] = saves
-        return True
-
-    def _written_tokens(self, tracker: _Tracker, request: Request) -> int:
-        """Tokens whose KV is in the pages of a request that just ended. The last sampled token's
-        KV was never computed (nothing ran after it was sampled). A request that ended early may
-        have failed in its last pass: only the passes before that one wrote."""
-        if request.is_finished:
-            return len(tracker.tokens) - (request.num_generated_tokens > 0)
-        return tracker.landed_tokens
+        if tracker is not None:
+            for location in tracker.planned.values():
+                self.unpin(location)
+            self._release_pins(tracker)
+        return saving
 
     def _release_pins(self, tracker: _Tracker) -> None:
         for location in tracker.held_pins:
@@ -330,7 +319,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
     def kvtool_introspect(self) -> dict[str, Any]:
         """The optional introspection hook `kvtool validate` asks: ids of requests the connector still
         holds state for, entries pinned for pending loads (`pinned_entries`), and block counters."""
-        return {"tracked_request_ids": sorted(self._trackers) + sorted(self._finished),
+        return {"tracked_request_ids": sorted(self._trackers),
                 "saved_blocks": self.num_saved_blocks, "loaded_blocks": self.num_loaded_blocks}
 
     def _tracker(self, request_id: int, cache_salt: str | None) -> _Tracker:

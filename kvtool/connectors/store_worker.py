@@ -66,10 +66,6 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
         meta = self.meta
-        # Saves of finished requests go first: a load this pass may read the entries they fill, and
-        # the background thread runs in order. Their pages stay held until the save is reported.
-        for request_id, transfers in meta.async_saves.items():
-            self._saving[request_id] = self._background().submit(self.save, transfers)
         if meta.loads and self.mode is not StoreMode.LAYERWISE:
             self._wait_for_background_saves()
             self.load(meta.loads)
@@ -91,21 +87,35 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             self.save(self.meta.saves, layer_id=layer_idx)
 
     def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
-        if self.meta.saves and self.mode is not StoreMode.LAYERWISE:
-            self.save(self.meta.saves)
+        """The pass's synchronous saves, then its background ones (pages the runtime keeps until
+        `get_finished` reports the request: the request runs on, or `request_finished` answered
+        True). The background thread runs in order, so a request's newest save landing means
+        all of its saves landed."""
+        meta = self.meta
+        if meta.saves and self.mode is not StoreMode.LAYERWISE:
+            self.save(meta.saves)
+        if meta.async_saves and stream is not None:
+            stream.synchronize()   # the background thread reads what this pass's kernels wrote
+        for request_id, transfers in meta.async_saves.items():
+            self._saving[request_id] = self._background().submit(self.save, transfers)
 
     def get_finished(self, finished_gen_req_ids: list[int],
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         self._given_saves.update(finished_gen_req_ids)
         self._given_loads.update(started_loading_req_ids)
-        return self._done(self._saving, self._given_saves), self._done(self._loading, self._given_loads)
+        # Every save of a request was submitted by the time its id is given (in the passes before
+        # request_finished); one whose pass failed before wait_for_save has nothing in flight.
+        saved = self._done(self._saving, self._given_saves, nothing_pending_is_done=True)
+        return saved, self._done(self._loading, self._given_loads)
 
-    def _done(self, futures: dict[int, Future], given: set[int]) -> list[int]:
-        done = [rid for rid, future in futures.items() if rid in given and future.done()]
+    def _done(self, futures: dict[int, Future], given: set[int], nothing_pending_is_done: bool = False) -> list[int]:
+        done = [rid for rid in given if (rid in futures and futures[rid].done())
+                or (nothing_pending_is_done and rid not in futures)]
         for rid in done:
-            future = futures.pop(rid)
             given.discard(rid)
-            future.result()  # a failed copy raises here, in get_finished
+            future = futures.pop(rid, None)
+            if future is not None:
+                future.result()  # a failed copy raises here, in get_finished
         return done
 
     def _background(self) -> ThreadPoolExecutor:

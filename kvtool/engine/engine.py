@@ -16,13 +16,16 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
-from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only
+from kvtool.connector.rank_context import acting_as, set_process_rank
+from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone,
                                   SaveFinished, SaveStarted)
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
 from kvtool.engine.no_bytes import NoBytesModel
-from kvtool.engine.worker_setup import forward_stream, made_current, rank_llm_args, register_worker
-from kvtool.engine.ranks import Followers, PassOrder, RankReport, RankSetup, free_port, rank_manager_config
+from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
+from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
+from kvtool.engine.ranks import (FinishedOrder, Followers, PassOrder, RankReport, RankSetup, free_port,
+                                 rank_manager_config)
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kvtool.engine.scheduler_output import build_scheduler_output
@@ -117,17 +120,19 @@ class Engine:
         self._received: list[PassItem] = []
         self._forgotten: list[int] = []
         self.followers = self._start_followers(connector, connector_options or {})
+        self.stream = forward_stream(self.manager.device)
+        set_process_rank(0, config.num_ranks)
+        self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded)
         try:
             self.connector = self._attach(connector, connector_options or {}) if connector else None
         except Exception:
             self.close()
             raise
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
-        self.stream = forward_stream(self.manager.device)
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
-        return rank_llm_args(self.manager, spec, options, rank, self.config.num_ranks)
+        return rank_llm_args(self.manager, spec, options, rank, self.config.num_ranks, self.config.tp_size)
 
     def _start_followers(self, spec: ConnectorSpec | None, options: dict[str, str]) -> Followers | None:
         config = self.config
@@ -144,31 +149,46 @@ class Engine:
             self.followers.close()
 
     def _attach(self, spec: ConnectorSpec, options: dict[str, str]) -> ConnectorRuntime:
+        """Construct the scheduler (rank 0) and this process's workers, register the layout, ask
+        each worker for its forward-pass callable, then `wait_for_initialization`."""
         declared = declared_options(spec.scheduler_class)
         if declared is not None:
             check_options(spec.name, declared, options)
         try:
+            require_grouped_hooks(spec.scheduler_class, len(self.manager.layer_groups))
+        except ConnectorError as exc:
+            raise InputError(f"connector {spec.name!r}: {exc}") from None
+        try:
             scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
-            workers = [spec.worker_class(self.llm_args(spec, options, r)) for r in range(self._num_local_ranks)]
+            workers = []
+            for rank in range(self._num_local_ranks):
+                with acting_as(rank):
+                    workers.append(spec.worker_class(self.llm_args(spec, options, rank)))
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
                                     f"{type(exc).__name__}: {exc}") from None
-        for worker in workers:
-            try:
-                register_worker(worker, self.manager)
-            except ConnectorError as exc:
-                raise InputError(f"connector {spec.name!r}: {exc}") from None
-            except Exception as exc:  # noqa: BLE001
-                raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
-                                 f"{type(exc).__name__}: {exc}") from None
+        rank_workers = [self._registered(spec, rank, worker) for rank, worker in enumerate(workers)]
+        self.driver.workers = rank_workers
         runtime = ConnectorRuntime(scheduler, workers, self.config.num_ranks)
+        ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
+        if not ok:
+            raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")
+        return runtime
+
+    def _registered(self, spec: ConnectorSpec, rank: int, worker) -> RankWorker:
+        """`worker` with the layout registered and its forward-pass callable asked (InputError
+        naming the connector when either fails)."""
         try:
-            runtime.ask_forward_pass_callables()
+            with acting_as(rank):
+                register_worker(worker, self.manager)
+            return RankWorker(rank, worker, ask_end_of_pass(worker, rank))
         except ConnectorError as exc:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
-        return runtime
+        except Exception as exc:  # noqa: BLE001
+            raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
+                             f"{type(exc).__name__}: {exc}") from None
 
     @property
     def _num_local_ranks(self) -> int:
@@ -273,15 +293,12 @@ class Engine:
             state.kv.commit(state.request.prompt_token_ids[:state.position])
         dummies = self._dummies(batch)
         items = self._pass_items(batch) + [item for _, item in dummies]
-        if self.connector is not None:
-            self._connector_pass(batch, items)
-        elif items or self.followers is not None:
-            self._send_order(None, items, True)
-            self._forward(items)
-            self._merge(self._gather(), items)
-        for dummy, _ in dummies:
+        self._run_pass(batch, items)
+        for dummy, item in dummies:
             dummy.close()
+            self._forget(item.request_id)
         self._finish_pass(batch, items)
+        self._end_iteration(batch)
         self._check_progress(batch, progress_before)
         seconds = self.config.iteration_seconds if self.config.iteration_time is None else \
             self.config.iteration_time(batch, items)
@@ -350,25 +367,48 @@ class Engine:
             dummies.append((kv, PassItem(request_id, [0], kv.page_indices_by_group(), 0, 1, False)))
         return dummies
 
-    def _forward(self, items: list[PassItem]) -> None:
-        for layer_id in self.fake.layer_ids:
-            self.fake.forward_layer(layer_id, items)
+    # ---- the pass (kvtool.engine.pass_driver) ------------------------------------------------
+    def _guarded(self, hook: str, fn, *args):
+        """Rank 0's hook guard: the runtime's (failures recorded), or a plain call without a connector."""
+        return self.connector.call(hook, fn, *args) if self.connector is not None else (True, fn(*args))
 
-    def _connector_pass(self, batch: Batch, items: list[PassItem]) -> None:
-        runtime = self.connector
-        output = build_scheduler_output(batch, self.iteration)
-        ok, metadata = runtime.build_meta(output)
-        saving, loading = runtime.ids_to_report()
-        self._send_order(metadata, items, ok, saving, loading)
-        ok = ok and self._worker_pass(metadata, items)
-        reports = self._gather()
-        ok = self._merge(reports, items) and ok
-        saved, loaded, finished_ok = runtime.collect_finished({r.rank: r.finished for r in reports})
-        if not ok or not finished_ok:
-            self._fail_pass(batch, runtime.failures[-1].describe())
+    def _run_pass(self, batch: Batch, items: list[PassItem]) -> None:
+        """Steps 1-2 of `pass_driver` on every rank: metadata and `start_load_kv` when requests
+        were scheduled, the forward pass when the batch holds any."""
+        plan = PassPlan(starts=self.connector is not None and bool(batch.num_requests or batch.loading_started),
+                        forwards=bool(items))
+        if not plan.starts and not plan.forwards:
+            return
+        ok, metadata = True, None
+        if plan.starts:
+            ok, metadata = self.connector.build_meta(build_scheduler_output(batch, self.iteration))
+            plan = plan if ok else PassPlan(starts=False, forwards=False)
+        self._send(PassOrder(self.iteration, metadata, items, self._received, self._take_page_log(), plan,
+                             self._pages_to_verify(items)))
+        self._received = []
+        ok = self.driver.run_pass(plan, metadata, items) and ok
+        ok = self._merge(self._gather(), items) and ok
+        if not ok:
+            self._fail_pass(batch, self.connector.failures[-1].describe())
+            return
         for state in batch.first_chunks:
             if state.delivered_at == self.iteration and state.num_external and state.phase is Phase.CONTEXT:
                 self.emit(LoadFinished, request_id=state.request_id)
+
+    def _collect_finished(self, batch: Batch) -> None:
+        """Step 4 of `pass_driver`: `get_finished` on every rank, after this iteration's
+        `request_finished` calls; the ids every rank reported are acted on."""
+        runtime = self.connector
+        saving, loading = runtime.ids_to_report() if runtime is not None else ([], [])
+        self._send(FinishedOrder(self._take_page_log(), saving, loading, self._forgotten))
+        self._forgotten = []
+        answers = self.driver.get_finished(saving, loading)
+        answers.update((r.rank, (r.finished is not None, r.finished)) for r in self._gather())
+        if runtime is None:
+            return
+        saved, loaded, ok = runtime.collect_finished(answers)
+        if not ok:
+            self._fail_pass(batch, runtime.failures[-1].describe())
         for request_id in loaded:
             self._loaded(self.states.get(request_id))
         for request_id in saved:
@@ -378,20 +418,29 @@ class Engine:
                 hold.release()
 
     # ---- the follower ranks --------------------------------------------------------------------
-    def _send_order(self, metadata, items: list[PassItem], run_pass: bool, saving: list[int] = (),
-                    loading: list[int] = ()) -> None:
+    def _send(self, order) -> None:
+        if self.followers is not None:
+            self.followers.broadcast(order)
+
+    def _take_page_log(self) -> list[tuple]:
+        """The byte operations rank 0's manager did on pages since the last order (poison,
+        copy-on-write), for the followers to replay on their shards."""
         if self.followers is None:
-            return
-        order = PassOrder(self.iteration, metadata, items, self._received, self.manager.page_log, list(saving),
-                          list(loading), self._forgotten, run_pass, self._pages_to_verify(items))
-        self._received, self._forgotten, self.manager.page_log = [], [], []
-        self.followers.broadcast(order)
+            return []
+        log, self.manager.page_log = self.manager.page_log, []
+        return log
+
+    def _forget(self, request_id: int) -> None:
+        """The fake engine (on every rank) drops what it keeps for a request that is over."""
+        self.fake.forget(request_id)
+        if self.followers is not None:
+            self._forgotten.append(request_id)
 
     def _pages_to_verify(self, items: list[PassItem]) -> list[PassItem]:
         """For the followers' `verify_all`: the live requests this pass does not run (their pages
         must not change; a pass's own requests are checked by its forward, and one that fails in
         the pass may hold pages its loads never filled)."""
-        if not self.config.verify_all_after_iteration:
+        if not self.config.verify_all_after_iteration or self.followers is None:
             return []
         in_pass = {item.request_id for item in items}
         return [PassItem(s.request_id, s.request.get_tokens(), s.kv.page_indices_by_group(), 0, s.kv.history_length,
@@ -404,7 +453,7 @@ class Engine:
         return self.followers.gather() if self.followers is not None else []
 
     def _merge(self, reports: list[RankReport], items: list[PassItem]) -> bool:
-        """Fold the followers' reports in: their hook failures, integrity issues and (tensor
+        """Fold the followers' pass reports in: their hook failures, integrity issues and (tensor
         parallel) token digests. False when a follower's hook raised."""
         ok = True
         by_id = {item.request_id: item for item in items}
@@ -419,25 +468,11 @@ class Engine:
                     by_id[request_id].checksum = (by_id[request_id].checksum + checksum) & CHECKSUM_MASK
         return ok
 
-    def _worker_pass(self, metadata, items: list[PassItem]) -> bool:
-        runtime = self.connector
-        runtime.bind(metadata)
-        if not runtime.for_each_worker("start_load_kv", self.stream):
-            return False
-        for layer_id in self.fake.layer_ids:
-            if not runtime.for_each_worker("wait_for_layer_load", layer_id, self.stream):
-                return False
-            self.fake.forward_layer(layer_id, items)
-            if not runtime.for_each_worker("save_kv_layer", layer_id, self.stream):
-                return False
-        with made_current(self.stream):
-            if not runtime.end_forward_pass():
-                return False
-        return runtime.for_each_worker("wait_for_save", self.stream)
-
     def _fail_pass(self, batch: Batch, reason: str) -> None:
+        """A worker hook raised: the requests of the pass fail (those already finished and
+        saving keep their pages until the save is reported)."""
         for state in [s for s, _ in batch.context] + batch.generation:
-            if state.is_live:
+            if state.is_live and state.phase is not Phase.SAVING:
                 self.fail(state, FailureReason.CONNECTOR_FAILED_IN_PASS, reason)
         batch.context, batch.generation = [], []
 
@@ -457,6 +492,11 @@ class Engine:
             state.kv.commit([state.request.last_token])
             self.stats.computed_tokens += 1
             self._produce(state, item)
+
+    def _end_iteration(self, batch: Batch) -> None:
+        """`get_finished` (with a connector or followers), then the checks of the iteration."""
+        if self.connector is not None or self.followers is not None:
+            self._collect_finished(batch)
         self._fail_stuck_transmissions()
         if self.config.verify_all_after_iteration:
             self.verify_all()
@@ -546,7 +586,7 @@ class Engine:
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
                 is_open = state.kv is not None and state.kv.status is not KvCacheStatus.CLOSED
                 pages = state.kv.page_indices_by_group() if is_open else \
-                    GroupPages({g.layer_group_id: [] for g in self.manager.layer_groups})
+                    GroupPages([] for _ in self.manager.layer_groups)
                 ok, is_async = self.connector.finish(state.request, pages)
                 if ok and is_async and is_open:   # its save reads these pages: keep them until it lands
                     self._failed_saves[state.request_id] = self.manager.hold_pages(state.kv)
@@ -567,8 +607,7 @@ class Engine:
             state.hold = None
         state.phase = phase
         state.error = reason
-        self.fake.forget(state.request_id)
-        self._forgotten.append(state.request_id)
+        self._forget(state.request_id)
         if phase is Phase.FAILED:
             self.stats.num_failed += 1
             self.stats.failures.append(f"request {state.request_id}: {reason}")

@@ -3,9 +3,10 @@ ranks 1..N-1 are follower processes joined in a `torch.distributed` group (gloo 
 GPU pools), each with its own KV pools (its tensor-parallel shard), its own fake engine and its own
 connector worker.
 
-Each iteration rank 0 broadcasts a `PassOrder` (the connector metadata, the pass items, the byte
-operations its manager did on pages, the ids given to `get_finished`); every rank runs the worker
-hooks and its fake forward on its own shard; rank 0 gathers one `RankReport` per follower. The
+Each iteration rank 0 broadcasts a `PassOrder` (the connector metadata, the pass items and plan,
+the byte operations its manager did on pages) when there is a pass to run, and a `FinishedOrder`
+(the ids given to `get_finished`) at the end of every iteration; every rank runs the same
+`PassDriver` on its own shard; after each order rank 0 gathers one `RankReport` per follower. The
 runtime acts on a finished id only once every rank reported it. Collectives run under a timeout,
 and a follower that dies or hangs ends the run with one line naming the rank and its last hook.
 """
@@ -25,7 +26,9 @@ import torch
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
-from kvtool.engine.worker_setup import forward_stream, made_current, rank_llm_args, register_worker
+from kvtool.connector.rank_context import set_process_rank
+from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
+from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
 from kvtool.errors import ConnectorError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
@@ -62,21 +65,29 @@ def rank_manager_config(config: KvCacheManagerConfig, tp_size: int, rank: int) -
 
 @dataclass
 class PassOrder:
-    """Everything a follower needs to run one pass exactly as rank 0 does."""
+    """Everything a follower needs to run one pass exactly as rank 0 does (steps 1-2 of
+    `pass_driver`)."""
 
     iteration: int
     metadata: Any
     items: list[PassItem]
     received: list[PassItem]
     page_ops: list[tuple]
-    saving: list[int]
-    loading: list[int]
-    forgotten: list[int]
-    run_pass: bool = True
-    """False when rank 0 skips the pass (build_connector_meta raised): only get_finished runs."""
+    plan: PassPlan
     verify: list[PassItem] = field(default_factory=list)
     """Live requests' pages to verify after the pass, up to the history they had before it
     (rank 0's `verify_all_after_iteration`, on this rank's shard)."""
+
+
+@dataclass
+class FinishedOrder:
+    """The end of an iteration on a follower (step 4 of `pass_driver`): the page operations since
+    the pass, the requests to forget, and the ids `get_finished` is given."""
+
+    page_ops: list[tuple]
+    saving: list[int]
+    loading: list[int]
+    forgotten: list[int]
 
 
 @dataclass
@@ -85,7 +96,7 @@ class RankReport:
     failures: list[tuple[str, str]] = field(default_factory=list)
     """(hook, error) for each hook that raised."""
     finished: Any = None
-    """What get_finished returned (None when it raised)."""
+    """What get_finished returned (None when it raised, or for a pass order)."""
     checksums: dict[int, int] = field(default_factory=dict)
     issues: list[IntegrityIssue] = field(default_factory=list)
     errors_by_request: Counter = field(default_factory=Counter)
@@ -114,7 +125,7 @@ class Followers:
             self.close(force=True)
             raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
 
-    def broadcast(self, order: PassOrder) -> None:
+    def broadcast(self, order: PassOrder | FinishedOrder) -> None:
         """Send `order` to every follower (rank 0 then runs its own pass, and `gather`s).
         RankGroupError naming the rank when one is gone."""
         import torch.distributed as dist
@@ -202,87 +213,68 @@ def follow(rank: int, setup: RankSetup, hook_name) -> None:
 
 
 class RankExecutor:
-    """One follower rank: its pools (shard), fake engine and connector worker."""
+    """One follower rank: its pools (shard), fake engine and connector worker, driven by the same
+    `PassDriver` as rank 0."""
 
     def __init__(self, rank: int, setup: RankSetup, hook_name=None) -> None:
         self.rank = rank
+        set_process_rank(rank, setup.num_ranks)
         config = replace(rank_manager_config(setup.manager, setup.tp_size, rank),
                          num_slots_by_pool_group=setup.num_slots, device=setup.device)
         self.manager = KvCacheManager(config)
         self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed)
-        self.stream = forward_stream(self.manager.device)
         self._hook_name = hook_name
-        self.worker = None
-        self._end_of_pass = None
+        self._report = RankReport(rank)
+        workers = []
         if setup.spec is not None:
             self._enter("constructing the worker")
-            self.worker = setup.spec.worker_class(rank_llm_args(self.manager, setup.spec, dict(setup.options),
-                                                                rank, setup.num_ranks))
+            worker = setup.spec.worker_class(rank_llm_args(self.manager, setup.spec, dict(setup.options),
+                                                           rank, setup.num_ranks, setup.tp_size))
             self._enter("register_kv_cache_layout")
-            register_worker(self.worker, self.manager)
-            self._end_of_pass = self.worker.register_forward_pass_callable()
+            register_worker(worker, self.manager)
+            workers.append(RankWorker(rank, worker, ask_end_of_pass(worker, rank)))
+        self.driver = PassDriver(workers, self.fake.layer_ids, self.fake.forward_layer,
+                                 forward_stream(self.manager.device), self._call, self._enter)
         self._enter("")
+
+    @property
+    def worker(self):
+        return self.driver.workers[0].worker if self.driver.workers else None
 
     def _enter(self, hook: str) -> None:
         if self._hook_name is not None:
             self._hook_name.value = hook.encode()[:HOOK_NAME_BYTES - 1]
 
-    def run(self, order: PassOrder) -> RankReport:
-        report = RankReport(self.rank)
+    def run(self, order: PassOrder | FinishedOrder) -> RankReport:
+        self._report = report = RankReport(self.rank)
         self.manager.replay_page_ops(order.page_ops)
+        if isinstance(order, FinishedOrder):
+            answer = self.driver.get_finished(order.saving, order.loading).get(self.rank)
+            report.finished = answer[1] if answer is not None and answer[0] else None
+            for request_id in order.forgotten:
+                self.fake.forget(request_id)
+        else:
+            self._pass(order, report)
+        self._enter("")
+        return report
+
+    def _pass(self, order: PassOrder, report: RankReport) -> None:
         for item in order.received:
             self.fake.write_context(item)
         before = Counter(self.fake.errors_by_request)
         num_issues = len(self.fake.issues)
-        if self.worker is not None:
-            if order.run_pass:
-                self.worker.bind_connector_meta(order.metadata)
-                self._pass(order.items, report)
-            self._enter("get_finished")
-            finished = self._call(report, "get_finished", self.worker.get_finished, list(order.saving),
-                                  list(order.loading))
-            report.finished = None if finished is _FAILED else finished
-        else:
-            for layer_id in self.fake.layer_ids:
-                self.fake.forward_layer(layer_id, order.items)
-        self._enter("")
+        self.driver.run_pass(order.plan, order.metadata, order.items)
         for item in order.verify:
             self.fake.verify_cache(item.request_id, item.tokens, item.pages, item.end)
-        for request_id in order.forgotten:
-            self.fake.forget(request_id)
         report.checksums = {item.request_id: item.checksum for item in order.items if item.samples}
         report.issues = self.fake.issues[num_issues:]
         report.errors_by_request = Counter(self.fake.errors_by_request) - before
-        return report
 
-    def _pass(self, items: list[PassItem], report: RankReport) -> None:
-        worker, stream = self.worker, self.stream
-        steps = [("start_load_kv", lambda: worker.start_load_kv(stream))]
-        for layer_id in self.fake.layer_ids:
-            steps += [("wait_for_layer_load", lambda l=layer_id: worker.wait_for_layer_load(l, stream)),
-                      ("forward", lambda l=layer_id: self.fake.forward_layer(l, items)),
-                      ("save_kv_layer", lambda l=layer_id: worker.save_kv_layer(l, stream))]
-        if self._end_of_pass is not None:
-            steps.append(("forward pass callable", self._end_of_pass_on_forward_stream))
-        steps.append(("wait_for_save", lambda: worker.wait_for_save(stream)))
-        for hook, step in steps:
-            self._enter(hook)
-            if self._call(report, hook, step) is _FAILED:
-                return
-
-    def _end_of_pass_on_forward_stream(self) -> None:
-        """As rank 0 runs it: with the forward stream current."""
-        with made_current(self.stream):
-            self._end_of_pass()
-
-    def _call(self, report: RankReport, hook: str, fn, *args):
+    def _call(self, hook: str, fn, *args) -> tuple[bool, Any]:
+        """The follower's hook guard: a failure goes into the report for rank 0, which fails the pass."""
         try:
-            return fn(*args)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to rank 0, which fails the pass
+            return True, fn(*args)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to rank 0
             frame = traceback.extract_tb(exc.__traceback__)[-1]
-            report.failures.append((f"{hook} (rank {self.rank})",
-                                    f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"))
-            return _FAILED
-
-
-_FAILED = object()
+            self._report.failures.append((hook, f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"))
+            return False, None

@@ -57,7 +57,8 @@ class RequestState:
     seen_by_connector: bool = False
     reported_tokens: int = -1
     """Tokens reported in SchedulerOutput so far; -1 before the first report."""
-    reported_blocks: dict[int, int] = field(default_factory=dict)
+    reported_blocks: tuple[int, ...] = ()
+    """Entries per layer group reported so far (`GroupPages.lengths`)."""
     transmission_since: int = -1
     transmission_started_at: float = 0.0
     """time.monotonic() when the asynchronous load began."""

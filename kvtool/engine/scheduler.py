@@ -52,6 +52,9 @@ class Batch:
     first_chunks: list[RequestState] = field(default_factory=list)
     received: list[RequestState] = field(default_factory=list)
     """Generation-only requests admitted this iteration: their context arrives from elsewhere."""
+    loading_started: list[RequestState] = field(default_factory=list)
+    """Requests scheduled this iteration that left the batch to load asynchronously (their load
+    starts with this iteration's `start_load_kv`)."""
 
     @property
     def num_requests(self) -> int:
@@ -208,6 +211,7 @@ class Scheduler:
                                  f"position {state.position}")
             offer.closed = True
             state.num_external = recorded
+            state.request.py_num_connector_matched_tokens = recorded
             state.num_local_hit = committed
             state.delivered_at = self.iteration
             self._emit(Deliver, request_id=state.request_id, num_external=recorded, num_local_hit=committed)
@@ -222,6 +226,7 @@ class Scheduler:
             return
         if state.num_external and offer.is_async:
             batch.drop(state)
+            batch.loading_started.append(state)
             state.phase = Phase.TRANSMISSION
             state.transmission_since = self.iteration
             state.transmission_started_at = time.monotonic()

@@ -8,7 +8,8 @@ from kvtool.engine.scheduler import Batch
 
 
 def build_scheduler_output(batch: Batch, iteration: int) -> SchedulerOutput:
-    """New requests the first time they are reported (everything), cached ones after (deltas).
+    """New requests the first time they are reported (everything), cached ones after (deltas);
+    a request whose allocation was destroyed (`forget_reported`) is new again, whole.
 
     Requests loading asynchronously are not in the batch, and dummy requests never are.
     """
@@ -33,7 +34,16 @@ def _request_data(state: RequestState, computed: int, scheduled: int, iteration:
         computed -= state.num_external   # the local match: what the connector loads comes on top
     state.reported_tokens = len(tokens)
     state.reported_blocks = pages.lengths()
+    request = state.request
     data = RequestData(request_id=state.request_id, new_tokens=tokens[start_tokens:],
                        new_block_ids=by_group.flat(), computed_position=computed,
-                       num_scheduled_tokens=scheduled, new_block_ids_by_layer_group=by_group)
+                       num_scheduled_tokens=scheduled, cache_salt=request.cache_salt,
+                       new_block_ids_by_layer_group=by_group.as_lists(), cache_salt_id=request.cache_salt_id)
     return data, is_new
+
+
+def forget_reported(state: RequestState) -> None:
+    """The request's allocation is gone and it runs again: its next report is new and whole
+    (TensorRT-LLM's `reset_request`, from `free_resources`)."""
+    state.reported_tokens = -1
+    state.reported_blocks = ()

@@ -44,7 +44,7 @@ def forward_stream(device: torch.device):
     return torch.cuda.current_stream() if device.type == "cuda" else HostStream()
 
 def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[str, str], rank: int,
-                  num_ranks: int) -> LlmArgs:
+                  num_ranks: int, tp_size: int = 1) -> LlmArgs:
     """The runtime arguments rank `rank`'s connector side is built with (its shard's layer groups)."""
     model = manager.model
     groups = tuple(LayerGroupInfo(g.layer_group_id, tuple(g.layer_ids), g.window_size, g.num_sink_tokens,
@@ -53,31 +53,10 @@ def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[st
                               max(l.num_sink_tokens for l in model.layers))
     return LlmArgs(model.shard_name, kv_config, KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__,
                                                                        spec.worker_class.__name__),
-                   groups, model.dtype.name, None, {**spec.options, **options}, rank, num_ranks)
+                   groups, model.dtype.name, None, {**spec.options, **options}, rank, num_ranks, tp_size)
 
 
 def register_worker(worker: KvCacheConnectorWorker, manager: KvCacheManager) -> None:
-    """The layout, or the single pool tensor for a worker that only takes one (and a layout that
-    is one layer group with one whole-slot region)."""
-    layout = manager.layout
-    cls = type(worker)
-    if getattr(cls, "register_kv_cache_layout", None) is not KvCacheConnectorWorker.register_kv_cache_layout \
-            or not hasattr(cls, "register_kv_caches"):
-        worker.register_kv_cache_layout(layout)
-        return
-    groups = layout.layer_groups
-    if cls.register_kv_caches is KvCacheConnectorWorker.register_kv_caches or len(groups) != 1 \
-            or len(groups[0].regions) != 1:
-        worker.register_kv_cache_layout(layout)   # the actionable error
-        return
-    worker.register_kv_caches(pool_tensor(manager))
-
-
-def pool_tensor(manager: KvCacheManager) -> torch.Tensor:
-    """The single pool as `[num_slots, num_layers, roles, tokens_per_block, heads, head_dim]`."""
-    region = manager.layout.layer_groups[0].regions[0]
-    spec = region.buffer_specs[0]
-    model = manager.model
-    roles = len(model.layers[0].buffers)
-    return region.as_tensor(model.dtype.torch_dtype).view(
-        region.num_slots, model.num_layers, roles, manager.tokens_per_block, spec.num_heads, spec.head_dim)
+    """Hand the worker the layout: `register_kv_cache_layout`, whose default passes a one-pool
+    cache to `register_kv_caches` (as TensorRT-LLM does)."""
+    worker.register_kv_cache_layout(manager.layout)

@@ -120,10 +120,10 @@ class KvCache:
         return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[layer_group_id]]
 
     def page_indices_by_group(self) -> GroupPages:
-        """`get_page_indices` of every layer group, by group id (an immutable snapshot)."""
+        """`get_page_indices` of every layer group, position = group id (an immutable snapshot)."""
         self._require_open("page_indices_by_group")
         if self._snapshot is None:
-            self._snapshot = GroupPages((g, self.get_page_indices(g)) for g in self._pages)
+            self._snapshot = GroupPages(self.get_page_indices(g) for g in sorted(self._pages))
         return self._snapshot
 
     def pages(self, layer_group_id: int) -> list[Page | None]:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtool.errors import LayoutError, LogicError
+from kvtool.errors import LayoutError, LogicError, UnknownLayerGroupError
 from kvtool.manager.layer_groups import BufferId
-from kvtool.models import BufferSpec
+from kvtool.models import DTYPES, BufferSpec
 from kvtool.types import LayerGroupId, LayerId, MemAddress, PoolGroupIndex, PoolIndex
 
 
@@ -55,10 +55,16 @@ class KvCacheRegion:
         return typed.as_strided((self.num_slots, self.size // itemsize), (self.stride // itemsize, 1),
                                 typed.storage_offset() + self.offset_in_slot // itemsize)
 
-    def slot_tensor(self, page_index: int) -> torch.Tensor:
-        """The `size` bytes of page `page_index` (IndexError outside [0, num_slots))."""
+    def slot_tensor(self, page_index: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Page `page_index`'s `size` bytes as a 1-D view of `dtype` (IndexError outside
+        [0, num_slots), so BAD_PAGE_INDEX never aliases the last slot)."""
         self.address_of(page_index)
-        return self.as_tensor()[page_index]
+        return self.as_tensor(dtype)[page_index]
+
+    @property
+    def is_replicated(self) -> bool:
+        """Every buffer is an MLA latent: the same bytes on every tensor-parallel shard."""
+        return bool(self.buffer_specs) and all(spec.latent for spec in self.buffer_specs)
 
     def buffer_offset(self, buffer: BufferId) -> int:
         """Byte offset of `buffer` inside one page of this region."""
@@ -77,6 +83,17 @@ class KvCacheLayerGroupLayout:
     @property
     def bytes_per_page(self) -> int:
         return sum(r.size for r in self.regions)
+
+    @property
+    def replicated_regions(self) -> tuple[KvCacheRegion, ...]:
+        """The regions whose bytes are identical on every tensor-parallel shard (MLA latents), as
+        TensorRT-LLM lists them; kvtool keeps them in `regions` too, so `regions` always covers
+        every byte of a page (a connector may store these once instead of once per rank)."""
+        return tuple(r for r in self.regions if r.is_replicated)
+
+    @property
+    def replicated_bytes_per_page(self) -> int:
+        return sum(r.size for r in self.replicated_regions)
 
     def region_of(self, buffer: BufferId) -> KvCacheRegion:
         for region in self.regions:
@@ -114,17 +131,42 @@ class KvCacheLayout:
     is_virtual: bool = False
 
     def group(self, layer_group_id: int) -> KvCacheLayerGroupLayout:
-        """The layout of one layer group; LayoutError for an unknown id."""
+        """The layout of one layer group; UnknownLayerGroupError (a KeyError) for an unknown id."""
         if not 0 <= layer_group_id < len(self.layer_groups):
-            raise LayoutError(f"no layer group {layer_group_id} (the layout has {len(self.layer_groups)})")
+            raise UnknownLayerGroupError(f"no layer group {layer_group_id} in layout "
+                                         f"(it has {len(self.layer_groups)})")
         return self.layer_groups[layer_group_id]
 
     def group_of_layer(self, layer_id: int) -> KvCacheLayerGroupLayout:
-        """The layer group holding `layer_id`; LayoutError for a layer the model does not have."""
+        """The layer group holding `layer_id`; UnknownLayerGroupError (a KeyError) otherwise."""
         for group in self.layer_groups:
             if layer_id in group.layer_ids:
                 return group
-        raise LayoutError(f"no layer {layer_id} in this layout")
+        raise UnknownLayerGroupError(f"layer {layer_id} is not covered by this layout")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The KV element type (bytes stay the regions' unit: one region may span several)."""
+        return DTYPES[self.dtype_name].torch_dtype if self.dtype_name in DTYPES else torch.uint8
+
+    gpu_pool_mapping_bytes: int | None = None
+    """TensorRT-LLM's size of one GPU memory mapping (RDMA registrations must not cross one):
+    kvtool's pools are single allocations, so there is no such bound."""
+
+    def as_single_pool_tensor(self) -> torch.Tensor | None:
+        """The cache as one tensor `[num_slots, num_layers, roles, tokens_per_block, heads,
+        head_dim]` of the KV dtype, when it is one layer group with one whole-slot region of
+        equal buffers; None otherwise (or for a layout computed without memory)."""
+        if len(self.layer_groups) != 1 or len(self.layer_groups[0].regions) != 1:
+            return None
+        group, region = self.layer_groups[0], self.layer_groups[0].regions[0]
+        spec = region.buffer_specs[0]
+        num_layers = len(group.layer_ids)
+        if region.storage is None or len(region.buffers) % num_layers or region.size != region.stride:
+            return None
+        roles = len(region.buffers) // num_layers
+        return region.as_tensor(self.dtype).view(region.num_slots, num_layers, roles, self.tokens_per_block,
+                                                 spec.num_heads, spec.head_dim)
 
     @property
     def num_layer_groups(self) -> int:

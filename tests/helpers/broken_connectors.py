@@ -43,9 +43,11 @@ class ChunkDeltaBug(HostConnectorScheduler):
     def _observe(self, data, is_new, meta):
         tracker = self._trackers.get(data.request_id)
         if tracker is not None and not is_new and data.new_block_ids_by_layer_group:
-            tracker.pages = GroupPages({**tracker.pages, **{g: list(p) + list(tracker.pages.get(g, ()))[len(p):]
-                                                            for g, p in data.new_block_ids_by_layer_group.items() if p}})
-            data = replace(data, new_block_ids_by_layer_group=GroupPages())
+            old = list(tracker.pages)
+            tracker.pages = GroupPages(list(p) + list(old[g] if g < len(old) else ())[len(p):] if p else
+                                       (old[g] if g < len(old) else ())
+                                       for g, p in enumerate(data.new_block_ids_by_layer_group))
+            data = replace(data, new_block_ids_by_layer_group=[[] for _ in data.new_block_ids_by_layer_group])
         super()._observe(data, is_new, meta)
 
 
@@ -67,7 +69,7 @@ class NoBadSkip(HostConnectorScheduler):
         planned = dict(tracker.planned)
         super().update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)
         for (j, g), location in planned.items():
-            pages = block_ids_by_layer_group.get(g, [])
+            pages = block_ids_by_layer_group[g] if g < len(block_ids_by_layer_group) else []
             if j < len(pages) and pages[j] == BAD_PAGE_INDEX:
                 tracker.pending_loads.append(PageTransfer(request.request_id, g, j, pages[j], location,
                                                           tracker.keys[j]))
@@ -221,19 +223,53 @@ def _extend_unchained(tracker, tokens_per_block):
         tracker.keys.append(block_key(tracker.scope_key, tracker.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
 
 
-# integrity (multi-turn): an asynchronous save of a finished request that counts its last sampled
-# token as written (its KV was never computed; the bug the reference host-async connector had)
+# integrity (multi-turn): plans a finished request's asynchronous save at request_finished, counting
+# its last sampled token as written (its KV was never computed), and hands it to the worker in the
+# next iteration's metadata (the design, and the bug, the reference host-async connector once had)
 class SavesUnwrittenAnswer(HostConnectorScheduler):
     def __init__(self, llm_args):
         super().__init__(_async_args(llm_args))
+        self._late_saves = {}
 
-    def _written_tokens(self, tracker, request):
-        return len(tracker.tokens) if request.is_finished else tracker.landed_tokens
+    def _observe(self, data, is_new, meta):
+        super()._observe(data, is_new, meta)
+        meta.async_saves.pop(data.request_id, None)     # nothing saved in the background while it runs
+        self._saving_in_background.discard(data.request_id)
+
+    def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
+        tracker = self._trackers.get(request.request_id)
+        super().request_finished_by_layer_group(request, cache_block_ids_by_layer_group)
+        if tracker is None or not request.is_finished:
+            return False
+        tracker.pages = GroupPages(cache_block_ids_by_layer_group)
+        tracker.tokens = request.get_tokens(0)
+        tracker.extend_keys(self.tokens_per_block)
+        saves = self._save_blocks(tracker, range(len(tracker.tokens) // self.tokens_per_block))
+        if saves:
+            self._late_saves[request.request_id] = saves
+        return bool(saves)
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        meta.async_saves.update(self._late_saves)
+        self._late_saves = {}
+        return meta
 
 
 class AsyncWorker(HostConnectorWorker):
+    """Starts the background saves its metadata carries at start_load_kv (pages held meanwhile)."""
+
     def __init__(self, llm_args):
         super().__init__(_async_args(llm_args))
+
+    def start_load_kv(self, stream):
+        for request_id, transfers in self.meta.async_saves.items():
+            self._saving[request_id] = self._background().submit(self.save, transfers)
+        super().start_load_kv(stream)
+
+    def wait_for_save(self, stream):
+        if self.meta.saves:
+            self.save(self.meta.saves)
 
 
 # registration: refuses every layout

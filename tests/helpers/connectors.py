@@ -14,7 +14,7 @@ from kvtool.engine.fake_engine import PassItem
 class OracleLoad:
     request_id: int
     tokens: list[int]
-    pages: dict[int, list[int]]
+    pages: list[list[int]]
     start: int
     end: int
     is_async: bool
@@ -59,8 +59,9 @@ class ScriptedScheduler(KvCacheConnectorScheduler):
         self.calls.append(("alloc_flat", request.request_id, list(block_ids)))
 
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
-        self.calls.append(("alloc", request.request_id, {g: list(p) for g, p in block_ids_by_layer_group.items()}))
-        super().update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)
+        self.calls.append(("alloc", request.request_id, [list(p) for p in block_ids_by_layer_group]))
+        if len(block_ids_by_layer_group) == 1:   # as TensorRT-LLM's tests' mocks fold one group
+            self.update_state_after_alloc(request, block_ids_by_layer_group[0])
         offer = self._offers.pop(request.request_id, None)
         if offer and offer[0] < offer[1]:
             self._pending.append(OracleLoad(request.request_id, request.get_tokens(), block_ids_by_layer_group,
@@ -77,8 +78,10 @@ class ScriptedScheduler(KvCacheConnectorScheduler):
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
         self.calls.append(("finished", request.request_id,
-                           {g: list(p) for g, p in cache_block_ids_by_layer_group.items()}))
-        return super().request_finished_by_layer_group(request, cache_block_ids_by_layer_group)
+                           [list(p) for p in cache_block_ids_by_layer_group]))
+        if len(cache_block_ids_by_layer_group) == 1:
+            return self.request_finished(request, cache_block_ids_by_layer_group[0])
+        return type(self).finish_async
 
     def asks(self, request_id=None):
         return [c for c in self.calls if c[0] == "ask" and (request_id is None or c[1] == request_id)]

@@ -132,21 +132,21 @@ class RecordingScheduler(HostConnectorScheduler):
         super().cancel_load(request, start, end)
 
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
-        pages = {g: list(p) for g, p in block_ids_by_layer_group.items()}
-        if any(BAD_PAGE_INDEX in p for p in pages.values()):
+        pages = [list(p) for p in block_ids_by_layer_group]
+        if any(BAD_PAGE_INDEX in p for p in pages):
             RECORDED.add("alloc: a page list holds BAD_PAGE_INDEX")
         computed, offered, _ = self._asked.get(request.request_id, (0, 0, 0))
         shared_blocks = computed // self.tokens_per_block
         if offered and shared_blocks and any(
                 other[g][:shared_blocks] == p[:shared_blocks] for other in self._live_pages.values()
-                for g, p in pages.items() if g in other and len(other[g]) >= shared_blocks):
+                for g, p in enumerate(pages) if g < len(other) and len(other[g]) >= shared_blocks):
             RECORDED.add("alloc: a load follows pages shared with another live request")
         self._live_pages[request.request_id] = pages
         super().update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)
 
     def build_connector_meta(self, scheduler_output):
         for data in scheduler_output.cached_requests:
-            grew = any(len(p) for p in data.new_block_ids_by_layer_group.values())
+            grew = any(len(p) for p in data.new_block_ids_by_layer_group)
             if data.num_scheduled_tokens == 1 and grew and data.computed_position % self.tokens_per_block == 0:
                 RECORDED.add("meta: a decode step adds a page")
             elif data.num_scheduled_tokens > 1:

@@ -1,0 +1,128 @@
+"""One pass of the connector's worker hooks: the same code on rank 0 and on every follower rank.
+
+An iteration, as TensorRT-LLM's executor runs it (overlap scheduler off):
+
+1. when the scheduler scheduled requests: `build_connector_meta` (rank 0), the metadata bound to
+   every worker, `start_load_kv` — also when every scheduled request left the batch to load
+   asynchronously, since that is what starts the load;
+2. when the batch still holds requests: the forward pass — per layer `wait_for_layer_load`, the
+   layer, `save_kv_layer` — then the workers' forward-pass callables, then `wait_for_save`;
+3. sampling, and `request_finished` for the requests that ended (rank 0, the engine's part);
+4. `get_finished` on every rank, every iteration.
+
+`PassPlan` says which of 1 and 2 run; `PassDriver.run_pass` runs them for the workers of one
+process and `PassDriver.get_finished` runs 4. Hooks go through one guard (`call`), so a hook that
+raises is recorded in the same words on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.rank_context import acting_as
+from kvtool.engine.worker_setup import made_current
+from kvtool.errors import ConnectorError
+
+Call = Callable[..., tuple[bool, Any]]
+"""`call(hook_label, fn, *args) -> (ok, result)`: runs a hook, records a failure, never raises."""
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    starts: bool
+    """Requests were scheduled: `build_connector_meta` ran and `start_load_kv` runs."""
+    forwards: bool
+    """The batch holds requests once asynchronous loads left it: the forward pass runs."""
+
+
+@dataclass
+class RankWorker:
+    """One rank's connector worker as a pass drives it."""
+
+    rank: int
+    worker: KvCacheConnectorWorker
+    end_of_pass: Callable[[], None] | None = None
+
+    def label(self, hook: str) -> str:
+        return f"{hook} (rank {self.rank})"
+
+
+def ask_end_of_pass(worker: KvCacheConnectorWorker, rank: int) -> Callable[[], None] | None:
+    """The worker's `register_forward_pass_callable` answer, asked once at setup; ConnectorError
+    when it raises or answers something that is neither None nor callable."""
+    hook = f"register_forward_pass_callable (rank {rank})"
+    try:
+        with acting_as(rank):
+            answer = worker.register_forward_pass_callable()
+    except Exception as exc:  # noqa: BLE001 - the connector's failure, said in one line
+        raise ConnectorError(f"{hook} raised {type(exc).__name__}: {exc}") from None
+    if answer is not None and not callable(answer):
+        raise ConnectorError(f"{hook} returned {answer!r}, which is neither None nor callable")
+    return answer
+
+
+class PassDriver:
+    """The worker hooks of a pass around a fake forward, for the ranks living in one process."""
+
+    def __init__(self, workers: Sequence[RankWorker], layer_ids: Sequence[int],
+                 forward_layer: Callable[[int, list], None], stream, call: Call,
+                 on_hook: Callable[[str], None] = lambda hook: None) -> None:
+        self.workers = list(workers)
+        self.layer_ids = list(layer_ids)
+        self._forward_layer = forward_layer
+        self.stream = stream
+        self._call = call
+        self._on_hook = on_hook
+        """Told the hook about to run (a follower publishes it, to name a hang)."""
+
+    def run_pass(self, plan: PassPlan, metadata: Any, items: list) -> bool:
+        """Steps 1-2 of the module docstring; False at the first hook that raised (the rest of
+        the pass is skipped). With no worker, only the forward runs."""
+        if plan.starts:
+            for rank_worker in self.workers:
+                rank_worker.worker.bind_connector_meta(metadata)
+            if not self._each("start_load_kv", self.stream):
+                return False
+        if not plan.forwards:
+            return True
+        for layer_id in self.layer_ids:
+            if not self._each("wait_for_layer_load", layer_id, self.stream):
+                return False
+            self._on_hook("forward")
+            self._forward_layer(layer_id, items)
+            if not self._each("save_kv_layer", layer_id, self.stream):
+                return False
+        if not self._end_of_pass():
+            return False
+        return self._each("wait_for_save", self.stream)
+
+    def get_finished(self, saving: list[int], loading: list[int]) -> dict[int, tuple[bool, Any]]:
+        """Step 4: rank -> (ok, what its `get_finished(saving, loading)` returned)."""
+        answers = {}
+        for rank_worker in self.workers:
+            self._on_hook("get_finished")
+            with acting_as(rank_worker.rank):
+                answers[rank_worker.rank] = self._call(rank_worker.label("get_finished"),
+                                                       rank_worker.worker.get_finished, list(saving), list(loading))
+        return answers
+
+    def _each(self, hook: str, *args: Any) -> bool:
+        ok = True
+        for rank_worker in self.workers:
+            self._on_hook(hook)
+            with acting_as(rank_worker.rank):
+                ok &= self._call(rank_worker.label(hook), getattr(rank_worker.worker, hook), *args)[0]
+        return ok
+
+    def _end_of_pass(self) -> bool:
+        """The forward-pass callables, with the forward stream current."""
+        ok = True
+        with made_current(self.stream):
+            for rank_worker in self.workers:
+                if rank_worker.end_of_pass is not None:
+                    self._on_hook("forward pass callable")
+                    with acting_as(rank_worker.rank):
+                        ok &= self._call(rank_worker.label("forward pass callable"), rank_worker.end_of_pass)[0]
+        return ok
