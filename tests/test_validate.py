@@ -33,21 +33,45 @@ WHERE = {  # scenario-specific integrity bugs must show in their scenario
 }
 
 
-def validate_in_process(target: str, scenarios=None):
+def validate_in_process(target: str, scenarios=None, strict: bool = False):
     spec = load_connector(target)
-    return run_all([Context(spec, m, load_timeout=1.0) for m in MODELS], scenarios or list(SCENARIOS), 60,
-                   isolated=False)
+    return run_all([Context(spec, m, load_timeout=1.0, strict=strict) for m in MODELS], scenarios or list(SCENARIOS),
+                   60, isolated=False)
 
 
 @pytest.mark.parametrize("label", list(BROKEN))
 def test_each_broken_connector_fails_exactly_its_check(label):
     scheduler, worker = BROKEN[label]
-    results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}")
+    results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}", strict=True)
     failed = {r.check for r in results if r.failed}
     assert failed == {label.split(" (")[0]}, [(r.scenario, r.model, r.check, r.evidence[:2]) for r in results
                                               if r.failed]
     if label in WHERE:
         assert any(r.scenario == WHERE[label] and r.failed for r in results)
+
+
+def test_serving_nothing_is_a_miss_unless_strict(tmp_path):
+    target = "tests.helpers.broken_connectors:NeverServes:Worker"
+    results = validate_in_process(target, ["cold-warm"])
+    assert {(r.model, r.verdict.value) for r in results if r.check == "warm-hit"} == {("tiny", "miss"),
+                                                                                     ("tiny-vswa", "miss")}
+    assert not [r for r in results if r.failed]
+    out = tmp_path / "v.json"
+    relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--output", str(tmp_path / "run")])
+    assert relaxed.exit_code == 0, relaxed.output
+    assert "6 checks: 4 passed, 2 missed" in relaxed.output
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["num_missed"] == 2
+    strict = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--strict"])
+    assert strict.exit_code == 1 and "6 checks: 4 passed, 2 failed" in strict.output
+
+
+def test_warm_hit_counts_tokens_served_intact_not_offered():
+    """A warm request whose load raised was offered tokens but served none: a miss with the reason."""
+    results = validate_in_process("tests.helpers.broken_connectors:HostConnectorScheduler:LoadRaisesWorker",
+                                  ["cold-warm"])
+    (hit,) = [r for r in results if r.check == "warm-hit" and r.model == "tiny"]
+    assert hit.verdict.value == "miss"
+    assert "tokens offered, none served intact: it failed" in hit.evidence[0], hit.evidence
 
 
 def test_every_check_has_a_broken_connector():
@@ -81,8 +105,8 @@ def test_cli_exit_codes_junit_and_json(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["passed"] is True and {r["check"] for r in doc["results"]} >= {"integrity", "warm-hit"}
     bad = runner.invoke(app, ["validate", "tests.helpers.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
-                              "--junit", str(junit)])
-    assert bad.exit_code == 1 and "checks failed" in bad.stderr
+                              "--junit", str(junit), "--strict"])
+    assert bad.exit_code == 1 and "2 failed" in bad.stderr
     failures = ET.parse(junit).getroot().findall("./testsuite/testcase/failure")
     assert failures and "offered nothing" in failures[0].get("message")
 

@@ -37,6 +37,8 @@ def trace_run(
     connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
     connector_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Folder of the disk connector "
                                                          "(its dir option).")] = None,
+    compat: Annotated[Optional[str], typer.Option(metavar="trtllm", help="Provide TensorRT-LLM's connector "
+                                                  "modules to a --connector written against them.")] = None,
     num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
                                            "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
                                            "pools and connector worker.")] = 1,
@@ -66,7 +68,7 @@ def trace_run(
     if timeline is not None:
         check_writable_file(timeline, "--timeline")
     options = replace(options, tokens_per_block=tokens_per_block, connector=connector,
-                      connector_dir=connector_dir, num_ranks=num_ranks, tp=tp)
+                      connector_dir=connector_dir, num_ranks=num_ranks, tp=tp, compat=compat)
     if instances != 1:
         _run_instances(options, instances, route, sync_window, baseline, timeline, json_out, output, format)
         return

@@ -57,6 +57,8 @@ class ReplayOptions:
     connector: str = "none"
     connector_dir: Path | None = None
     connector_opt: tuple[str, ...] = ()
+    compat: str | None = None
+    """`--compat`: the modules a connector written against another runtime imports."""
     no_local_reuse: bool = False
     admission: str = "reserve"
     seed: int = 0
@@ -86,7 +88,7 @@ def build_replay(o: ReplayOptions) -> Replay:
     if num_slots is None and o.gpu_memory is None:
         num_slots = ceil_div(DEFAULT_GPU_TOKENS_IMPORTED, o.tokens_per_block) if imported else DEFAULT_NUM_SLOTS
     manager = manager_config(model, o.tokens_per_block, None, o.gpu_memory, num_slots)
-    spec = None if o.connector == "none" else load_connector(o.connector)
+    spec = None if o.connector == "none" else load_connector(o.connector, o.compat)
     if o.connector_dir is not None and spec is None:
         raise InputError("--connector-dir is the disk connector's folder: give --connector disk")
     options = connector_options(spec, list(o.connector_opt), o.connector_dir) if spec else \

@@ -20,17 +20,18 @@ from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
-from kvtool.validate.compat_trtllm import COMPAT
+from kvtool.connector.compat import install_compat
 from kvtool.validate.harness import Context
 from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
-from kvtool.validate.results import CHECKS, CheckResult, Verdict
+from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
 from kvtool.validate.runner import run_all
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.scenarios import SCENARIOS
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
-_STYLE = {Verdict.PASS: "green", Verdict.FAIL: "red", Verdict.ERROR: "red", Verdict.SKIP: "yellow"}
+_STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verdict.ERROR: "red",
+          Verdict.SKIP: "yellow"}
 
 
 @clean_errors
@@ -64,6 +65,8 @@ def validate(
     remote: Annotated[Optional[str], typer.Option(metavar="URL", help="The server TARGET stores into (redis://... "
                       "or mooncake://HOST:RPC_PORT?metadata=URL), dedicated to the test: the remote-* scenarios "
                       "empty, pause and disconnect it.")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="A miss (a repeated prompt the connector did not "
+                                         "serve: not wrong, only less than it could) fails its check.")] = False,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -71,10 +74,10 @@ def validate(
         _print_list()
         return
     if connector_help:
-        _install_compat(compat)
+        install_compat(compat)
         preflight(_absolute(target), _probe(DEFAULT_MODELS[0], tokens_per_block, [], compat), compat, timeout,
                   construct=False)
-        print_connector_help(load_connector(_absolute(target)))
+        print_connector_help(load_connector(_absolute(target), compat))
         return
     for name in scenario:
         if name not in SCENARIOS:
@@ -96,7 +99,7 @@ def validate(
     if remote is not None:
         _check_remote(remote)
     folder = prepare_run_folder(output) if output is not None else None
-    _install_compat(compat)
+    install_compat(compat)
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))
@@ -104,10 +107,10 @@ def validate(
     # The target is imported and built in a child first: one that exits or hangs there is exit 2.
     preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
               compat, timeout)
-    spec = load_connector(_absolute(target))
+    spec = load_connector(_absolute(target), compat)
     options = tuple(connector_options(spec, connector_opt).items())
-    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote)
-                for m in models]
+    contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
+                        strict) for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
@@ -123,7 +126,8 @@ def validate(
         write_meta(folder, "validate", target=target)
     failed = [r for r in results if r.failed]
     if failed:
-        raise fail(f"{len(failed)} of {len(results)} checks failed", ExitCode.CHECK_FAILED)
+        raise fail(summary_line(results), ExitCode.CHECK_FAILED)
+    Console().print(summary_line(results), highlight=False, markup=False)
 
 
 def _check_remote(url: str) -> None:
@@ -147,13 +151,6 @@ def _device(name: str | None) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
     return name
-
-
-def _install_compat(compat: str | None) -> None:
-    if compat is not None:
-        if compat not in COMPAT:
-            raise InputError(f"unknown --compat {compat!r}; known: {', '.join(COMPAT)}")
-        COMPAT[compat]()
 
 
 def _probe(model: str, tokens_per_block: int, connector_opt: list[str], compat: str | None, seed: int = 0,
@@ -204,7 +201,8 @@ def _table(results: list[CheckResult], target: str) -> Table:
 
 def _document(results: list[CheckResult], target: str, models: list[str]) -> dict:
     return {"target": target, "models": models, "passed": not any(r.failed for r in results),
-            "num_failed": sum(r.failed for r in results), "results": [r.as_dict() for r in results]}
+            "num_failed": sum(r.failed for r in results), "num_missed": sum(r.verdict is Verdict.MISS for r in results),
+            "summary": summary_line(results), "results": [r.as_dict() for r in results]}
 
 
 def _print_list() -> None:

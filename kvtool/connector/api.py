@@ -70,9 +70,13 @@ class SchedulerOutput:
     its allocation was destroyed), `cached_requests` after. `attention_dp_rank` is None: kvtool
     runs tensor-parallel ranks, never attention data parallelism."""
 
+
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
     attention_dp_rank: int | None = None
+    prefix_loads: list[Any] = field(default_factory=list)
+    """TensorRT-LLM's prefix reservations (`reserve_prefix`, prefix-aware scheduling only): always
+    empty, as with that scheduling off."""
 
 
 def _stand_in(flat: str, grouped: str) -> Callable[..., Any]:

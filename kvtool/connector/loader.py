@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from kvtool.connector.compat import install_compat
 from kvtool.errors import InputError
 
 @dataclass(frozen=True)
@@ -22,38 +23,43 @@ class ConnectorSpec:
     worker_class: type
     module: str
     options: Mapping[str, str] = field(default_factory=dict)
+    compat: str | None = None
+    """The `--compat` modules (`kvtool.connector.compat`) its module imports."""
 
     def __reduce__(self):
         # A connector imported from a file lives in a module no other process can import by
-        # name: such a spec travels as its target and is imported again on arrival.
-        if self.module.startswith(FILE_MODULE_PREFIX):
-            return _from_file_target, (self.name, dict(self.options))
+        # name, and one written against another runtime needs its compat modules first: such a
+        # spec travels as its target and is imported again on arrival.
+        if self.module.startswith(FILE_MODULE_PREFIX) or self.compat is not None:
+            return _from_target, (self.name, dict(self.options), self.compat)
         return ConnectorSpec, (self.name, self.scheduler_class, self.worker_class, self.module, dict(self.options))
 
 
 FILE_MODULE_PREFIX = "kvtool_connector_"
 
 
-def _from_file_target(target: str, options: dict[str, str]) -> ConnectorSpec:
-    spec = load_connector(target, {})
-    return ConnectorSpec(spec.name, spec.scheduler_class, spec.worker_class, spec.module, options)
+def _from_target(target: str, options: dict[str, str], compat: str | None) -> ConnectorSpec:
+    spec = load_connector(target, {}, compat)
+    return ConnectorSpec(spec.name, spec.scheduler_class, spec.worker_class, spec.module, options, compat)
 
 
-def load_connector(target: str, registered: Mapping[str, ConnectorSpec]) -> ConnectorSpec:
-    """The connector `target` names: one of `registered`, or imported from a module or file;
-    InputError (with the import error) when it cannot be."""
+def load_connector(target: str, registered: Mapping[str, ConnectorSpec], compat: str | None = None) -> ConnectorSpec:
+    """The connector `target` names: one of `registered`, or imported from a module or file
+    (after installing the `compat` modules); InputError (with the import error) when it cannot be."""
     if target in registered:
         return registered[target]
+    install_compat(compat)
     parts = target.rsplit(":", 2)
     if len(parts) != 3 or not all(parts):
         raise InputError(f"connector {target!r}: use a built-in ({', '.join(registered)}), MODULE:SCHED:WORKER "
                          "or path/to/file.py:SCHED:WORKER")
     where, sched, worker = parts
     module = _import_file(where, target) if where.endswith(".py") else _import_module(where, target)
-    return _spec(target, module, module.__name__, sched, worker, {})
+    return _spec(target, module, module.__name__, sched, worker, {}, compat)
 
 
-def _spec(target: str, module, module_name: str, sched: str, worker: str, options: dict[str, str]) -> ConnectorSpec:
+def _spec(target: str, module, module_name: str, sched: str, worker: str, options: dict[str, str],
+          compat: str | None) -> ConnectorSpec:
     classes = []
     for name, base in ((sched, KvCacheConnectorScheduler), (worker, KvCacheConnectorWorker)):
         cls = getattr(module, name, None)
@@ -62,7 +68,7 @@ def _spec(target: str, module, module_name: str, sched: str, worker: str, option
         if not issubclass(cls, base) and not _looks_like(cls, base):
             raise InputError(f"connector {target!r}: {name} is not a {base.__name__}")
         classes.append(cls)
-    return ConnectorSpec(target, classes[0], classes[1], module_name, options)
+    return ConnectorSpec(target, classes[0], classes[1], module_name, options, compat)
 
 
 def _looks_like(cls: type, base: type) -> bool:

@@ -32,6 +32,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
 ]))
 
 
-def load_connector(target: str) -> ConnectorSpec:
-    """A built-in by name, or `MODULE:SCHED:WORKER` / `path/to/file.py:SCHED:WORKER` imported."""
-    return loader.load_connector(target, BUILTIN_CONNECTORS)
+def load_connector(target: str, compat: str | None = None) -> ConnectorSpec:
+    """A built-in by name, or `MODULE:SCHED:WORKER` / `path/to/file.py:SCHED:WORKER` imported
+    (after `--compat`'s modules, e.g. TensorRT-LLM's for a connector written against it)."""
+    return loader.load_connector(target, BUILTIN_CONNECTORS, compat)

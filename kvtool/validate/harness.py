@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvtool.connector.loader import ConnectorSpec
@@ -41,6 +41,8 @@ class Context:
     """Tensor-parallel shards (1: every rank holds every head; else num_ranks)."""
     remote: str | None = None
     """The server the connector stores into (redis:// or mooncake://), for the remote scenarios to disrupt."""
+    strict: bool = False
+    """A miss (served less than it could) fails its check instead of being reported as a miss."""
 
 
 @dataclass(frozen=True)
@@ -213,12 +215,34 @@ _NOT_INTEGRITY_FAILURES = (None, FailureReason.ABORTED, FailureReason.STUCK_IN_T
 
 
 def judge_warm_hit(scenario: str, ctx: Context, r: Run, warm_ids: list[int]) -> CheckResult:
+    """Each of `warm_ids` repeats a prompt the connector saw: it should be served (tokens loaded
+    intact: the request did not fail and no byte it loaded was wrong). Serving nothing is a miss,
+    not an error (a failure under `--strict`); wrong bytes are the integrity check's."""
     if r.error:
         return result(scenario, ctx, "warm-hit", False, [f"the run stopped: {r.error}"])
-    cold = [rid for rid in warm_ids if r.state(rid).num_external == 0]
-    return result(scenario, ctx, "warm-hit", not cold,
-                  [f"request {rid} repeats a prompt the connector saw, but it offered nothing" for rid in cold]
-                  or [f"request {rid}: {r.state(rid).num_external} tokens served" for rid in warm_ids])
+    served = {rid: served_intact(r, rid) for rid in warm_ids}
+    cold = [rid for rid, n in served.items() if n == 0]
+    if not cold:
+        return result(scenario, ctx, "warm-hit", True, [f"request {rid}: {n} tokens served" for rid, n in served.items()])
+    evidence = [_why_not_served(r, rid) for rid in cold]
+    check = result(scenario, ctx, "warm-hit", False, evidence)
+    return check if ctx.strict else replace(check, verdict=Verdict.MISS)
+
+
+def served_intact(r: Run, request_id: int) -> int:
+    """Tokens the connector loaded for a request that then ran correctly (0 for one that failed
+    or read a wrong byte)."""
+    state = r.state(request_id)
+    broken = state.failure is not None or getattr(r.engine.fake, "errors_by_request", {}).get(request_id, 0)
+    return 0 if broken else state.num_external
+
+
+def _why_not_served(r: Run, request_id: int) -> str:
+    state = r.state(request_id)
+    if state.num_external == 0:
+        return f"request {request_id} repeats a prompt the connector saw, but it offered nothing"
+    why = f"it failed ({state.error})" if state.failure is not None else "bytes it loaded were wrong"
+    return f"request {request_id}: {state.num_external} tokens offered, none served intact: {why}"
 
 
 def judge_holds_nothing(scenario: str, ctx: Context, r: Run, followup_ok: bool | None = None) -> CheckResult:

@@ -26,7 +26,8 @@ def junit_xml(results: list[CheckResult], target: str) -> str:
             ET.SubElement(case, "error", message=(r.evidence or [r.check])[0][:500], type="error").text = text
         elif r.verdict is Verdict.SKIP:
             ET.SubElement(case, "skipped", message=(r.evidence or [""])[0][:500])
-        ET.SubElement(case, "system-out").text = f"{r.purpose}\n{text}"
+        note = "miss (not a failure without --strict): " if r.verdict is Verdict.MISS else ""
+        ET.SubElement(case, "system-out").text = f"{r.purpose}\n{note}{text}"
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 

@@ -17,7 +17,6 @@ import torch
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
-from kvtool.validate.compat_trtllm import COMPAT
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.processes import scenario_processes
 
@@ -68,11 +67,9 @@ def _child(send, target: str, ctx_blob: bytes, compat: str | None, construct: bo
         send.send(("stage", stage))
 
     try:
-        if compat:
-            COMPAT[compat]()
         ctx: Context = pickle.loads(ctx_blob)
         enter(IMPORTING)
-        spec = load_connector(target)
+        spec = load_connector(target, compat)
         enter(CHECKING)
         declared = declared_options(spec.scheduler_class)
         if declared is not None:

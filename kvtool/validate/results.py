@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass, field
 
 class Verdict(str, enum.Enum):
     PASS = "pass"
+    MISS = "miss"
+    """The connector served less than it could (e.g. declined a partial local match): not wrong,
+    reported as a finding of its own kind; a failure under `--strict`."""
     FAIL = "fail"
     ERROR = "error"
     SKIP = "skip"
@@ -54,3 +57,12 @@ class CheckResult:
 
 def verdict(ok: bool) -> Verdict:
     return Verdict.PASS if ok else Verdict.FAIL
+
+
+def summary_line(results: list[CheckResult]) -> str:
+    """`72 checks: 60 passed, 2 missed, 8 skipped, 2 failed` (kinds with none left out, but passed)."""
+    counts = {v: sum(r.verdict is v for r in results) for v in Verdict}
+    words = [("passed", counts[Verdict.PASS]), ("missed", counts[Verdict.MISS]), ("skipped", counts[Verdict.SKIP]),
+             ("failed", counts[Verdict.FAIL]), ("errors", counts[Verdict.ERROR])]
+    parts = [f"{n} {word}" for word, n in words if n or word == "passed"]
+    return f"{len(results)} checks: " + ", ".join(parts)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvtool.connector.store_namespace import store_namespace
-from kvtool.validate.compat_trtllm import COMPAT
+from kvtool.connector.compat import install_compat
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.processes import scenario_processes
 from kvtool.validate.results import CheckResult, Verdict
@@ -86,8 +86,7 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
     # with one thread torch runs everything inline. The scenarios are small.
     torch.set_num_threads(1)
     try:
-        if compat:
-            COMPAT[compat]()   # before the connector's classes are imported again by unpickling
+        install_compat(compat)   # before the connector's classes are imported again by unpickling
         send.send(run_scenario(name, pickle.loads(ctx_blob)))
     finally:
         send.close()
