@@ -231,6 +231,28 @@ def test_generation_only_and_dummy_requests_are_never_asked():
     assert engine.states[2].phase is Phase.DONE and engine.integrity_errors == 0
 
 
+def test_dummy_requests_are_forgotten_after_their_pass():
+    """Padding dummies get fresh ids every step: the fake engine must not keep a digest per dummy."""
+    engine = make_engine(scripted(lambda r, n: (0, False)), pad_generation_batch_to=4)
+    engine.add_request(Request(1, list(range(10)), 40))
+    seen = []
+    engine.run(on_iteration=lambda e: seen.append(len(e.fake._hashes)))
+    assert len(seen) == 40 and max(seen) <= 1 and engine.fake._hashes == {}
+
+
+def test_request_phases_move_only_along_the_life_cycle():
+    engine = make_engine(scripted(lambda r, n: (0, False)))
+    state = engine.add_request(Request(1, list(range(10)), 2))
+    with pytest.raises(LogicError, match="waiting -> generation is not a transition"):
+        state.start_generation()
+    with pytest.raises(AttributeError):
+        state.phase = Phase.DONE        # type: ignore[misc]
+    engine.run()
+    assert state.phase is Phase.DONE
+    with pytest.raises(LogicError, match="done -> context"):
+        state.load_landed()
+
+
 def test_a_hook_that_raises_fails_only_that_request():
     class Raising(ScriptedScheduler):
         def update_state_after_alloc_by_layer_group(self, request, by_group):

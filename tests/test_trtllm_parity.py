@@ -8,23 +8,16 @@ into the executor; here a forwarding connector hands every hook call to MagicMoc
 (tests/helpers/mock_connector.py). Model: kvtool's "tiny" preset (4 layers, one layer group);
 tokens_per_block 32, the tests' BLOCK_SIZE.
 
-- test_simple                                  IT test_connector_simple[False-v2]
-- test_a_tensor_only_worker_gets_the_pool_...  IT assert_kv_caches_registered (V2 hands the layout;
-                                               the example worker's register_kv_caches comment)
-- test_async_onboard                           IT test_connector_async_onboard[False-v2]
-- test_async_save                              IT test_connector_async_save[False-v2]
-- test_scheduler_output                        IT test_connector_scheduler_output[False-v2]
-- test_scheduler_output_chunked_context        IT test_connector_scheduler_output_chunked_context[False-v2]
-- test_prefix_is_asked_once_and_shrinks_...    IT test_connector_prefix_is_asked_once_and_shrinks_the_forward_pass
-- test_prefix_under_chunked_prefill            IT test_connector_prefix_under_chunked_prefill[v2]
-- test_multi_request                           IT test_connector_multi_request[v2]
-- test_a_per_layer_group_connector_needs_...   UT test_a_per_layer_group_connector_needs_no_flat_stubs
-- test_a_connector_implementing_neither_...    UT test_a_connector_implementing_neither_form_still_fails_at_construction
-- test_an_empty_group_list_reaches_the_...     UT test_an_empty_group_list_reaches_the_flat_callbacks
-- test_matched_tokens_are_the_committed_...    UT test_connector_manager_commits_only_what_is_honoured
-- test_a_replayed_request_is_new_and_whole...  UT test_scheduler_output_resets_a_destroyed_allocation and
-                                               test_scheduler_output_keeps_deltas_while_the_allocation_lives
-- test_cancel_load_and_request_reset_...       the ABC's documented no-op defaults (TRT-LLM docs, mooncake-store)
+IT (each [overlap False, v2]): test_simple <- test_connector_simple; test_a_tensor_only_worker_...
+<- assert_kv_caches_registered and the example worker's register_kv_caches note; test_async_onboard,
+test_async_save, test_scheduler_output, test_scheduler_output_chunked_context <- test_connector_<same>;
+test_prefix_is_asked_once_..., test_prefix_under_chunked_prefill, test_multi_request <- test_connector_<same>.
+UT: test_a_per_layer_group_connector_needs_no_flat_stubs, test_a_connector_implementing_neither_form_...,
+test_an_empty_group_list_reaches_the_flat_callbacks <- the tests of the same names;
+test_matched_tokens_are_the_committed_amount_* <- test_connector_manager_commits_only_what_is_honoured;
+test_a_replayed_request_is_new_and_whole_... <- test_scheduler_output_resets_a_destroyed_allocation and
+test_scheduler_output_keeps_deltas_while_the_allocation_lives; test_cancel_load_and_request_reset_...
+<- the documented no-op defaults (TRT-LLM's connector docs; mooncake-store overrides both).
 """
 
 from __future__ import annotations
@@ -65,8 +58,13 @@ def shape(out):
     return len(out.new_requests), len(out.cached_requests)
 
 
-def layer_args(hook):
+def first_args(hook):
+    """The first argument of every call (a layer index, a request...)."""
     return [c.args[0] for c in hook.call_args_list]
+
+
+def request_ids(hook):
+    return sorted(request.request_id for request in first_args(hook))
 
 
 def order(mc, *names):
@@ -81,19 +79,16 @@ def test_simple():
     run(mc, [[11, 12, 13, 14]], 8)                  # "Hello, world": less than one block
     s, w = mc.scheduler, mc.worker
     assert (w.register_kv_cache_layout.call_count, w.register_kv_caches.call_count) == (1, 0)
-    assert s.update_state_after_alloc_by_layer_group.call_count == 1
-    assert len(s.update_state_after_alloc_by_layer_group.call_args.args[1]) == 1   # one layer group
-    assert s.update_state_after_alloc.call_count == 1 and len(s.update_state_after_alloc.call_args.args[1]) == 1
+    for hook in (s.update_state_after_alloc_by_layer_group, s.update_state_after_alloc):   # grouped, folded
+        assert hook.call_count == 1 and len(hook.call_args.args[1]) == 1
     outs = outputs(mc)
-    assert len(outs) == 8
-    assert shape(outs[0]) == (1, 0)
+    assert len(outs) == 8 and shape(outs[0]) == (1, 0)
     for out in outs[1:]:
         assert shape(out) == (0, 1) and len(out.cached_requests[0].new_tokens) == 1
-    assert w.start_load_kv.call_count == 8
-    assert s.get_num_new_matched_tokens.call_count == 1
-    layers = layer_args(w.wait_for_layer_load)
+    assert (w.start_load_kv.call_count, s.get_num_new_matched_tokens.call_count) == (8, 1)
+    layers = first_args(w.wait_for_layer_load)
     assert max(layers) + 1 == NUM_LAYERS
-    assert layers == layer_args(w.save_kv_layer) == [k % NUM_LAYERS for k in range(NUM_LAYERS * 8)]
+    assert layers == first_args(w.save_kv_layer) == [k % NUM_LAYERS for k in range(NUM_LAYERS * 8)]
     per_layer = [(c[0], c.args[0]) for c in mc.calls.mock_calls
                  if c[0] in ("worker.wait_for_layer_load", "worker.save_kv_layer")]
     assert per_layer[:2] == [("worker.wait_for_layer_load", 0), ("worker.save_kv_layer", 0)]
@@ -127,19 +122,16 @@ def test_async_onboard():
     engine = run(mc, [list(range(1, 29))], 8, tpb=16)
     w = mc.worker
     assert w.get_finished.call_count == 8 + 1      # the loading iteration's poll, then one per token
-    assert w.get_finished.call_args_list[0].args == ([], [1])
-    assert len(w.get_finished.call_args_list[0].args[1]) == 1
+    assert w.get_finished.call_args_list[0].args == ([], [1])   # started-loading ids: length 1
     # The loading iteration builds metadata and starts the load, but runs no forward pass.
     assert mc.scheduler.build_connector_meta.call_count == w.start_load_kv.call_count == 9
     assert w.wait_for_save.call_count == 8
-    assert len(layer_args(w.wait_for_layer_load)) == len(layer_args(w.save_kv_layer)) == NUM_LAYERS * 8
+    assert len(first_args(w.wait_for_layer_load)) == len(first_args(w.save_kv_layer)) == NUM_LAYERS * 8
     outs = outputs(mc)
-    assert shape(outs[0]) == (0, 0)   # a loading request is skipped (TRT-LLM: loading_ids)
-    assert shape(outs[1]) == (1, 0)
-    first = outs[1].new_requests[0]
+    assert (shape(outs[0]), shape(outs[1])) == ((0, 0), (1, 0))   # skipped while loading (loading_ids)
     # TRT-LLM clears external_loads in the loading iteration's build, so the report after the load
     # is at the position past it (API facts 1.6).
-    assert (first.computed_position, first.num_scheduled_tokens) == (16, 28 - 16)
+    assert (outs[1].new_requests[0].computed_position, outs[1].new_requests[0].num_scheduled_tokens) == (16, 28 - 16)
     assert engine.states[1].request.py_num_connector_matched_tokens == 16
 
 
@@ -149,10 +141,8 @@ def test_async_save():
     s, w = mc.scheduler, mc.worker
     assert s.request_finished.call_count == 1 and len(s.request_finished.call_args.args[1]) == 1
     calls = w.get_finished.call_args_list
-    assert len(calls) == 8
-    assert all(c.args == ([], []) for c in calls[:-1])
-    request_id = s.request_finished.call_args.args[0].request_id
-    assert calls[-1].args == ([request_id], [])
+    assert len(calls) == 8 and all(c.args == ([], []) for c in calls[:-1])
+    assert calls[-1].args == ([s.request_finished.call_args.args[0].request_id], [])
     at = order(mc, "scheduler.request_finished", "worker.get_finished")
     assert at["worker.get_finished"][-2] < at["scheduler.request_finished"][0] < at["worker.get_finished"][-1]
     assert engine.states[1].phase is Phase.DONE
@@ -167,23 +157,18 @@ def test_scheduler_output():
     assert s.update_state_after_alloc.call_count == 1 and len(s.update_state_after_alloc.call_args.args[1]) == 2
     outs = outputs(mc)
     assert len(outs) == 32
-    for i, out in enumerate(outs):
-        if i == 0:
-            assert shape(out) == (1, 0)
-            req = out.new_requests[0]
-            assert (len(req.new_tokens), len(req.new_block_ids)) == (48, 2)
-            assert (req.computed_position, req.num_scheduled_tokens) == (0, 48)
-        else:
-            assert shape(out) == (0, 1)
-            req = out.cached_requests[0]
-            assert len(req.new_tokens) == 1 and req.num_scheduled_tokens == 1
-            if req.computed_position % TPB == 0:
-                assert len(req.new_block_ids) == 1
-            else:
-                assert req.new_block_ids == []
+    assert shape(outs[0]) == (1, 0)
+    req = outs[0].new_requests[0]
+    assert (len(req.new_tokens), len(req.new_block_ids), req.computed_position, req.num_scheduled_tokens) \
+        == (48, 2, 0, 48)
+    for out in outs[1:]:
+        assert shape(out) == (0, 1)
+        req = out.cached_requests[0]
+        assert (len(req.new_tokens), req.num_scheduled_tokens) == (1, 1)
+        assert len(req.new_block_ids) == (1 if req.computed_position % TPB == 0 else 0)
+    for (req,) in (out.new_requests + out.cached_requests for out in outs):
         assert req.block_hashes == [] and req.priorities is None and req.cache_salt is None
-        assert type(req.new_block_ids_by_layer_group) is list
-        assert all(type(g) is list for g in req.new_block_ids_by_layer_group)
+        assert type(req.new_block_ids_by_layer_group) is list and type(req.new_block_ids_by_layer_group[0]) is list
         assert req.new_block_ids_by_layer_group == [req.new_block_ids]
     # TRT-LLM asserts ceil((48 + 32) / 32) = 3. kvtool holds KV for 48 + 31 tokens (the last
     # sampled token is never fed back), ceil(79 / 32) = 3 as well.
@@ -201,12 +186,10 @@ def test_scheduler_output():
 def test_scheduler_output_chunked_context():
     mc = mock_connector(matched=(0, False))
     run(mc, [[0] * 256], 32, chunk_size=128, max_num_tokens=128)
-    s = mc.scheduler
+    s, outs = mc.scheduler, outputs(mc)
     assert s.update_state_after_alloc.call_count == 1
     assert len(s.update_state_after_alloc.call_args.args[1]) == 4      # V2: the first chunk's pages only
-    outs = outputs(mc)
-    assert len(outs) == 2 + 31
-    assert shape(outs[0]) == (1, 0) and shape(outs[1]) == (0, 1)
+    assert len(outs) == 2 + 31 and shape(outs[0]) == (1, 0) and shape(outs[1]) == (0, 1)
     first, second = outs[0].new_requests[0], outs[1].cached_requests[0]
     assert (first.computed_position, len(first.new_tokens), len(first.new_block_ids),
             first.num_scheduled_tokens) == (0, 256, 4, 128)
@@ -222,8 +205,8 @@ def test_scheduler_output_chunked_context():
 def test_prefix_is_asked_once_and_shrinks_the_forward_pass():
     mc = mock_connector(matched=(64, False))
     engine = run(mc, [[0] * 256], 4)
-    asks = mc.scheduler.get_num_new_matched_tokens.call_args_list
-    assert [(c.args[0].request_id, c.args[1]) for c in asks] == [(1, 0)]
+    assert [(c.args[0].request_id, c.args[1]) for c in mc.scheduler.get_num_new_matched_tokens.call_args_list] \
+        == [(1, 0)]
     at = order(mc, "scheduler.get_num_new_matched_tokens", "scheduler.build_connector_meta")
     assert at["scheduler.get_num_new_matched_tokens"][0] < at["scheduler.build_connector_meta"][0]
     first = outputs(mc)[0].new_requests[0]
@@ -238,8 +221,7 @@ def test_prefix_under_chunked_prefill(offer):
     assert [c.args[1] for c in mc.scheduler.get_num_new_matched_tokens.call_args_list] == [0]
     reports = [(r.computed_position, r.num_scheduled_tokens) for out in outputs(mc)
                for r in out.new_requests + out.cached_requests if r.num_scheduled_tokens > 1]
-    assert reports[0][0] == 0
-    assert all(n <= 128 for _, n in reports)
+    assert reports[0][0] == 0 and all(n <= 128 for _, n in reports)
     assert sum(n for _, n in reports) == 256 - offer
     for i in range(1, len(reports)):
         assert reports[i][0] == offer + sum(n for _, n in reports[:i])
@@ -257,29 +239,38 @@ def test_multi_request():
     assert [r.request_id for r in outputs(mc)[0].new_requests] == [1, 2]   # both in one batch
     engine.add_request(Request(3, [2] * 110, 4))
     engine.run()
-    asked = [c.args[0].request_id for c in mc.scheduler.get_num_new_matched_tokens.call_args_list]
-    assert sorted(asked) == [1, 2, 3]
-    reported_new = [r.request_id for out in outputs(mc) for r in out.new_requests]
-    assert sorted(reported_new) == [1, 2, 3]
-    assert sorted(c.args[0].request_id for c in mc.scheduler.request_finished.call_args_list) == [1, 2, 3]
-    saved = [rid for c in mc.worker.get_finished.call_args_list for rid in c.args[0]]
-    assert sorted(saved) == [1, 2, 3]
+    assert request_ids(mc.scheduler.get_num_new_matched_tokens) == [1, 2, 3]        # each asked once
+    assert sorted(r.request_id for out in outputs(mc) for r in out.new_requests) == [1, 2, 3]
+    assert request_ids(mc.scheduler.request_finished) == [1, 2, 3]
+    assert sorted(rid for saving in first_args(mc.worker.get_finished) for rid in saving) == [1, 2, 3]
     assert [engine.states[i].phase for i in (1, 2, 3)] == [Phase.DONE] * 3 and engine.stats.failures == []
 
 
 # ---- unit semantics (UT) ---------------------------------------------------------------------
 
-class _GroupedOnlyScheduler(KvCacheConnectorScheduler):
+class _NeitherScheduler(KvCacheConnectorScheduler):
+    """Implements neither form of update_state_after_alloc / request_finished."""
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
 
     def build_connector_meta(self, scheduler_output):
         return None
 
+
+class _GroupedOnlyScheduler(_NeitherScheduler):
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
         pass
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
+        return False
+
+
+class _FlatOnlyScheduler(_NeitherScheduler):
+    def update_state_after_alloc(self, request, block_ids):
+        pass
+
+    def request_finished(self, request, cache_block_ids):
         return False
 
 
@@ -306,15 +297,8 @@ def test_a_per_layer_group_connector_needs_no_flat_stubs():
 
 
 def test_a_connector_implementing_neither_form_still_fails_at_construction():
-    class NeitherScheduler(KvCacheConnectorScheduler):
-        def build_connector_meta(self, scheduler_output):
-            return None
-
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
     with pytest.raises(TypeError, match="request_finished"):
-        NeitherScheduler(llm_args=None)
+        _NeitherScheduler(llm_args=None)
 
 
 def test_an_empty_group_list_reaches_the_flat_callbacks():
@@ -323,11 +307,10 @@ def test_an_empty_group_list_reaches_the_flat_callbacks():
     request = Request(7, [1, 2, 3], 1)
     assert runtime.after_alloc(request, GroupPages([])) is True
     assert runtime.finish(request, GroupPages([])) == (True, False)
-    s = mc.scheduler
+    s = mc.scheduler   # the flat forms, each once, with the empty list
     assert [c.args for c in s.update_state_after_alloc.call_args_list] == [(request, [])]
     assert [c.args for c in s.request_finished.call_args_list] == [(request, [])]
-    assert s.update_state_after_alloc_by_layer_group.call_count == 0
-    assert s.request_finished_by_layer_group.call_count == 0
+    assert s.update_state_after_alloc_by_layer_group.call_count == s.request_finished_by_layer_group.call_count == 0
     assert runtime.failures == [] and runtime.violations == []
 
 
@@ -348,9 +331,7 @@ def test_matched_tokens_are_the_committed_amount_when_the_local_match_overtakes(
         lambda request, n: (96, False) if request.request_id == 2 else (0, False)
     shared = list(range(5, 69))
     engine = run(mc, [shared + list(range(200, 264)), shared + list(range(300, 364))], 1, num_slots=7)
-    assert engine.states[2].num_deferrals == 1
-    assert [(c.args[0].request_id, c.args[1]) for c in mc.scheduler.get_num_new_matched_tokens.call_args_list] \
-        == [(1, 0), (2, 0)]
+    assert engine.states[2].num_deferrals == 1 and request_ids(mc.scheduler.get_num_new_matched_tokens) == [1, 2]
     assert [c.args[1:] for c in mc.scheduler.cancel_load.call_args_list] == [(0, 64)]
     assert engine.states[2].request.py_num_connector_matched_tokens == 32
     (report,) = [r for out in outputs(mc) for r in out.new_requests if r.request_id == 2]
@@ -379,21 +360,8 @@ def test_a_replayed_request_is_new_and_whole_while_deltas_stay_deltas_otherwise(
 
 
 def test_cancel_load_and_request_reset_have_no_op_defaults():
-    class FlatScheduler(KvCacheConnectorScheduler):
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def build_connector_meta(self, scheduler_output):
-            return None
-
-        def update_state_after_alloc(self, request, block_ids):
-            pass
-
-        def request_finished(self, request, cache_block_ids):
-            return False
-
     assert {"cancel_load", "request_reset"}.isdisjoint(KvCacheConnectorScheduler.__abstractmethods__)
-    scheduler = FlatScheduler(llm_args=None)
+    scheduler = _FlatOnlyScheduler(llm_args=None)
     request = Request(3, list(range(8)), 1)
     assert scheduler.cancel_load(request, 0, 4) is None
     assert scheduler.request_reset(request) is None

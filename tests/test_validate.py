@@ -59,7 +59,7 @@ def test_serving_nothing_is_a_miss_unless_strict(tmp_path):
     out = tmp_path / "v.json"
     relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--output", str(tmp_path / "run")])
     assert relaxed.exit_code == 0, relaxed.output
-    assert "6 checks: 4 passed, 2 missed" in relaxed.output
+    assert "6 checks: 4 passed, 2 missed" in relaxed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["num_missed"] == 2
     strict = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--strict"])
     assert strict.exit_code == 1 and "6 checks: 4 passed, 2 failed" in strict.output

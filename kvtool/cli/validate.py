@@ -127,7 +127,7 @@ def validate(
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(summary_line(results), ExitCode.CHECK_FAILED)
-    Console().print(summary_line(results), highlight=False, markup=False)
+    Console(stderr=True).print(summary_line(results), highlight=False, markup=False)
 
 
 def _check_remote(url: str) -> None:

@@ -510,7 +510,7 @@ class Engine:
         if state.request.is_finished:
             self._finish(state)
         else:
-            state.phase = Phase.GENERATION
+            state.start_generation()
 
     def _finish(self, state: RequestState) -> None:
         pages = state.kv.page_indices_by_group()
@@ -522,9 +522,8 @@ class Engine:
                 return
         self._emit_finished(state, None)
         if is_async:
-            state.hold = self.manager.hold_pages(state.kv)
+            state.start_saving(self.manager.hold_pages(state.kv))
             state.kv.close()
-            state.phase = Phase.SAVING
             self.emit(SaveStarted, request_id=state.request_id)
         else:
             self._close(state, Phase.DONE)
@@ -536,14 +535,12 @@ class Engine:
 
     def _loaded(self, state: RequestState | None) -> None:
         if state is not None and state.phase is Phase.TRANSMISSION:
-            state.phase = Phase.CONTEXT
+            state.load_landed()
             self.emit(LoadFinished, request_id=state.request_id)
 
     def _saved(self, state: RequestState | None) -> None:
         if state is not None and state.phase is Phase.SAVING:
-            state.hold.release()
-            state.hold = None
-            state.phase = Phase.DONE
+            state.end(Phase.DONE)
             self.emit(SaveFinished, request_id=state.request_id)
             self._drop_if_forgetting(state)
 
@@ -595,18 +592,12 @@ class Engine:
     def _close(self, state: RequestState, phase: Phase, failure: FailureReason | None = None,
                detail: str = "") -> None:
         """End a request in `phase`; a FAILED one records `failure` and "<reason>: <detail>" as its error."""
-        if failure is not None:
-            if state.phase is not Phase.SAVING:
-                self._emit_finished(state, failure)
-            state.failure = failure
+        if failure is not None and state.phase is not Phase.SAVING:
+            self._emit_finished(state, failure)
         reason = None if failure is None else f"{failure.value}: {detail}" if detail else failure.value
         if state.kv is not None:
             state.kv.close()
-        if state.hold is not None:
-            state.hold.release()
-            state.hold = None
-        state.phase = phase
-        state.error = reason
+        state.end(phase, failure, reason)
         self._forget(state.request_id)
         if phase is Phase.FAILED:
             self.stats.num_failed += 1

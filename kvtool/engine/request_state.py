@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from kvtool.connector.request import Request
+from kvtool.errors import LogicError
 from kvtool.manager.kv_cache import KvCache
 from kvtool.manager.manager import PageHold
 
@@ -42,10 +44,25 @@ class Offer:
     """Delivered or cancelled: nothing of it is left to hand out."""
 
 
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.WAITING: frozenset({Phase.CONTEXT, Phase.FAILED}),
+    Phase.CONTEXT: frozenset({Phase.TRANSMISSION, Phase.GENERATION, Phase.SAVING, Phase.DONE, Phase.FAILED}),
+    Phase.TRANSMISSION: frozenset({Phase.CONTEXT, Phase.FAILED}),
+    Phase.GENERATION: frozenset({Phase.SAVING, Phase.DONE, Phase.FAILED}),
+    Phase.SAVING: frozenset({Phase.DONE, Phase.FAILED}),
+    Phase.DONE: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+"""The phases a request may move to from each phase: the one written rule of its life cycle."""
+
+
 @dataclass
 class RequestState:
+    """A request's runtime state. Invariant: `phase` changes only through the transition methods
+    below, along `_NEXT` (anything else is a LogicError: a runtime bug, never the connector's)."""
+
     request: Request
-    phase: Phase = Phase.WAITING
+    _phase: Phase = Phase.WAITING
     kv: KvCache | None = None
     asked: bool = False
     offer: Offer | None = None
@@ -80,4 +97,51 @@ class RequestState:
 
     @property
     def is_live(self) -> bool:
-        return self.phase not in (Phase.DONE, Phase.FAILED)
+        return self._phase not in (Phase.DONE, Phase.FAILED)
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    # ---- transitions -------------------------------------------------------------------------
+    def _move(self, phase: Phase) -> None:
+        if phase not in _NEXT[self._phase]:
+            raise LogicError(f"request {self.request_id}: {self._phase.value} -> {phase.value} is not a transition")
+        self._phase = phase
+
+    def admit(self, kv: KvCache, position: int, num_local_hit: int) -> None:
+        """WAITING -> CONTEXT: pages granted; `position` tokens are in the cache (or land before
+        the first pass reads them)."""
+        self._move(Phase.CONTEXT)
+        self.kv, self.position, self.num_local_hit = kv, position, num_local_hit
+        self.request._set_context_position(position)
+
+    def start_transmission(self, iteration: int) -> None:
+        """CONTEXT -> TRANSMISSION: an asynchronous load began; out of the batch until it lands."""
+        self._move(Phase.TRANSMISSION)
+        self.transmission_since = iteration
+        self.transmission_started_at = time.monotonic()
+
+    def load_landed(self) -> None:
+        """TRANSMISSION -> CONTEXT: every rank reported the load."""
+        self._move(Phase.CONTEXT)
+
+    def start_generation(self) -> None:
+        """CONTEXT -> GENERATION: the prompt is computed and the first token sampled."""
+        if self._phase is not Phase.GENERATION:
+            self._move(Phase.GENERATION)
+
+    def start_saving(self, hold: PageHold) -> None:
+        """-> SAVING: finished, its asynchronous save in flight, its pages held by `hold`."""
+        self._move(Phase.SAVING)
+        self.hold = hold
+
+    def end(self, phase: Phase, failure: FailureReason | None = None, error: str | None = None) -> None:
+        """-> DONE or FAILED (with its reason), releasing a hold on its pages."""
+        self._move(phase)
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
+        if failure is not None:
+            self.failure = failure
+        self.error = error

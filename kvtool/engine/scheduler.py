@@ -19,7 +19,6 @@ again next iteration (its local match may have grown); the connector is not aske
 
 from __future__ import annotations
 
-import time
 
 from dataclasses import dataclass, field
 from typing import Callable
@@ -142,10 +141,7 @@ class Scheduler:
             state.kv = None
             state.num_deferrals += 1
             return 0
-        state.position = position
-        state.num_local_hit = local_end
-        state.phase = Phase.CONTEXT
-        request._set_context_position(position)
+        state.admit(kv, position, local_end)
         return n
 
     def _admits(self, state: RequestState, alone: bool) -> bool:
@@ -160,10 +156,7 @@ class Scheduler:
             kv.close()
             state.num_deferrals += 1
             return False
-        state.kv = kv
-        state.position = state.prompt_len - 1
-        state.phase = Phase.CONTEXT
-        state.request._set_context_position(state.position)
+        state.admit(kv, state.prompt_len - 1, 0)
         return True
 
     def _ask(self, state: RequestState, local_end: int) -> bool:
@@ -227,9 +220,7 @@ class Scheduler:
         if state.num_external and offer.is_async:
             batch.drop(state)
             batch.loading_started.append(state)
-            state.phase = Phase.TRANSMISSION
-            state.transmission_since = self.iteration
-            state.transmission_started_at = time.monotonic()
+            state.start_transmission(self.iteration)
             self.connector.start_async_load(state.request_id)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -1,0 +1,300 @@
+"""`--suite store` for any connector (a `MODULE:SCHED:WORKER` or `path/to/file.py:SCHED:WORKER`):
+driven through the engine and the connector protocol only, never through its internals.
+
+Per block size, one engine (bytes fidelity, pages poisoned when handed out, no local prefix reuse,
+one request per pass) runs a cold round (N distinct prompts of K full blocks plus half a block,
+max_new_tokens 1: the connector saves the K blocks of each) then a warm round (the same prompts,
+fresh request ids: the connector loads them), each to completion.
+
+Timing: the wall clock inside the worker's hooks, on the engine's iteration. A request's load is
+the time inside `start_load_kv` and `wait_for_layer_load` in the pass that delivered it (an
+asynchronous load: from its `LoadStarted` event to its `LoadFinished`); its save is the time inside
+`save_kv_layer` and `wait_for_save` in the pass that computed it (plus, for an asynchronous save,
+`SaveStarted` to `SaveFinished`). GB/s = blocks x layout bytes per block / the union of those
+intervals; p50/p99 over requests. Save blocks: the full prompt blocks the cold round computed; load
+blocks: the blocks the warm round delivered. Raw: one contiguous copy of the same bytes between two
+tensors on the pools' device, median of `repeats`; ratio = GB/s / raw GB/s.
+
+Verified: no integrity error in the fake engine (it checks every byte a pass reads) and each warm
+request generated the cold request's tokens (the fake engine samples from a checksum of the KV).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtool.bench.timing import time_repeats
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
+from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
+from kvtool.engine.fake_engine import VOCAB_SIZE
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.errors import ConnectorError, KvToolError
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
+
+DEFAULT_MODEL = "llama-3.1-8b"
+TOKENS_PER_BLOCK = (16, 32)
+QUICK_TOKENS_PER_BLOCK = (16,)
+LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load")
+SAVE_HOOKS = ("save_kv_layer", "wait_for_save")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """N prompts of K full blocks each (plus half a block the connector never sees whole)."""
+
+    prompts: int = 8
+    blocks: int = 4
+
+    def token_lists(self, tokens_per_block: int, rng: np.random.Generator) -> list[list[int]]:
+        length = self.blocks * tokens_per_block + max(1, tokens_per_block // 2)
+        return [rng.integers(0, VOCAB_SIZE, length).tolist() for _ in range(self.prompts)]
+
+
+QUICK = Workload(prompts=4, blocks=4)
+
+
+@dataclass
+class ProtocolRow:
+    connector: str
+    direction: str
+    model: str
+    tokens_per_block: int
+    block_bytes: int
+    blocks: int
+    gbps: float
+    p50_us: float
+    p99_us: float
+    raw_gbps: float
+    ratio: float
+    verified: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Recorder:
+    """Hook intervals `(kind, iteration, start, end)` and the events of one round, wall-clocked."""
+
+    engine: Engine
+    hooks: list[tuple[str, int, float, float]] = field(default_factory=list)
+    computed_in: dict[int, int] = field(default_factory=dict)
+    load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
+    async_end: dict[tuple[str, int], float] = field(default_factory=dict)
+    save_start: dict[int, float] = field(default_factory=dict)
+    finished: dict[int, Finished] = field(default_factory=dict)
+    delivered: dict[int, int] = field(default_factory=dict)
+
+    def attach(self) -> None:
+        """Subscribe to the engine's events and wrap every worker's load and save hooks."""
+        self.engine.events.subscribe(self)
+        for worker in self.engine.connector.workers:
+            for hook in LOAD_HOOKS + SAVE_HOOKS:
+                self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
+
+    def _wrap(self, worker, hook: str, kind: str) -> None:
+        inner = getattr(worker, hook)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.hooks.append((kind, self.engine.iteration, start, time.perf_counter()))
+        setattr(worker, hook, timed)
+
+    def __call__(self, event) -> None:
+        now = time.perf_counter()
+        if isinstance(event, PassDone):
+            for request_id, _, _ in event.items:
+                self.computed_in.setdefault(request_id, event.iteration)
+        elif isinstance(event, LoadStarted):
+            self.load_start[event.request_id] = (event.iteration, now, event.is_async)
+        elif isinstance(event, (LoadFinished, SaveFinished)):
+            self.async_end[("load" if isinstance(event, LoadFinished) else "save", event.request_id)] = now
+        elif isinstance(event, SaveStarted):
+            self.save_start[event.request_id] = now
+        elif isinstance(event, Deliver):
+            self.delivered[event.request_id] = event.num_external
+        elif isinstance(event, Finished):
+            self.finished[event.request_id] = event
+
+    def intervals(self, kind: str, request_id: int) -> list[tuple[float, float]]:
+        """The wall-clock intervals of `request_id`'s load or save (module docstring)."""
+        if kind == "load":
+            iteration, started, is_async = self.load_start[request_id]
+            if is_async:
+                return [(started, self.async_end.get(("load", request_id), started))]
+        else:
+            iteration = self.computed_in.get(request_id, -1)
+        spans = [(s, e) for k, i, s, e in self.hooks if k == kind and i == iteration]
+        if kind == "save" and request_id in self.save_start:
+            spans.append((self.save_start[request_id], self.async_end.get(("save", request_id),
+                                                                          self.save_start[request_id])))
+        return spans
+
+
+@dataclass
+class Measured:
+    """One direction of one block size: blocks moved, seconds (union of intervals), per-request seconds."""
+
+    blocks: int
+    seconds: float
+    latencies: list[float]
+
+
+def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
+                       workload: Workload, repeats: int, device: str = "cpu") -> tuple[list[ProtocolRow], list[str]]:
+    """Save and load rows per block size, and one line per failed check (not verified, nothing
+    served). ConnectorError when a connector hook raised or the run stopped; InputError when the
+    connector cannot be constructed or registered."""
+    rows, problems = [], []
+    label = connector_label(spec.name)
+    with store_namespace(label="bench"):
+        for tpb in tokens_per_block:
+            save, load, issue = _run_block_size(spec, options, model, tpb, workload, device)
+            block_bytes = save.pop("block_bytes")
+            raw = _raw_gbps(block_bytes * max(save["m"].blocks, load.blocks, 1), repeats, device)
+            verified = issue is None
+            for direction, measured in (("save", save["m"]), ("load", load)):
+                rows.append(_row(label, direction, model, tpb, block_bytes, measured, raw, verified))
+            if issue is not None:
+                problems.append(f"block size {tpb}: {issue}")
+            if load.blocks == 0:
+                problems.append(f"block size {tpb}: the connector served nothing in the warm round")
+    return rows, problems
+
+
+def connector_label(target: str) -> str:
+    """`file.py:Sched:Worker` for a file target (its folder left out), the target otherwise."""
+    where, sep, rest = target.partition(":")
+    return f"{Path(where).name}{sep}{rest}" if where.endswith(".py") else target
+
+
+def _run_block_size(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
+                    device: str) -> tuple[dict, Measured, str | None]:
+    engine = _engine(spec, options, model, tpb, workload, device)
+    try:
+        recorder = Recorder(engine)
+        recorder.attach()
+        prompts = workload.token_lists(tpb, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
+        cold = _round(engine, recorder, prompts, first_id=0)
+        warm = _round(engine, recorder, prompts, first_id=len(prompts))
+        save = {"m": _measure(cold, "save", tpb), "block_bytes": engine.manager.layout.bytes_per_block}
+        return save, _measure(warm, "load", tpb), _check(engine, cold, warm)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def _engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
+            device: str) -> Engine:
+    """Room for two requests (one running, one finishing an asynchronous save) and a spare page each."""
+    slots = 2 * (workload.blocks + 2)
+    manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
+    config = EngineConfig(manager, SchedulerConfig(max_batch_size=1, local_reuse=False),
+                          max_transmission_seconds=60.0)
+    return Engine(config, spec, options)
+
+
+@dataclass
+class _Round:
+    recorder: Recorder
+    ids: list[int]
+    tokens: list[list[int]]
+
+
+def _round(engine: Engine, recorder: Recorder, prompts: list[list[int]], first_id: int) -> _Round:
+    """Run `prompts` as new requests to completion; what the recorder saw of them."""
+    recorder.hooks.clear()
+    ids = list(range(first_id, first_id + len(prompts)))
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(Request(request_id, prompt, max_new_tokens=1))
+    try:
+        engine.run()
+    except KvToolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever stops the run is the connector's, in one line
+        raise ConnectorError(f"the run stopped: {type(exc).__name__}: {exc}") from None
+    failures = engine.connector.failures
+    if failures:
+        raise ConnectorError(f"connector hook failed: {failures[0].describe()}")
+    snapshot = Recorder(engine, list(recorder.hooks), dict(recorder.computed_in), dict(recorder.load_start),
+                        dict(recorder.async_end), dict(recorder.save_start), dict(recorder.finished),
+                        dict(recorder.delivered))
+    return _Round(snapshot, ids, [engine.states[i].request.generated_token_ids for i in ids])
+
+
+def _measure(round_: _Round, kind: str, tpb: int) -> Measured:
+    rec = round_.recorder
+    if kind == "load":
+        ids = [i for i in round_.ids if rec.delivered.get(i, 0) > 0 and i in rec.load_start]
+        blocks = sum(math.ceil(rec.delivered[i] / tpb) for i in ids)
+    else:
+        ids = round_.ids
+        blocks = sum(_computed_blocks(rec.finished[i], tpb) for i in ids if i in rec.finished)
+    spans = {i: rec.intervals(kind, i) for i in ids}
+    latencies = [sum(e - s for s, e in _union(spans[i])) for i in ids]
+    total = sum(e - s for s, e in _union([s for i in ids for s in spans[i]]))
+    return Measured(blocks, total, latencies)
+
+
+def _computed_blocks(event: Finished, tpb: int) -> int:
+    """Full prompt blocks the engine computed (not served from a cache): what a connector saves."""
+    return event.prompt_len // tpb - (event.num_local_hit + event.num_external) // tpb
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _check(engine: Engine, cold: _Round, warm: _Round) -> str | None:
+    """None when every byte read was right and every warm request generated the cold one's tokens."""
+    if engine.integrity_errors:
+        first = engine.fake.issues[0].describe() if engine.fake.issues else ""
+        return f"{engine.integrity_errors} integrity error(s) in the KV bytes ({first})"
+    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens)) if a != b]
+    if differ:
+        return f"{len(differ)} of {len(cold.tokens)} warm prompts generated other tokens than cold"
+    return None
+
+
+def _raw_gbps(nbytes: int, repeats: int, device: str) -> float:
+    """GB/s of one contiguous copy of `nbytes` between two tensors on `device` (median)."""
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)                       # warm-up: first touch of the target's pages
+    timing = time_repeats(lambda: target.copy_(source), repeats, cuda=source.is_cuda)
+    return nbytes / timing.median / 1e9
+
+
+def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: Measured, raw_gbps: float,
+         verified: bool) -> ProtocolRow:
+    gbps = measured.blocks * block_bytes / measured.seconds / 1e9 if measured.seconds > 0 else 0.0
+    p50, p99 = (np.percentile(np.array(measured.latencies) * 1e6, q) if measured.latencies else 0.0 for q in (50, 99))
+    return ProtocolRow(label, direction, model, tpb, block_bytes, measured.blocks, _digits(gbps), round(float(p50), 1),
+                       round(float(p99), 1), _digits(raw_gbps), _digits(gbps / raw_gbps), verified)
+
+
+def _digits(value: float) -> float:
+    return float(f"{value:.4g}")
