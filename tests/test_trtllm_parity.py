@@ -33,7 +33,7 @@ from kvtool.engine.scheduler_output import forget_reported
 from kvtool.group_pages import GroupPages
 from tests.helpers.connectors import NoOpWorker
 from tests.helpers.engines import make_engine
-from tests.helpers.mock_connector import mock_connector
+from tests.helpers.mock_connector import first_args, mock_connector, order, outputs, request_ids, shape
 
 TPB = 32          # BLOCK_SIZE of the integration tests
 NUM_LAYERS = 4    # the "tiny" preset
@@ -47,29 +47,6 @@ def run(mc, prompts, max_tokens, tpb=TPB, num_slots=64, **kwargs):
     engine.run()
     assert engine.stats.failures == []
     return engine
-
-
-def outputs(mc):
-    """Every SchedulerOutput build_connector_meta received, in order."""
-    return [c.args[0] for c in mc.scheduler.build_connector_meta.call_args_list]
-
-
-def shape(out):
-    return len(out.new_requests), len(out.cached_requests)
-
-
-def first_args(hook):
-    """The first argument of every call (a layer index, a request...)."""
-    return [c.args[0] for c in hook.call_args_list]
-
-
-def request_ids(hook):
-    return sorted(request.request_id for request in first_args(hook))
-
-
-def order(mc, *names):
-    """Positions in the whole call log of the calls to `names` (e.g. "worker.get_finished")."""
-    return {name: [i for i, c in enumerate(mc.calls.mock_calls) if c[0] == name] for name in names}
 
 
 # ---- integration tests (IT) ------------------------------------------------------------------
@@ -89,9 +66,10 @@ def test_simple():
     layers = first_args(w.wait_for_layer_load)
     assert max(layers) + 1 == NUM_LAYERS
     assert layers == first_args(w.save_kv_layer) == [k % NUM_LAYERS for k in range(NUM_LAYERS * 8)]
-    per_layer = [(c[0], c.args[0]) for c in mc.calls.mock_calls
+    per_layer = [(c[0], c.args[0]) for c in mc.calls.mock_calls   # each layer: load-wait, then save
                  if c[0] in ("worker.wait_for_layer_load", "worker.save_kv_layer")]
-    assert per_layer[:2] == [("worker.wait_for_layer_load", 0), ("worker.save_kv_layer", 0)]
+    assert per_layer == [(f"worker.{hook}", k % NUM_LAYERS) for k in range(NUM_LAYERS * 8)
+                         for hook in ("wait_for_layer_load", "save_kv_layer")]
     assert w.wait_for_save.call_count == 8
     assert s.request_finished.call_count == 1 and len(s.request_finished.call_args.args[1]) == 1
     assert w.get_finished.call_count == 8

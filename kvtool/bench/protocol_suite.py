@@ -158,23 +158,26 @@ class Measured:
 
 def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
                        workload: Workload, repeats: int, device: str = "cpu") -> tuple[list[ProtocolRow], list[str]]:
-    """Save and load rows per block size, and one line per failed check (not verified, nothing
-    served). ConnectorError when a connector hook raised or the run stopped; InputError when the
-    connector cannot be constructed or registered."""
+    """A save and a load row per block size, and one line per failed check (bytes not verified,
+    nothing served in the warm round). ConnectorError when a connector hook raised or the run
+    stopped; InputError when the connector cannot be constructed or registered."""
     rows, problems = [], []
     label = connector_label(spec.name)
-    with store_namespace(label="bench"):
+    with store_namespace(label="bench"):      # a shared-server store starts cold and keeps to itself
         for tpb in tokens_per_block:
-            save, load, issue = _run_block_size(spec, options, model, tpb, workload, device)
-            block_bytes = save.pop("block_bytes")
-            raw = _raw_gbps(block_bytes * max(save["m"].blocks, load.blocks, 1), repeats, device)
-            verified = issue is None
-            for direction, measured in (("save", save["m"]), ("load", load)):
-                rows.append(_row(label, direction, model, tpb, block_bytes, measured, raw, verified))
-            if issue is not None:
-                problems.append(f"block size {tpb}: {issue}")
-            if load.blocks == 0:
-                problems.append(f"block size {tpb}: the connector served nothing in the warm round")
+            result = _run_block_size(spec, options, label, model, tpb, workload, device)
+            gc.collect()                      # the engine and the connector's store go before the raw copy
+            raw: dict[int, float] = {}
+            for direction, measured in (("save", result.save), ("load", result.load)):
+                nbytes = max(measured.blocks, 1) * result.block_bytes
+                raw.setdefault(nbytes, _raw_gbps(nbytes, repeats, device))
+                rows.append(_row(label, direction, model, tpb, result.block_bytes, measured, raw[nbytes],
+                                 result.issue is None))
+            where = f"{label}, {tpb} tokens per block"
+            if result.issue is not None:
+                problems.append(f"{where}: not verified: {result.issue}")
+            if result.load.blocks == 0:
+                problems.append(f"{where}: the connector served nothing in the warm round")
     return rows, problems
 
 
@@ -184,26 +187,37 @@ def connector_label(target: str) -> str:
     return f"{Path(where).name}{sep}{rest}" if where.endswith(".py") else target
 
 
-def _run_block_size(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
-                    device: str) -> tuple[dict, Measured, str | None]:
+@dataclass
+class _BlockSize:
+    block_bytes: int
+    save: Measured
+    load: Measured
+    issue: str | None
+    """Why the bytes are not verified; None when they are."""
+
+
+def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
+                    workload: Workload, device: str) -> _BlockSize:
+    """The cold and the warm round on a fresh engine (closed before returning). Prompts are random
+    per run, so a store that outlives the process (files, a server) starts cold too."""
     engine = _engine(spec, options, model, tpb, workload, device)
     try:
         recorder = Recorder(engine)
         recorder.attach()
         prompts = workload.token_lists(tpb, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
-        cold = _round(engine, recorder, prompts, first_id=0)
-        warm = _round(engine, recorder, prompts, first_id=len(prompts))
-        save = {"m": _measure(cold, "save", tpb), "block_bytes": engine.manager.layout.bytes_per_block}
-        return save, _measure(warm, "load", tpb), _check(engine, cold, warm)
+        cold = _round(engine, label, prompts, first_id=0)
+        warm = _round(engine, label, prompts, first_id=len(prompts))
+        return _BlockSize(engine.manager.layout.bytes_per_block, _measure(recorder, cold, "save", tpb),
+                          _measure(recorder, warm, "load", tpb), _check(engine, cold, warm))
     finally:
         engine.close()
-        del engine
-        gc.collect()
 
 
 def _engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
-    """Room for two requests (one running, one finishing an asynchronous save) and a spare page each."""
+    """One request per pass, no local prefix reuse (the warm round must ask the connector), pages
+    poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for two
+    requests (one running, one finishing an asynchronous save) with a spare page each."""
     slots = 2 * (workload.blocks + 2)
     manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
     config = EngineConfig(manager, SchedulerConfig(max_batch_size=1, local_reuse=False),
@@ -213,41 +227,41 @@ def _engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, 
 
 @dataclass
 class _Round:
-    recorder: Recorder
     ids: list[int]
     tokens: list[list[int]]
+    """Generated tokens per request, in prompt order."""
 
 
-def _round(engine: Engine, recorder: Recorder, prompts: list[list[int]], first_id: int) -> _Round:
-    """Run `prompts` as new requests to completion; what the recorder saw of them."""
-    recorder.hooks.clear()
+def _round(engine: Engine, label: str, prompts: list[list[int]], first_id: int) -> _Round:
+    """Run `prompts` as new requests (ids from `first_id`) to completion; ConnectorError, in one
+    line, when a hook raised or the run stopped."""
     ids = list(range(first_id, first_id + len(prompts)))
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(Request(request_id, prompt, max_new_tokens=1))
     try:
         engine.run()
-    except KvToolError:
-        raise
+    except KvToolError as exc:
+        raise type(exc)(_one_line(f"connector {label}: {exc}")) from None
     except Exception as exc:  # noqa: BLE001 - whatever stops the run is the connector's, in one line
-        raise ConnectorError(f"the run stopped: {type(exc).__name__}: {exc}") from None
-    failures = engine.connector.failures
-    if failures:
-        raise ConnectorError(f"connector hook failed: {failures[0].describe()}")
-    snapshot = Recorder(engine, list(recorder.hooks), dict(recorder.computed_in), dict(recorder.load_start),
-                        dict(recorder.async_end), dict(recorder.save_start), dict(recorder.finished),
-                        dict(recorder.delivered))
-    return _Round(snapshot, ids, [engine.states[i].request.generated_token_ids for i in ids])
+        raise ConnectorError(_one_line(f"connector {label}: the run stopped: {type(exc).__name__}: {exc}")) from None
+    if engine.connector.failures:
+        raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
+    return _Round(ids, [engine.states[i].request.generated_token_ids for i in ids])
 
 
-def _measure(round_: _Round, kind: str, tpb: int) -> Measured:
-    rec = round_.recorder
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _measure(recorder: Recorder, round_: _Round, kind: str, tpb: int) -> Measured:
+    """Blocks, seconds and per-request seconds of the round's loads or saves (module docstring)."""
     if kind == "load":
-        ids = [i for i in round_.ids if rec.delivered.get(i, 0) > 0 and i in rec.load_start]
-        blocks = sum(math.ceil(rec.delivered[i] / tpb) for i in ids)
+        ids = [i for i in round_.ids if recorder.delivered.get(i, 0) > 0 and i in recorder.load_start]
+        blocks = sum(math.ceil(recorder.delivered[i] / tpb) for i in ids)
     else:
         ids = round_.ids
-        blocks = sum(_computed_blocks(rec.finished[i], tpb) for i in ids if i in rec.finished)
-    spans = {i: rec.intervals(kind, i) for i in ids}
+        blocks = sum(_computed_blocks(recorder.finished[i], tpb) for i in ids if i in recorder.finished)
+    spans = {i: recorder.intervals(kind, i) for i in ids}
     latencies = [sum(e - s for s, e in _union(spans[i])) for i in ids]
     total = sum(e - s for s, e in _union([s for i in ids for s in spans[i]]))
     return Measured(blocks, total, latencies)
@@ -280,12 +294,24 @@ def _check(engine: Engine, cold: _Round, warm: _Round) -> str | None:
 
 
 def _raw_gbps(nbytes: int, repeats: int, device: str) -> float:
-    """GB/s of one contiguous copy of `nbytes` between two tensors on `device` (median)."""
-    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
+    """GB/s of one contiguous copy of `nbytes` between two tensors on `device` (median of `repeats`).
+    On a CPU the better of torch's threads and one thread: waking the thread pool costs milliseconds
+    on a busy machine, more than a small copy itself."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.zeros_like(source)
     target.copy_(source)                       # warm-up: first touch of the target's pages
-    timing = time_repeats(lambda: target.copy_(source), repeats, cuda=source.is_cuda)
-    return nbytes / timing.median / 1e9
+
+    def median() -> float:
+        return time_repeats(lambda: target.copy_(source), repeats, cuda=source.is_cuda).median
+    seconds = median()
+    if not source.is_cuda and torch.get_num_threads() > 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            seconds = min(seconds, median())
+        finally:
+            torch.set_num_threads(threads)
+    return nbytes / seconds / 1e9
 
 
 def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: Measured, raw_gbps: float,

@@ -14,13 +14,14 @@ import typer
 import torch
 from rich.console import Console
 
-from kvtool.bench import compute, manager_suite
+from kvtool.bench import compute, manager_suite, protocol_suite
 from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
 from kvtool.cli.common import ExitCode, clean_errors, connector_options, fail, progress_bar
-from kvtool.connectors.registry import load_connector
+from kvtool.connector.compat import install_compat
+from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError
 from kvtool.models import load_model
 from kvtool.report.bench_report import bench_notes, default_output_dir, rows_table, write_run
@@ -77,7 +78,11 @@ def bench(
                                                    "the plot [default: results/<UTC timestamp>/].")] = None,
     suite: Annotated[Suite, typer.Option(help="transfer (the link), manager (CPU cost per block) or store (a "
                                          "connector's save/load paths against a raw loop).")] = Suite.transfer,
-    connector: Annotated[str, typer.Option(help="--suite store: host, disk or redis.")] = "host",
+    connector: Annotated[str, typer.Option(help="--suite store: host, disk, redis, mooncake, or any connector as "
+                                           "MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER (measured through "
+                                           "the engine: a cold then a warm round).")] = "host",
+    compat: Annotated[Optional[str], typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
+                                                  "modules to a connector written against them.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="--suite store: KEY=VALUE for the connector "
                                                      "(repeatable).")] = [],
     with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
@@ -96,7 +101,8 @@ def bench(
         console.print(f"results in {out_dir}", highlight=False)
         return
     if suite is Suite.store:
-        _store_suite(connector, connector_opt, model, tokens_per_block, batch_bytes, repeats, quick, out_dir, format)
+        _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
+                     format)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -139,20 +145,27 @@ def bench(
 STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 
 
-def _store_suite(connector: str, connector_opt: list[str], model: list[str], tokens_per_block: list[int],
-                 batch_bytes: Optional[str], repeats: Optional[int], quick: bool, out_dir: Path,
-                 format: Format) -> None:
+def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
+                 tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
+                 out_dir: Path, format: Format) -> None:
     if len(model) > 1:
         raise InputError("--suite store measures one --model at a time")
     name = model[0] if model else "llama-3.1-8b"
     load_model(name)
-    sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
-    if any(t <= 0 for t in sizes):
-        raise InputError(f"tokens per block must be positive, got {sizes}")
+    if any(t <= 0 for t in tokens_per_block):
+        raise InputError(f"tokens per block must be positive, got {tuple(tokens_per_block)}")
     if repeats is not None and repeats <= 0:
         raise InputError(f"--repeats must be positive, got {repeats}")
-    spec = load_connector(connector)
+    install_compat(compat)
+    spec = load_connector(connector, compat)
     options = connector_options(spec, connector_opt)
+    if spec.name not in BUILTIN_CONNECTORS:
+        if batch_bytes is not None:
+            raise InputError("--batch-bytes sizes the built-in stores' batches; a connector's own run moves "
+                             "whole prompts through the engine")
+        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format)
+        return
+    sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
     batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
     with tempfile.TemporaryDirectory(prefix="kvtool-bench-store-") as scratch:
         if connector == "disk" and "dir" not in options:
@@ -164,6 +177,24 @@ def _store_suite(connector: str, connector_opt: list[str], model: list[str], tok
     Console(stderr=True).print(f"results in {out_dir}", highlight=False)
     if not all(r["verified"] for r in rows):
         raise fail("the store gave back other bytes than it saved (verified = NO)", ExitCode.CHECK_FAILED)
+
+
+def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
+                    quick: bool, out_dir: Path, format: Format) -> None:
+    """`protocol_suite` on a connector the store suite does not know; exit 1 naming the failed check."""
+    sizes = tuple(tokens_per_block) or (protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
+                                        protocol_suite.TOKENS_PER_BLOCK)
+    workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
+    rows, problems = protocol_suite.run_protocol_suite(spec, options, model, list(sizes), workload,
+                                                       repeats or (3 if quick else 5))
+    rows = [r.as_dict() for r in rows]
+    write_run(out_dir, rows, {}, "store")
+    _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
+                         f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
+                         "a contiguous copy")
+    Console(stderr=True).print(f"results in {out_dir}", highlight=False)
+    if problems:
+        raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
 
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:

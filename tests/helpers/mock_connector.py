@@ -100,3 +100,30 @@ def mock_connector(matched=(0, False), finish_async: bool = False, echo_finished
     scheduler_class = type("MockScheduler", (_ForwardingScheduler,), {"mock": scheduler})
     worker_class = type("MockWorker", (_ForwardingWorker,), {"mock": worker})
     return MockConnector(ConnectorSpec("mock", scheduler_class, worker_class, __name__), calls, scheduler, worker)
+
+
+# ---- reading the record ----------------------------------------------------------------------
+
+def outputs(mc: MockConnector) -> list:
+    """Every SchedulerOutput build_connector_meta received, in order."""
+    return [c.args[0] for c in mc.scheduler.build_connector_meta.call_args_list]
+
+
+def shape(out) -> tuple[int, int]:
+    """(new requests, cached requests) of one SchedulerOutput."""
+    return len(out.new_requests), len(out.cached_requests)
+
+
+def first_args(hook) -> list:
+    """The first argument of every call (a layer index, a request...)."""
+    return [c.args[0] for c in hook.call_args_list]
+
+
+def request_ids(hook) -> list[int]:
+    """The ids of the requests a scheduler hook was called for, sorted (one entry per call)."""
+    return sorted(request.request_id for request in first_args(hook))
+
+
+def order(mc: MockConnector, *names: str) -> dict[str, list[int]]:
+    """Positions in the whole call log of the calls to `names` (e.g. "worker.get_finished")."""
+    return {name: [i for i, c in enumerate(mc.calls.mock_calls) if c[0] == name] for name in names}

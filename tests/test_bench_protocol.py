@@ -1,0 +1,199 @@
+"""`kvtool bench --suite store` on a connector it does not know: the protocol suite, through the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.bench.protocol_suite import QUICK
+from kvtool.cli import app
+
+runner = CliRunner()
+
+CONNECTOR = '''
+"""Whole blocks in a dict, keyed by the chained hash of the prompt's blocks; one layer group."""
+import hashlib
+from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+
+STORE = {}
+
+
+def block_keys(tokens, tpb):
+    digest, keys = hashlib.sha256(), []
+    for start in range(0, len(tokens) - tpb + 1, tpb):
+        digest.update(repr(list(tokens[start:start + tpb])).encode())
+        keys.append(digest.hexdigest())
+    return keys
+
+
+class Sched(KvCacheConnectorScheduler):
+    def __init__(self, llm_args):
+        super().__init__(llm_args)
+        self.tpb = llm_args.kv_cache_config.tokens_per_block
+        self.offers = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        keys, first = block_keys(request.prompt_token_ids, self.tpb), num_computed_tokens // self.tpb
+        hits = 0
+        while first + hits < len(keys) and keys[first + hits] in STORE:
+            hits += 1
+        self.offers[request.request_id] = hits
+        return hits * self.tpb, False
+
+    def update_state_after_alloc(self, request, block_ids):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        meta = {"load": [], "save": []}
+        for req in scheduler_output.new_requests:
+            keys, first = block_keys(req.new_tokens, self.tpb), req.computed_position // self.tpb
+            hits = self.offers.pop(req.request_id, 0)
+            for i, key in enumerate(keys):
+                if i >= first:
+                    meta["load" if i < first + hits else "save"].append((key, req.new_block_ids[i]))
+        return meta
+
+    def request_finished(self, request, cache_block_ids):
+        return False
+
+
+class Worker(KvCacheConnectorWorker):
+    def register_kv_caches(self, kv_cache_tensor):
+        self.kv = kv_cache_tensor
+
+    def start_load_kv(self, stream):
+        for key, page in self._metadata["load"]:
+            self.kv[page].copy_(STORE[key])
+
+    def wait_for_layer_load(self, layer_idx, stream):
+        pass
+
+    def save_kv_layer(self, layer_idx, stream):
+        pass
+
+    def wait_for_save(self, stream):
+        for key, page in self._metadata["save"]:
+            STORE.setdefault(key, self.kv[page].clone())
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        return [], []
+
+
+class CorruptingWorker(Worker):
+    def start_load_kv(self, stream):
+        super().start_load_kv(stream)
+        for _, page in self._metadata["load"]:
+            self.kv[page].zero_()
+
+
+class RaisingWorker(Worker):
+    def start_load_kv(self, stream):
+        if self._metadata["load"]:
+            raise RuntimeError("store unreachable\\n(second line)")
+
+
+class ForgetfulSched(Sched):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+'''
+
+QUICK_BLOCKS = QUICK.prompts * QUICK.blocks
+COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "gbps", "p50_us",
+           "p99_us", "raw_gbps", "ratio", "verified"]
+
+
+@pytest.fixture
+def connector_file(tmp_path) -> Path:
+    path = tmp_path / "dict_connector.py"
+    path.write_text(CONNECTOR)
+    return path
+
+
+def _bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtool", "bench", "--suite", "store", "--model", "tiny", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def _rows(out: Path) -> list[dict]:
+    return json.loads((out / "results.json").read_text())["rows"]
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(CONNECTOR.split("\n"), start=1) if text in line)
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line, after the run folder's line (a table's rows were written first)."""
+    lines = stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("results in ") and "Traceback" not in stderr
+    return lines[1]
+
+
+def test_a_connector_of_ones_own_is_measured_through_the_engine(connector_file, tmp_path):
+    out = tmp_path / "run"
+    done = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--format", "json", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = _rows(out)
+    assert json.loads(done.stdout) == rows
+    assert [list(r) for r in rows] == [COLUMNS, COLUMNS]
+    assert [(r["connector"], r["direction"], r["model"], r["tokens_per_block"], r["block_bytes"], r["blocks"],
+             r["verified"]) for r in rows] == [("dict_connector.py:Sched:Worker", d, "tiny", 16, 8192, QUICK_BLOCKS,
+                                                True) for d in ("save", "load")]
+    for r in rows:
+        assert r["gbps"] > 0 and r["raw_gbps"] > 0 and 0 < r["p50_us"] <= r["p99_us"]
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=0.01)
+    assert (out / "results.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
+
+
+def test_a_tensorrt_llm_connector_is_measured_under_compat(tmp_path):
+    target = "tests/data/trtllm_style_connector.py:BlockFilesLeader:BlockFilesWorker"
+    out = tmp_path / "run"
+    done = _bench("--connector", target, "--compat", "trtllm", "--quick", "--tokens-per-block", "8",
+                  "--tokens-per-block", "16", "--output", str(out), env={"BLOCK_FILES_FOLDER": str(tmp_path / "blocks")})
+    assert done.returncode == 0, done.stderr
+    assert [(r["direction"], r["tokens_per_block"], r["blocks"], r["verified"]) for r in _rows(out)] == [
+        ("save", 8, QUICK_BLOCKS, True), ("load", 8, QUICK_BLOCKS, True),
+        ("save", 16, QUICK_BLOCKS, True), ("load", 16, QUICK_BLOCKS, True)]
+    assert len(list((tmp_path / "blocks").iterdir())) == 2 * QUICK_BLOCKS      # what it saved, on its own disk
+    assert "BlockFilesLeader" in done.stdout                                  # the rich table
+
+
+def test_a_connector_that_loads_wrong_bytes_is_not_verified(connector_file, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--output", str(tmp_path),
+                                 "--connector", f"{connector_file}:Sched:CorruptingWorker"])
+    assert result.exit_code == 1
+    assert [(r["direction"], r["blocks"], r["verified"]) for r in _rows(tmp_path)] == [
+        ("save", QUICK_BLOCKS, False), ("load", QUICK_BLOCKS, False)]
+    line = _error_line(result.stderr)
+    assert "16 tokens per block: not verified: " in line and "integrity error" in line
+
+
+def test_a_connector_that_serves_nothing_fails_saying_so(connector_file, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--output", str(tmp_path),
+                                 "--connector", f"{connector_file}:ForgetfulSched:Worker"])
+    assert result.exit_code == 1
+    assert [(r["direction"], r["blocks"], r["verified"]) for r in _rows(tmp_path)] == [
+        ("save", QUICK_BLOCKS, True), ("load", 0, True)]
+    assert _error_line(result.stderr) == ("kvtool: error: dict_connector.py:ForgetfulSched:Worker, 16 tokens per "
+                                          "block: the connector served nothing in the warm round")
+
+
+def test_a_connector_that_raises_is_one_line(connector_file, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--output", str(tmp_path),
+                                 "--connector", f"{connector_file}:Sched:RaisingWorker"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [f"kvtool: error: connector dict_connector.py:Sched:RaisingWorker: "
+                                          "start_load_kv (rank 0) raised RuntimeError: store unreachable (second "
+                                          f"line) ({connector_file}:{_line_of('raise RuntimeError')})"]
+
+
+@pytest.mark.parametrize("connector", ["host", "tests/data/trtllm_style_connector.py:A:B"])
+def test_an_unknown_compat_is_exit_2_in_one_line(connector, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", connector, "--compat", "vllm",
+                                 "--output", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["kvtool: error: unknown --compat 'vllm'; known: trtllm"]
