@@ -91,7 +91,7 @@ def test_a_tensor_only_worker_gets_the_pool_through_the_layout_default():
                 tpb=TPB, num_slots=8)
     (tensor,) = _TensorOnlyWorker.tensors
     # [num_slots, num_layers, roles (K, V), tokens_per_block, kv heads, head_dim]
-    assert tuple(tensor.shape) == (8, NUM_LAYERS, 2, TPB, 2, 16)
+    assert tuple(tensor.shape) == (8, NUM_LAYERS, 2, TPB * 2 * 16)   # TensorRT-LLM's primary pool
 
 
 def test_async_onboard():

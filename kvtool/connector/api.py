@@ -237,8 +237,9 @@ class KvCacheConnectorWorker(ABC):
 
     @abstractmethod
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
-        """Single-tensor registration: `[num_slots, num_layers, roles, tokens_per_block, heads,
-        head_dim]`, reached through `register_kv_cache_layout`'s default for a one-pool cache."""
+        """Single-tensor registration: TensorRT-LLM's primary pool `[num_slots, num_layers, roles,
+        tokens_per_block * heads * head_dim]`, reached through `register_kv_cache_layout`'s default
+        for a one-pool cache."""
 
     def register_forward_pass_callable(self) -> Callable[[], None] | None:
         """Optionally a callable the runtime runs at the end of every forward pass (after the last

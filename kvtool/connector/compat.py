@@ -96,6 +96,11 @@ def _world_size() -> int:
     return rank_context.world_size()
 
 
+def get_draft_token_length(request) -> int:
+    """Draft tokens of the request's next step (kvtool's requests carry none yet)."""
+    return len(getattr(request, "py_draft_tokens", None) or ())
+
+
 _CONNECTOR = dict(KvCacheConnectorScheduler=api.KvCacheConnectorScheduler,
                   KvCacheConnectorWorker=api.KvCacheConnectorWorker, SchedulerOutput=api.SchedulerOutput,
                   RequestData=api.RequestData)
@@ -121,7 +126,8 @@ def install() -> bool:
     _module("tensorrt_llm._torch.pyexecutor.connectors")
     _module("tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector", **_CONNECTOR)
     _module("tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout", **_LAYOUT)
-    _module("tensorrt_llm._torch.pyexecutor.llm_request", LlmRequest=request.Request, LlmRequestState=LlmRequestState)
+    _module("tensorrt_llm._torch.pyexecutor.llm_request", LlmRequest=request.Request, LlmRequestState=LlmRequestState,
+            get_draft_token_length=get_draft_token_length)
     _module("tensorrt_llm.runtime")
     _module("tensorrt_llm.runtime.kv_cache_manager_v2", BAD_PAGE_INDEX=BAD_PAGE_INDEX)
     _module("tensorrt_llm.bindings", LlmRequestState=LlmRequestState)

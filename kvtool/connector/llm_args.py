@@ -88,6 +88,11 @@ class KvCacheConnectorConfig:
     connector_module: str = ""
     connector_scheduler_class: str = ""
     connector_worker_class: str = ""
+    connector: str | None = None
+    """TensorRT-LLM's preset name (`lmcache`, `kvbm`): kvtool names the classes directly."""
+    server_url: str | None = None
+    """TensorRT-LLM's URL of a connector's out-of-process server (LMCache's multi-process mode reads
+    it); set it with `--connector-opt server_url=URL`."""
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,10 @@ def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[st
                                   g.bytes_per_page) for g in manager.layer_groups)
     kv_config = KvCacheConfig(manager.tokens_per_block, tuple(l.window_size for l in model.layers),
                               max(l.num_sink_tokens for l in model.layers))
-    return LlmArgs(model.shard_name, kv_config, KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__,
-                                                                       spec.worker_class.__name__),
+    all_options = {**spec.options, **options}
+    connector_config = KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__, spec.worker_class.__name__,
+                                              server_url=all_options.get("server_url"))
+    return LlmArgs(model.shard_name, kv_config, connector_config,
                    groups, model.dtype.name, None, {**spec.options, **options}, rank, num_ranks, tp_size)
 
 

@@ -154,9 +154,10 @@ class KvCacheLayout:
     kvtool's pools are single allocations, so there is no such bound."""
 
     def as_single_pool_tensor(self) -> torch.Tensor | None:
-        """The cache as one tensor `[num_slots, num_layers, roles, tokens_per_block, heads,
-        head_dim]` of the KV dtype, when it is one layer group with one whole-slot region of
-        equal buffers; None otherwise (or for a layout computed without memory)."""
+        """The cache as TensorRT-LLM's primary pool, `[num_slots, num_layers, roles, tokens_per_block
+        * heads * head_dim]` of the KV dtype, when it is one layer group with one whole-slot region
+        of equal buffers; None otherwise (or for a layout computed without memory). Within a
+        (layer, role) buffer kvtool orders token, head, element."""
         if len(self.layer_groups) != 1 or len(self.layer_groups[0].regions) != 1:
             return None
         group, region = self.layer_groups[0], self.layer_groups[0].regions[0]
@@ -165,8 +166,8 @@ class KvCacheLayout:
         if region.storage is None or len(region.buffers) % num_layers or region.size != region.stride:
             return None
         roles = len(region.buffers) // num_layers
-        return region.as_tensor(self.dtype).view(region.num_slots, num_layers, roles, self.tokens_per_block,
-                                                 spec.num_heads, spec.head_dim)
+        return region.as_tensor(self.dtype).view(region.num_slots, num_layers, roles,
+                                                 self.tokens_per_block * spec.num_heads * spec.head_dim)
 
     @property
     def num_layer_groups(self) -> int:
