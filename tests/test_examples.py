@@ -32,3 +32,17 @@ def test_the_example_imports_tensorrt_llm_when_it_is_there():
             "print(sys.modules['tensorrt_llm'].__version__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "kvtool-compat", done.stderr
+
+
+@pytest.mark.parametrize("ranks", [[], ["--num-ranks", "2", "--tp", "2"]], ids=["1rank", "2ranks"])
+def test_trace_run_replays_the_example_under_compat(tmp_path, ranks):
+    """`trace run --compat trtllm` loads a connector written against TensorRT-LLM's modules, also in
+    the follower ranks' processes (the spec travels with its compat)."""
+    done = subprocess.run([sys.executable, "-m", "kvtool", "trace", "run", "workloads/shared_prefix.jsonl",
+                           "--connector", EXAMPLE, "--compat", "trtllm", "--no-local-reuse", *ranks,
+                           "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["integrity_errors"] == 0 and summary["failed_requests"] == 0
+    assert summary["connector_hit_tokens"] > 0

@@ -42,7 +42,8 @@ def validate_in_process(target: str, scenarios=None, strict: bool = False):
 @pytest.mark.parametrize("label", list(BROKEN))
 def test_each_broken_connector_fails_exactly_its_check(label):
     scheduler, worker = BROKEN[label]
-    results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}", strict=True)
+    # warm-hit's broken connector serves nothing: a miss, which only --strict makes a failure
+    results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}", strict=label == "warm-hit")
     failed = {r.check for r in results if r.failed}
     assert failed == {label.split(" (")[0]}, [(r.scenario, r.model, r.check, r.evidence[:2]) for r in results
                                               if r.failed]
