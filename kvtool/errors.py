@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class KvToolError(Exception):
     """Base of every deliberate kvtool error."""
@@ -67,3 +70,10 @@ class IntegrityError(KvToolError):
 
 class ConstructionError(InputError):
     """A connector's scheduler or worker raised from its constructor."""
+
+
+def did_you_mean(name: str, choices: Iterable[object], cutoff: float = 0.6) -> str:
+    """" (did you mean 'x'?)" naming the closest of `choices` to a mistyped `name`, or "" when none
+    is close enough (`cutoff`, difflib's similarity in [0, 1]); for the end of an error message."""
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""

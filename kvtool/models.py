@@ -211,6 +211,9 @@ def _spec_from_hf_dict(raw: dict[str, Any], default_name: str) -> ModelSpec:
         num_kv_heads = _positive_int(cfg, "num_key_value_heads") if "num_key_value_heads" in cfg else num_heads
         head_dim = (_positive_int(cfg, "head_dim") if cfg.get("head_dim") is not None
                     else _positive_int(cfg, "hidden_size") // num_heads)
+        if head_dim == 0:
+            raise InputError(f"hidden_size {cfg['hidden_size']} / num_attention_heads {num_heads} is a head size "
+                             "of 0; give head_dim")
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "bf16"
     if not isinstance(dtype_name, str):
         raise InputError(f"torch_dtype must be a string, got {dtype_name!r}")

@@ -96,6 +96,11 @@ class RaisingWorker(Worker):
             raise RuntimeError("store unreachable\\n(second line)")
 
 
+class UnbuildableSched(Sched):
+    def __init__(self, llm_args):
+        raise ValueError("no store\\nconfigured")
+
+
 class ForgetfulSched(Sched):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
@@ -153,7 +158,8 @@ def test_a_tensorrt_llm_connector_is_measured_under_compat(tmp_path):
     target = "tests/data/trtllm_style_connector.py:BlockFilesLeader:BlockFilesWorker"
     out = tmp_path / "run"
     done = _bench("--connector", target, "--compat", "trtllm", "--quick", "--tokens-per-block", "8",
-                  "--tokens-per-block", "16", "--output", str(out), env={"BLOCK_FILES_FOLDER": str(tmp_path / "blocks")})
+                  "--tokens-per-block", "16", "--output", str(out),
+                  env={"BLOCK_FILES_FOLDER": str(tmp_path / "blocks")})
     assert done.returncode == 0, done.stderr
     assert [(r["direction"], r["tokens_per_block"], r["blocks"], r["verified"]) for r in _rows(out)] == [
         ("save", 8, QUICK_BLOCKS, True), ("load", 8, QUICK_BLOCKS, True),
@@ -189,6 +195,14 @@ def test_a_connector_that_raises_is_one_line(connector_file, tmp_path):
     assert result.stderr.splitlines() == [f"kvtool: error: connector dict_connector.py:Sched:RaisingWorker: "
                                           "start_load_kv (rank 0) raised RuntimeError: store unreachable (second "
                                           f"line) ({connector_file}:{_line_of('raise RuntimeError')})"]
+
+
+def test_a_connector_that_cannot_be_constructed_is_exit_2_in_one_line(connector_file, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--output", str(tmp_path),
+                                 "--connector", f"{connector_file}:UnbuildableSched:Worker"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"kvtool: error: connector '{connector_file}:UnbuildableSched:Worker' could "
+                                          "not be constructed: ValueError: no store configured"]
 
 
 @pytest.mark.parametrize("connector", ["host", "tests/data/trtllm_style_connector.py:A:B"])

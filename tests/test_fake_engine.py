@@ -6,6 +6,7 @@ import pytest
 from kvtool.engine.fake_engine import FakeEngine, PassItem
 from kvtool.engine.fingerprint import expected_bytes, PrefixHashes
 from kvtool.group_pages import GroupPages
+from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import BAD_PAGE_INDEX, Role
 from tests.helpers.managers import make_manager
 
@@ -81,3 +82,40 @@ def test_a_read_of_a_missing_page_is_an_error(setup):
     holed = GroupPages([pages[0][:1] + (BAD_PAGE_INDEX,) + pages[0][2:]])
     fake.verify_cache(1, list(range(40, 52)), holed, 12)
     assert fake.issues[0].what == "read of a block with no page"
+
+
+@pytest.mark.parametrize("fill, meaning", [
+    (POISON_BYTE, "found a page that was never written since it was handed out (a5a5a5a5a5a5a5a5)"),
+    (RELEASED_POISON_BYTE, "found a released page (dededededededede)"),
+    (0, "found zeros (0000000000000000)"),
+])
+def test_poison_and_zeros_are_said_in_words_before_the_bytes(setup, fill, meaning):
+    manager, cache, fake = setup
+    manager.layout.group(0).regions[0].as_tensor()[cache.get_page_indices(0)[1]] = fill
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert meaning in fake.issues[0].describe(), fake.issues[0].describe()
+
+
+def test_bytes_that_only_begin_like_poison_are_shown_as_bytes(setup):
+    manager, cache, fake = setup
+    page = manager.layout.group(0).regions[0].as_tensor()[cache.get_page_indices(0)[1]]
+    page[:] = POISON_BYTE
+    page[8::64] = 1                                  # past the first 8 bytes of each head: not a poisoned head
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert fake.issues[0].found == "a5a5a5a5a5a5a5a5", fake.issues[0]
+
+
+def test_a_page_poisoned_on_hand_out_and_on_release_reads_back_as_which():
+    manager = make_manager("tiny", 4, num_slots=8, poison_new_pages=True)
+    fake = FakeEngine(manager.layout, manager.layer_groups)
+    cache = manager.create_kv_cache(1, [])
+    cache.resume()
+    assert cache.resize(8)
+    tokens, pages = list(range(40, 48)), cache.page_indices_by_group()
+    fake.verify_cache(1, tokens, pages, 8)                    # nothing written since they were handed out
+    assert "found a page that was never written since it was handed out" in fake.issues[0].describe()
+    fake.write_context(PassItem(1, tokens, pages, 0, 8, False))
+    cache.close()                                              # nothing committed: both pages freed
+    released = FakeEngine(manager.layout, manager.layer_groups)
+    released.verify_cache(1, tokens, pages, 8)                # a read after the release
+    assert "found a released page (dededededededede)" in released.issues[0].describe()

@@ -6,6 +6,7 @@ from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager import ReuseScope
 from kvtool.manager.integrity import check_manager
 from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, PageStatus
 from tests.helpers.managers import make_manager
@@ -283,4 +284,9 @@ def test_poisoning_covers_freed_slots_too():
     slot = cache.get_page_indices(0)[1]
     region.as_tensor()[slot].fill_(7)           # what the model wrote
     cache.close()                                # block 1 is partial: its slot goes back to the free list
-    assert bool((region.as_tensor()[slot] == 0xA5).all())
+    assert bool((region.as_tensor()[slot] == RELEASED_POISON_BYTE).all())
+    assert RELEASED_POISON_BYTE != POISON_BYTE   # a page read after its release tells itself apart
+    again = manager.create_kv_cache("b", [])
+    again.resume()
+    assert again.resize(4 * manager.num_free_slots(0)) and slot in again.get_page_indices(0)   # every free slot
+    assert bool((region.as_tensor()[slot] == POISON_BYTE).all())   # handed out again: the hand-out poison

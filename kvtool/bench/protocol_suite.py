@@ -21,12 +21,13 @@ request generated the cold request's tokens (the fake engine samples from a chec
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,6 @@ from kvtool.errors import ConnectorError, KvToolError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 
-DEFAULT_MODEL = "llama-3.1-8b"
 TOKENS_PER_BLOCK = (16, 32)
 QUICK_TOKENS_PER_BLOCK = (16,)
 LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load")
@@ -87,8 +87,12 @@ class ProtocolRow:
 
 @dataclass
 class Recorder:
-    """Hook intervals `(kind, iteration, start, end)` and the events of one round, wall-clocked."""
+    """What one engine's run shows of its requests' loads and saves: worker hook intervals
+    `(kind, iteration, start, end)` and the events, wall-clocked (request ids and iterations never
+    repeat, so one recorder serves both rounds)."""
 
+    event_kinds: ClassVar[frozenset] = frozenset({PassDone, LoadStarted, LoadFinished, SaveStarted, SaveFinished,
+                                                  Deliver, Finished})
     engine: Engine
     hooks: list[tuple[str, int, float, float]] = field(default_factory=list)
     computed_in: dict[int, int] = field(default_factory=dict)
@@ -165,7 +169,8 @@ def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str,
     label = connector_label(spec.name)
     with store_namespace(label="bench"):      # a shared-server store starts cold and keeps to itself
         for tpb in tokens_per_block:
-            result = _run_block_size(spec, options, label, model, tpb, workload, device)
+            with _one_line_errors(label):
+                result = _run_block_size(spec, options, label, model, tpb, workload, device)
             gc.collect()                      # the engine and the connector's store go before the raw copy
             raw: dict[int, float] = {}
             for direction, measured in (("save", result.save), ("load", result.load)):
@@ -216,9 +221,9 @@ def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, mo
 def _engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
     """One request per pass, no local prefix reuse (the warm round must ask the connector), pages
-    poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for two
-    requests (one running, one finishing an asynchronous save) with a spare page each."""
-    slots = 2 * (workload.blocks + 2)
+    poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for every
+    prompt at once (asynchronous loads and saves hold pages outside the batch) plus a spare page."""
+    slots = workload.prompts * (workload.blocks + 1) + 1
     manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
     config = EngineConfig(manager, SchedulerConfig(max_batch_size=1, local_reuse=False),
                           max_transmission_seconds=60.0)
@@ -234,23 +239,32 @@ class _Round:
 
 def _round(engine: Engine, label: str, prompts: list[list[int]], first_id: int) -> _Round:
     """Run `prompts` as new requests (ids from `first_id`) to completion; ConnectorError, in one
-    line, when a hook raised or the run stopped."""
+    line, when a hook raised or a request failed."""
     ids = list(range(first_id, first_id + len(prompts)))
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(Request(request_id, prompt, max_new_tokens=1))
-    try:
-        engine.run()
-    except KvToolError as exc:
-        raise type(exc)(_one_line(f"connector {label}: {exc}")) from None
-    except Exception as exc:  # noqa: BLE001 - whatever stops the run is the connector's, in one line
-        raise ConnectorError(_one_line(f"connector {label}: the run stopped: {type(exc).__name__}: {exc}")) from None
+    engine.run()
     if engine.connector.failures:
         raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
+    if engine.stats.failures:                   # e.g. an asynchronous load never reported
+        raise ConnectorError(_one_line(f"connector {label}: {engine.stats.failures[0]}"))
     return _Round(ids, [engine.states[i].request.generated_token_ids for i in ids])
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def _one_line_errors(label: str) -> Iterator[None]:
+    """A kvtool error keeps its kind (so its exit code) in one line; anything else raised on the
+    way (from the connector's code) becomes a ConnectorError naming the connector."""
+    try:
+        yield
+    except KvToolError as exc:
+        raise type(exc)(_one_line(str(exc))) from None
+    except Exception as exc:  # noqa: BLE001 - the connector's failure, said in one line
+        raise ConnectorError(_one_line(f"connector {label}: the run stopped: {type(exc).__name__}: {exc}")) from None
 
 
 def _measure(recorder: Recorder, round_: _Round, kind: str, tpb: int) -> Measured:

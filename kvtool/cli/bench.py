@@ -90,7 +90,8 @@ def bench(
 ) -> None:
     """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
     link peak measured in the same run; the manager's cost with --suite manager; or a connector's
-    own save and load paths against a raw loop of its store with --suite store --connector NAME.
+    own save and load paths against a raw loop of its store with --suite store --connector NAME (a
+    connector of your own: its hooks timed through the engine, a cold then a warm round).
     Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
     out_dir = prepare_run_folder((output or default_output_dir()).resolve())
     console = Console(stderr=True)

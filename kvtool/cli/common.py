@@ -15,12 +15,12 @@ import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connectors.registry import BUILTIN_CONNECTORS
-from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError
+from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError, did_you_mean
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import ModelSpec, load_model, shard_model
 from kvtool.report.run_folder import write_file
@@ -61,7 +61,7 @@ class OneLineErrorsGroup(TyperGroup):
             code = int(ExitCode.USAGE)
         except cli_errors.UsageError as exc:
             where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
-            print(f"kvtool: error: {exc.format_message()}{where}", file=sys.stderr)
+            print(f"kvtool: error: {_usage_message(exc)}{where}", file=sys.stderr)
             code = int(ExitCode.USAGE)
         except cli_errors.ClickException as exc:
             print(f"kvtool: error: {exc.format_message()}", file=sys.stderr)
@@ -73,6 +73,30 @@ class OneLineErrorsGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _usage_message(exc) -> str:
+    """The parser's message, as click words it: typer's type checks (pydantic) put "Value error, " in
+    front of a bad choice ("Invalid value for '--format': 'yaml' is not one of 'table', 'json',
+    'csv'."), which is said here as every other option's bad value is."""
+    return exc.format_message().replace(": Value error, ", ": ", 1)
+
+
+class ConnectorHelpCommand(TyperCommand):
+    """A command with `--connector-help`: given that flag, its required arguments (a workload) may
+    be left out, as `--help` lets them be."""
+
+    def parse_args(self, ctx, args):
+        if "--connector-help" in args:
+            for param in self.params:
+                param.required = False
+        return super().parse_args(ctx, args)
+
+
+def suggest(name: str, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices` to a mistyped `name`, or "" (for the end
+    of an error message: `f"unknown scenario {name!r}{suggest(name, SCENARIOS)}; ..."`)."""
+    return did_you_mean(name, choices)
 
 
 def kvtool_version() -> str:

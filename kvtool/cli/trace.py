@@ -13,22 +13,24 @@ from rich.table import Table
 
 from dataclasses import replace
 
-from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               deprecated, fail, frame_text, progress_bar)
+from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
+                               OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
+                               progress_bar)
 from kvtool.cli.trace_instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
-from kvtool.cli.trace_options import with_replay_options
-from kvtool.cli.trace_setup import Replay, ReplayOptions, build_replay
+from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
+from kvtool.cli.trace_setup import (Replay, ReplayOptions, build_replay, check_before_replay, note_store_folder)
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
 from kvtool.report.instances_report import instances_table, write_instances_folder
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
-from kvtool.report.trace_report import tier_table, ttft_report, ttft_table, write_trace_folder
+from kvtool.report.trace_report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 
 
-@trace_app.command("run")
+@trace_app.command("run", cls=ConnectorHelpCommand)
 @clean_errors
 @with_replay_options
 def trace_run(
@@ -37,8 +39,7 @@ def trace_run(
     connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
     connector_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Folder of the disk connector "
                                                          "(its dir option).")] = None,
-    compat: Annotated[Optional[str], typer.Option(metavar="trtllm", help="Provide TensorRT-LLM's connector "
-                                                  "modules to a --connector written against them.")] = None,
+    connector_help: ConnectorHelp = False,
     num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
                                            "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
                                            "pools and connector worker.")] = 1,
@@ -61,21 +62,30 @@ def trace_run(
     sync_window: Annotated[float, typer.Option(metavar="SECONDS", help="No instance runs more than this many "
                                                "simulated seconds ahead of another.")] = DEFAULT_SYNC_WINDOW_S,
 ) -> None:
-    """Replay WORKLOAD; exit 1 on integrity errors, failed requests or broken invariants."""
+    """Replay a workload through a connector.
+
+    Exit 1 on integrity errors, failed requests or broken invariants."""
+    if connector_help:
+        if connector == "none":
+            raise InputError("--connector-help lists a connector's options: give --connector NAME")
+        print_connector_help(load_connector(connector, options.compat))
+        return
     if json_out is not None:
         deprecated("--json FILE", "--output DIR (summary.json) or --format json")
         check_writable_file(json_out, "--json")
     if timeline is not None:
         check_writable_file(timeline, "--timeline")
     options = replace(options, tokens_per_block=tokens_per_block, connector=connector,
-                      connector_dir=connector_dir, num_ranks=num_ranks, tp=tp, compat=compat)
+                      connector_dir=connector_dir, num_ranks=num_ranks, tp=tp)
     if instances != 1:
         _run_instances(options, instances, route, sync_window, baseline, timeline, json_out, output, format)
         return
-    folder = prepare_run_folder(output) if output is not None else None
     replay = build_replay(options)
     if baseline and replay.connector is None:
         raise InputError("--baseline compares with a run without the connector: give a --connector")
+    check_before_replay(replay)
+    folder = prepare_run_folder(output) if output is not None else None
+    note_store_folder(replay)
     console = Console(stderr=True)
     recorder = TimelineRecorder() if timeline is not None else None
     result = _replay(replay, console, [recorder] if recorder else [])
@@ -85,8 +95,8 @@ def trace_run(
     if format is OutputFormat.table:
         Console().print(tier_table(result.summary))
         if ttft:
-            Console().print(ttft_table(ttft))
-            Console().print(f"cost model: {replay.cost_model.assumptions()}", highlight=False)
+            Console().print(ttft_table(ttft, result.summary.connector))
+            Console().print(cost_model_text(replay.cost_model.assumptions()), highlight=False, markup=False)
     for line in result.issues:
         console.print(f"[red]{line}[/red]", highlight=False)
     if json_out is not None:
@@ -110,7 +120,10 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
         raise InputError("--baseline, --timeline and --json replay one instance: drop them or --instances")
     if not sync_window > 0:
         raise InputError(f"--sync-window must be a positive number of seconds, got {sync_window}")
+    replay = build_replay(options)
+    check_before_replay(replay)
     folder = prepare_run_folder(output) if output is not None else None
+    note_store_folder(replay)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:
         rows = run_instances(plan, lambda finished: update(completed=finished))
@@ -151,11 +164,16 @@ def _print_summary(summary: TraceSummary, format: OutputFormat) -> None:
         print(frame_text(pd.DataFrame([summary.as_dict()]), format), end="")
 
 
+SUMMARY_LABELS = {"computed_tokens": "computed_tokens (prefill + decode)"}
+"""Rows of the summary table whose key alone reads as something else: the tier table's
+`computed (prompt only)` counts prompt tokens, this one every token a pass computed."""
+
+
 def _summary_table(summary: TraceSummary) -> Table:
     table = Table(title=f"trace: {summary.model} · connector {summary.connector}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.as_dict().items():
         if key not in ("model", "connector"):
-            table.add_row(key, "-" if value is None else str(value))
+            table.add_row(SUMMARY_LABELS.get(key, key), "-" if value is None else str(value))
     return table

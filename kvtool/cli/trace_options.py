@@ -43,10 +43,15 @@ def _shared(
     chunk_size: Annotated[Optional[int], typer.Option(metavar="N", help="Prefill chunk size [default: the token "
                                                       "budget only].")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE option for the connector (repeatable).")] = [],
+    compat: Annotated[Optional[str], typer.Option(metavar="trtllm", help="Provide TensorRT-LLM's connector "
+                                                  "modules to a --connector written against them.")] = None,
     no_local_reuse: Annotated[bool, typer.Option("--no-local-reuse", help="Never reuse the local radix tree.")] = False,
-    admission: Annotated[str, typer.Option(metavar="reserve|greedy", help="reserve: admit a request only when "
-                                           "every running one can still grow to its full output (TensorRT-LLM's "
-                                           "GUARANTEED_NO_EVICT); greedy: whenever its first chunk fits.")]
+    admission: Annotated[str, typer.Option(metavar="reserve|greedy|max-utilization", help="reserve: admit a "
+                                           "request only when every running one can still grow to its full output "
+                                           "(TensorRT-LLM's GUARANTEED_NO_EVICT); greedy: whenever its first chunk "
+                                           "fits; max-utilization: greedy, and a running request that cannot grow "
+                                           "pauses the one started last, which runs again from the start "
+                                           "(TensorRT-LLM's MAX_UTILIZATION).")]
     = "reserve",
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
@@ -63,6 +68,11 @@ def _shared(
                                                            "preset's].")] = None,
 ) -> None:
     """Only its signature is used: the shared options, in the order `--help` lists them."""
+
+
+ConnectorHelp = Annotated[bool, typer.Option("--connector-help", help="List the connector's options (what "
+                                             "--connector-opt takes), then exit; WORKLOAD may be left out.")]
+"""`--connector-help` of a replay command; the command is registered with `cls=ConnectorHelpCommand`."""
 
 
 def _keyword_parameters(function: Callable) -> list[inspect.Parameter]:

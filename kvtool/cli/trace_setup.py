@@ -3,20 +3,31 @@ workload, the engine config, the connector) with every check done before any wor
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from kvtool.blocks import ceil_div
 from kvtool.cli.common import connector_options, manager_config, parse_options
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.options import declared_options
+from kvtool.connector.request import max_kv_tokens
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS, CostModel, cost_model_for
 from kvtool.engine.engine import EngineConfig
+from kvtool.engine.ranks import rank_manager_config
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.errors import InputError
-from kvtool.manager.manager import compute_layout
+from kvtool.errors import InputError, OutOfMemoryError
+from kvtool.manager.config import KvCacheManagerConfig
+from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.manager import compute_layout, default_device, plan_num_slots
+from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
+from kvtool.manager.storage import require_memory
 from kvtool.report.bench_report import bench_gbps
-from kvtool.workloads.source import Workload, open_workload
+from kvtool.units import parse_size
+from kvtool.workloads.source import RequestSize, Workload, open_workload
 
 DEFAULT_NUM_SLOTS = 1024
 """Pool slots for kvtool workloads (the shipped ones are small)."""
@@ -100,19 +111,21 @@ def build_replay(o: ReplayOptions) -> Replay:
     cost = _cost_model(o, manager, spec, options, imported)
     config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
                                                    local_reuse=not o.no_local_reuse,
-                                                   reserve_outputs=_reserve_outputs(o.admission)),
+                                                   **_admission(o.admission)),
                           seed=o.seed, num_ranks=o.num_ranks, tp_size=o.tp, ranks_as_processes=True,
                           fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None)
     return Replay(workload, config, spec, options, cost)
 
 
-ADMISSIONS = ("reserve", "greedy")
+ADMISSIONS = {"reserve": dict(reserve_outputs=True), "greedy": dict(),
+              "max-utilization": dict(pause_to_grow=True)}
+"""--admission NAME -> the SchedulerConfig fields it sets."""
 
 
-def _reserve_outputs(admission: str) -> bool:
+def _admission(admission: str) -> dict[str, bool]:
     if admission not in ADMISSIONS:
         raise InputError(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
-    return admission == "reserve"
+    return ADMISSIONS[admission]
 
 
 def _cost_model(o: ReplayOptions, manager, spec: ConnectorSpec | None, options: dict[str, str],
@@ -128,3 +141,107 @@ def _cost_model(o: ReplayOptions, manager, spec: ConnectorSpec | None, options: 
 def block_bytes(manager) -> int:
     """Bytes of one block over every layer group (what a connector stores per block)."""
     return compute_layout(replace(manager, num_slots=1, memory_bytes=None)).bytes_per_block
+
+
+# ---- the cache holds the workload: checked before any replay -------------------------------------
+# The engine refuses a request that cannot fit even an empty cache when the request arrives, which
+# in a long replay is minutes in. The workload is scanned once up front instead (`request_sizes`: a
+# JSON decode per line, no request built, an imported trace's tokens not synthesized), with the
+# engine's own measure of a request (`max_kv_tokens`, `pages_per_pool_group`).
+
+def check_before_replay(replay: Replay) -> None:
+    """Every check a replay can fail at its start, made before it starts: the pools fit the
+    machine, the cache holds the workload's largest request."""
+    check_pools_fit_memory(replay)
+    check_cache_holds(replay, workload_sizes(replay.workload))
+
+
+def workload_sizes(workload: Workload) -> dict[int, RequestSize]:
+    """The first request of each size its KV cache can grow to (tokens, `max_kv_tokens`)."""
+    sizes: dict[int, RequestSize] = {}
+    for size in workload.request_sizes():
+        sizes.setdefault(max_kv_tokens(size.prompt_len, size.max_new_tokens), size)
+    return sizes
+
+
+def check_cache_holds(replay: Replay, sizes: dict[int, RequestSize]) -> None:
+    """InputError when the cache of `replay` cannot hold the largest request of `sizes` even empty,
+    saying the smallest --num-slots and --gpu-memory that can."""
+    manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
+    needs = _pages_needed(manager, sizes)
+    have = plan_num_slots(manager)
+    short = [(need - slots, pg, need, slots, size) for pg, ((need, size), slots) in enumerate(zip(needs, have))
+             if need > slots]
+    if not short:
+        return
+    _, pg, need, slots, size = max(short, key=lambda s: s[:2])
+    smallest = max(n for n, _ in needs)
+    raise InputError(f"the KV cache is too small: request {size.request_id} (line {size.line} of "
+                     f"{replay.workload.path.name}: {size.prompt_len} prompt + {size.max_new_tokens} new tokens) "
+                     f"needs {need} pages in pool group {pg}, which has {slots}; the smallest cache that holds "
+                     f"every request of the workload: --num-slots {smallest} or --gpu-memory "
+                     f"{_smallest_memory(manager, [n for n, _ in needs])}")
+
+
+def _pages_needed(manager: KvCacheManagerConfig, sizes: dict[int, RequestSize]) -> list[tuple[int, RequestSize]]:
+    """Per pool group: the most pages one request needs, and that request."""
+    groups = plan_layer_groups(manager.model, manager.tokens_per_block)
+    pool_groups = plan_pool_groups(groups)
+    best: list[tuple[int, RequestSize | None]] = [(0, None)] * len(pool_groups)
+    for tokens, size in sizes.items():
+        for pg, need in enumerate(pages_per_pool_group(groups, pool_groups, tokens, manager.tokens_per_block)):
+            if need > best[pg][0]:
+                best[pg] = (need, size)
+    return best  # type: ignore[return-value]
+
+
+def _smallest_memory(manager: KvCacheManagerConfig, needs: list[int]) -> str:
+    """The smallest --gpu-memory (as text it reads back) whose pools have `needs` slots or more."""
+    def holds(num_bytes: int) -> bool:
+        try:
+            slots = plan_num_slots(replace(manager, num_slots=None, num_slots_by_pool_group=None,
+                                           memory_bytes=num_bytes))
+        except OutOfMemoryError:
+            return False
+        return all(s >= n for s, n in zip(slots, needs))
+
+    high = 1 << 20
+    while not holds(high):
+        high *= 2
+    low = high // 2
+    while high - low > max(high >> 12, 1):
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle, high)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if high >= scale:
+            step = 100 if unit != "KiB" else 1
+            text = f"{-(-high * step // scale) / step:g}{unit}"
+            return text if parse_size(text) >= high else f"{-(-high // scale)}{unit}"
+    return f"{high}B"
+
+
+def check_pools_fit_memory(replay: Replay) -> None:
+    """OutOfMemoryError, naming this command's options, when a bytes-fidelity replay's pools would
+    not fit where they are allocated (block fidelity allocates none)."""
+    if replay.config.fidelity != "bytes":
+        return
+    manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
+    layout = compute_layout(manager)
+    device = torch.device(manager.device) if manager.device else default_device()
+    try:
+        require_memory(sum(pg.slot_bytes * pg.num_slots for pg in layout.pool_groups), device)
+    except OutOfMemoryError as exc:
+        why = str(exc).partition(": lower ")[0]   # the manager's hint names options of other commands
+        raise OutOfMemoryError(f"the KV pools do not fit: {why}: lower --gpu-memory or --num-slots") from None
+
+
+def note_store_folder(replay: Replay) -> None:
+    """One line on stderr naming the folder a connector writes to when it was left to its default
+    (the disk connector's ./kvtool-disk-cache): a folder appearing in the working directory unasked
+    is a surprise, and one shared by every later run that leaves it out too."""
+    if replay.connector is None or "dir" in replay.options:
+        return
+    option = next((o for o in declared_options(replay.connector.scheduler_class) or () if o.name == "dir"), None)
+    if option is not None and option.default:
+        print(f"kvtool: connector {replay.connector.name} writes to {Path(option.default).resolve()} (its default "
+              "folder; choose one with --connector-dir DIR)", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,6 +28,7 @@ from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
 from kvtool.validate.runner import run_all
 from kvtool.validate.remote_servers import remote_control
+from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -46,7 +48,7 @@ def validate(
     junit: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write JUnit XML here (for CI).")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
-        files="results.json, results.csv, junit.xml"))] = None,
+        files="results.json, results.csv, junit.xml, tracebacks/SCENARIO-MODEL.txt"))] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
@@ -67,6 +69,9 @@ def validate(
                       "empty, pause and disconnect it.")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="A miss (a repeated prompt the connector did not "
                                          "serve: not wrong, only less than it could) fails its check.")] = False,
+    all_rows: Annotated[bool, typer.Option("--all-rows", "--verbose", help="Show every row in the table, also "
+                                           "the remote-* scenarios skipped for want of --remote (one line "
+                                           "otherwise).")] = False,
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
@@ -114,7 +119,7 @@ def validate(
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
-    _print_results(results, target, models, format)
+    _print_results(results, target, models, format, all_rows)
     if junit:
         write_file(junit, junit_xml(results, target))
     if json_out:
@@ -123,7 +128,10 @@ def validate(
         write_file(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
         write_file(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
         write_file(folder / "junit.xml", junit_xml(results, target))
+        written = _write_tracebacks(folder, results)
         write_meta(folder, "validate", target=target)
+        if written:
+            console.print(f"tracebacks of {written} failures: {folder / TRACEBACKS}", highlight=False, markup=False)
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(summary_line(results), ExitCode.CHECK_FAILED)
@@ -174,9 +182,33 @@ def _progress_line(results: list[CheckResult]) -> str:
     return f"{r.scenario}[{r.model}] {marks}"
 
 
-def _print_results(results: list[CheckResult], target: str, models: list[str], format: OutputFormat) -> None:
+TRACEBACKS = "tracebacks"
+
+
+def _write_tracebacks(folder: Path, results: list[CheckResult]) -> int:
+    """Every failure's whole traceback, one file per scenario and model
+    (`tracebacks/SCENARIO-MODEL.txt`); how many were written."""
+    by_file: dict[str, list[str]] = {}
+    for r in results:
+        if r.tracebacks:
+            texts = by_file.setdefault(f"{r.scenario}-{_file_part(r.model)}.txt", [])
+            texts += [t for t in r.tracebacks if t not in texts]
+    for name, texts in by_file.items():
+        write_file(folder / TRACEBACKS / name, "\n\n".join(texts) + "\n")
+    return sum(len(texts) for texts in by_file.values())
+
+
+def _file_part(name: str) -> str:
+    """A model's name (a preset, or a config.json path) as part of a file name."""
+    if name.endswith(".json"):
+        name = "-".join(Path(name).parts[-2:])
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "model"
+
+
+def _print_results(results: list[CheckResult], target: str, models: list[str], format: OutputFormat,
+                   all_rows: bool = False) -> None:
     if format is OutputFormat.table:
-        Console(width=max(140, Console().width)).print(_table(results, target))
+        Console(width=max(140, Console().width)).print(_table(results, target, all_rows))
     elif format is OutputFormat.json:
         print(json.dumps(_document(results, target, models), indent=2))
     else:
@@ -185,18 +217,40 @@ def _print_results(results: list[CheckResult], target: str, models: list[str], f
 
 def _frame(results: list[CheckResult]) -> pd.DataFrame:
     rows = [{**r.as_dict(), "evidence": "; ".join(r.evidence)} for r in results]
+    for row in rows:
+        del row["tracebacks"]   # many lines each: results.json and tracebacks/ hold them
     return pd.DataFrame(rows)
 
 
-def _table(results: list[CheckResult], target: str) -> Table:
+def _table(results: list[CheckResult], target: str, all_rows: bool = False) -> Table:
+    """One row per check; without `all_rows`, the remote-* scenarios skipped for want of --remote
+    take one row together, at the end."""
     table = Table(title=f"kvtool validate {target}")
     for column in ("scenario", "model", "check", "verdict", "time", "evidence"):
         table.add_column(column, overflow="fold")
+    folded = [] if all_rows else [r for r in results if _needs_remote(r)]
     for r in results:
+        if any(r is f for f in folded):
+            continue
         evidence = "; ".join(r.evidence[:3]) if r.verdict is not Verdict.PASS else (r.evidence[0] if r.evidence else "")
         table.add_row(r.scenario, r.model, r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
                       f"{r.seconds:.2f}s", evidence[:400])
+    if folded:
+        scenarios = list(dict.fromkeys(r.scenario for r in folded))
+        models = list(dict.fromkeys(r.model for r in folded))
+        what = f"{len(scenarios)} scenario{'s' * (len(scenarios) != 1)} × {len(models)} model{'s' * (len(models) != 1)}"
+        table.add_row(f"remote-* ({what})", ", ".join(models), "", f"[{_STYLE[Verdict.SKIP]}]skip[/]",
+                      f"{sum(r.seconds for r in folded):.2f}s", "skipped, needs --remote URL (--all-rows shows "
+                      "each)")
     return table
+
+
+_REMOTE_SCENARIOS = frozenset(s.name for s in REMOTE_SCENARIOS)
+
+
+def _needs_remote(r: CheckResult) -> bool:
+    """A remote-* scenario's row skipped because no --remote URL was given."""
+    return r.scenario in _REMOTE_SCENARIOS and r.verdict is Verdict.SKIP and r.evidence == [NEEDS_REMOTE]
 
 
 def _document(results: list[CheckResult], target: str, models: list[str]) -> dict:

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.compat import install_compat
-from kvtool.errors import InputError
+from kvtool.errors import InputError, did_you_mean
 
 @dataclass(frozen=True)
 class ConnectorSpec:
@@ -45,30 +45,49 @@ def _from_target(target: str, options: dict[str, str], compat: str | None) -> Co
 
 def load_connector(target: str, registered: Mapping[str, ConnectorSpec], compat: str | None = None) -> ConnectorSpec:
     """The connector `target` names: one of `registered`, or imported from a module or file
-    (after installing the `compat` modules); InputError (with the import error) when it cannot be."""
+    (after installing the `compat` modules); InputError (with the import error, and the closest
+    name where one was mistyped) when it cannot be."""
     if target in registered:
         return registered[target]
     install_compat(compat)
     parts = target.rsplit(":", 2)
+    if len(parts) == 2 and all(parts):
+        form = "FILE.py:SCHED:WORKER" if parts[0].endswith(".py") else "MODULE:SCHED:WORKER"
+        raise InputError(f"connector {target!r}: the worker class is missing: give {form} "
+                         f"(e.g. {target}:MyWorker)")
     if len(parts) != 3 or not all(parts):
-        raise InputError(f"connector {target!r}: use a built-in ({', '.join(registered)}), MODULE:SCHED:WORKER "
-                         "or path/to/file.py:SCHED:WORKER")
+        hint = did_you_mean(target, registered) if ":" not in target else ""
+        raise InputError(f"connector {target!r} is not a built-in{hint}: use a built-in ({', '.join(registered)}), "
+                         "MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER")
     where, sched, worker = parts
-    module = _import_file(where, target) if where.endswith(".py") else _import_module(where, target)
-    return _spec(target, module, module.__name__, sched, worker, {}, compat)
+    if where.endswith(".py"):
+        module, shown = _import_file(where, target), where
+    else:
+        module = _import_module(where, target)
+        shown = module.__name__
+    return _spec(target, module, shown, sched, worker, {}, compat)
 
 
-def _spec(target: str, module, module_name: str, sched: str, worker: str, options: dict[str, str],
+def _spec(target: str, module, shown: str, sched: str, worker: str, options: dict[str, str],
           compat: str | None) -> ConnectorSpec:
+    """`shown` names the module in errors: the file as the user gave it, or the module's name."""
     classes = []
     for name, base in ((sched, KvCacheConnectorScheduler), (worker, KvCacheConnectorWorker)):
         cls = getattr(module, name, None)
         if not isinstance(cls, type):
-            raise InputError(f"connector {target!r}: {module_name} has no class {name}")
+            raise InputError(f"connector {target!r}: {shown} has no class {name}"
+                             f"{did_you_mean(name, _class_names(module, base), cutoff=0.5)}")
         if not issubclass(cls, base) and not _looks_like(cls, base):
             raise InputError(f"connector {target!r}: {name} is not a {base.__name__}")
         classes.append(cls)
-    return ConnectorSpec(target, classes[0], classes[1], module_name, options, compat)
+    return ConnectorSpec(target, classes[0], classes[1], module.__name__, options, compat)
+
+
+def _class_names(module, base: type) -> list[str]:
+    """The classes `module` holds that could play `base`'s part (every class, when none could)."""
+    classes = {n: c for n, c in vars(module).items() if isinstance(c, type) and not n.startswith("_")}
+    fitting = [n for n, c in classes.items() if c is not base and (issubclass(c, base) or _looks_like(c, base))]
+    return fitting or list(classes)
 
 
 def _looks_like(cls: type, base: type) -> bool:
@@ -81,7 +100,13 @@ def _import_module(name: str, target: str):
     try:
         return importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any import-time failure is the target's, reported in one line
-        raise InputError(f"connector {target!r}: cannot import {name}: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
+                (name == exc.name or name.startswith(exc.name + ".")):
+            file = Path(*name.split(".")).with_suffix(".py")
+            if file.is_file():   # `myconn:S:W` typed next to myconn.py: the module is not on sys.path
+                hint = f" (did you mean {file}:{target[len(name) + 1:]}, the file in this folder?)"
+        raise InputError(f"connector {target!r}: cannot import {name}: {type(exc).__name__}: {exc}{hint}") from None
 
 
 def _import_file(path: str, target: str):

@@ -18,6 +18,12 @@ def cache_salt_id(cache_salt: str | None) -> int | None:
     return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
 
 
+def max_kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a request's KV cache holds at its largest: the prompt and every generated token but
+    the last, which is never fed back."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
 class Request:
     def __init__(self, request_id: int, prompt_token_ids: Sequence[int], max_new_tokens: int,
                  cache_salt: str | None = None, is_generation_only: bool = False, is_dummy: bool = False,
@@ -34,6 +40,8 @@ class Request:
         self._is_dummy = is_dummy
         self._arrival = arrival
         self._context_position = 0
+        self._context_len = len(self._prompt)
+        """Tokens the context phase computes: the prompt, or (after a pause) every token so far."""
         self.py_num_connector_matched_tokens = 0
         """Tokens the runtime committed to load from the connector (set at delivery: what was
         honoured, not what was offered), as TensorRT-LLM's `commit_new_matched_tokens` sets it."""
@@ -48,10 +56,16 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return list(self._prompt)
+        return self._token_view()[:self._context_len] if self._context_len != len(self._prompt) else list(self._prompt)
 
     @property
     def prompt_len(self) -> int:
+        """The context phase's length: the prompt's, or after a pause every token so far (as
+        TensorRT-LLM's `LlmRequest.pause` makes the tokens generated before it part of the prompt)."""
+        return self._context_len
+
+    @property
+    def original_prompt_len(self) -> int:
         return len(self._prompt)
 
     @property
@@ -146,9 +160,16 @@ class Request:
             self._tokens = [*self._prompt, *self._generated]
         return self._tokens
 
-    def _prompt_view(self) -> tuple[int, ...]:
+    def _prompt_view(self) -> tuple[int, ...] | list[int]:
         """`prompt_token_ids` without the copy, for the runtime."""
-        return self._prompt
+        return self._prompt if self._context_len == len(self._prompt) else self._token_view()[:self._context_len]
+
+    def _pause(self) -> None:
+        """Its allocation was taken back: it will run again from the start, its tokens so far
+        being the context to recompute (the generated ones stay generated)."""
+        self._context_len = len(self._prompt) + len(self._generated)
+        self._context_position = 0
+        self.py_num_connector_matched_tokens = 0
 
     @property
     def last_token(self) -> int:

@@ -12,11 +12,11 @@ the asynchronous bookkeeping.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
+from kvtool.connector.raised import describe_error, format_error
 from kvtool.connector.request import Request
 from kvtool.errors import ConnectorError
 from kvtool.group_pages import GroupPages
@@ -69,6 +69,9 @@ class HookFailure:
     hook: str
     request_id: int | None
     error: str
+    """`Type: message (file:line)`, the line being the connector's own (see `kvtool.connector.raised`)."""
+    traceback: str = field(default="", compare=False, repr=False)
+    """The whole traceback, as Python prints it ("" where none travelled, e.g. from an older follower)."""
 
     def describe(self) -> str:
         who = f" for request {self.request_id}" if self.request_id is not None else ""
@@ -114,9 +117,7 @@ class ConnectorRuntime:
         try:
             return True, fn(*args)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit included)
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            self.failures.append(HookFailure(hook, request_id, f"{type(exc).__name__}: {exc} "
-                                                               f"({frame.filename}:{frame.lineno})"))
+            self.failures.append(HookFailure(hook, request_id, describe_error(exc), format_error(exc)))
             return False, None
 
     def violate(self, check: ViolationKind, request_id: int | None, detail: str) -> None:
@@ -209,14 +210,20 @@ class ConnectorRuntime:
         self._new_saving, self._new_loading = [], []
         ok = True
         for rank, (good, result) in sorted(answers.items()):
-            self._saves[rank].given.update(saving)
-            self._loads[rank].given.update(loading)
+            self._give(self._saves[rank], saving)
+            self._give(self._loads[rank], loading)
             ok &= good
             if good:
                 saved, loaded = self._checked_finished(rank, result)
                 self._tally(rank, saved, self._saves[rank], self._save_reports, "save")
                 self._tally(rank, loaded, self._loads[rank], self._load_reports, "load")
         return self._complete(self._save_reports), self._complete(self._load_reports), ok
+
+    @staticmethod
+    def _give(reports: _RankReports, ids: list[int]) -> None:
+        """Ids handed out (again: a paused request's replay may save or load once more)."""
+        reports.given.update(ids)
+        reports.reported.difference_update(ids)
 
     def _checked_finished(self, rank: int, result: Any) -> tuple[list[int], list[int]]:
         if not isinstance(result, tuple) or len(result) != 2:

@@ -18,7 +18,7 @@ from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
-from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone,
+from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
                                   SaveFinished, SaveStarted)
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
 from kvtool.engine.no_bytes import NoBytesModel
@@ -84,6 +84,9 @@ class EngineStats:
     num_finished: int = 0
     """Requests over (done or failed)."""
     num_deferrals: int = 0
+    num_pauses: int = 0
+    recomputed_tokens: int = 0
+    """Tokens computed again after a pause (computed before it, neither reused nor loaded)."""
     failures: list[str] = field(default_factory=list)
 
 
@@ -115,7 +118,7 @@ class Engine:
         self.iteration = 0
         self.events = EventStream()
         self._failed_saves: dict[int, PageHold] = {}
-        """Pages of failed requests whose asynchronous save is still in flight."""
+        """Pages of failed or paused requests whose asynchronous save is still in flight."""
         self.manager.page_table.on_evict = self._on_evict
         self._received: list[PassItem] = []
         self._forgotten: list[int] = []
@@ -128,7 +131,7 @@ class Engine:
         except Exception:
             self.close()
             raise
-        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit)
+        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit, self.pause)
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
@@ -233,6 +236,30 @@ class Engine:
         if state.is_live:
             self.fail(state, FailureReason.ABORTED)
 
+    def pause(self, state: RequestState) -> None:
+        """TensorRT-LLM's destructive pause (MAX_UTILIZATION): the connector hears
+        `request_finished` (a pause by preemption calls it, not `request_reset`; an asynchronous
+        save keeps the pages until reported), the allocation is released (its committed blocks
+        stay in the radix tree, so the replay may hit them locally), and the request waits to run
+        again from the start, asked anew and reported as new."""
+        kv, request_id = state.kv, state.request_id
+        num_computed = kv.history_length
+        if self.connector is not None and state.seen_by_connector:
+            ok, is_async = self.connector.finish(state.request, kv.page_indices_by_group())
+            if not ok:
+                self.fail(state, FailureReason.FINISHED_HOOK_RAISED)
+                return
+            if is_async:
+                self._failed_saves[request_id] = self.manager.hold_pages(kv)
+        kv.close()
+        state.pause(num_computed)
+        state.paused_at = self.iteration
+        self._forget(request_id)
+        self._started = [s for s in self._started if s is not state]
+        self._waiting = dict(sorted([*self._waiting.items(), (request_id, state)], key=lambda kv_: kv_[1].arrival_order))
+        self.stats.num_pauses += 1
+        self.emit(Paused, request_id=request_id, num_computed_tokens=num_computed, context_len=state.prompt_len)
+
     @property
     def live_states(self) -> list[RequestState]:
         """Every request not over yet, in arrival order."""
@@ -326,7 +353,7 @@ class Engine:
         """The waiting requests that have arrived, in order, lazily: the scheduler stops at the
         first it cannot take. Each one it is handed goes into `visited` with its deferral count."""
         for state in list(self._waiting.values()):
-            if state.phase is Phase.WAITING and state.request.arrival <= self.clock:
+            if state.phase is Phase.WAITING and state.request.arrival <= self.clock and state.paused_at != self.iteration:
                 visited.append((state, state.num_deferrals))
                 yield state
 
@@ -482,6 +509,7 @@ class Engine:
         for state, n in batch.context:
             item = by_id[state.request_id]
             state.kv.commit(state.request._prompt_view()[state.kv.num_committed_tokens:item.end])
+            self.stats.recomputed_tokens += max(0, min(item.end, state.recompute_until) - state.position)
             state.position = item.end
             state.request._set_context_position(item.end)
             self.stats.computed_tokens += n
@@ -530,7 +558,7 @@ class Engine:
 
     def _emit_finished(self, state: RequestState, failure: FailureReason | None) -> None:
         self.emit(Finished, request_id=state.request_id, failure=failure,
-                  num_generated_tokens=state.request.num_generated_tokens, prompt_len=state.prompt_len,
+                  num_generated_tokens=state.request.num_generated_tokens, prompt_len=state.request.original_prompt_len,
                   num_local_hit=state.num_local_hit, num_external=state.num_external, arrival=state.request.arrival)
 
     def _loaded(self, state: RequestState | None) -> None:
@@ -565,9 +593,10 @@ class Engine:
             stuck = arrived[0]
             raise OutOfPagesError(f"the KV cache is too small: request {stuck.request_id} "
                                   f"({stuck.prompt_len} prompt tokens) cannot get pages and nothing else can run"
-                                  + ("" if self.scheduler.config.reserve_outputs else
-                                     " (running requests filled the pool as they grew; admission that "
-                                     "reserves their outputs avoids this: --admission reserve)"))
+                                  + ("" if self.scheduler.config.reserve_outputs or self.scheduler.config.pause_to_grow
+                                     else " (running requests filled the pool as they grew; admission that "
+                                     "reserves their outputs avoids this: --admission reserve, and so does "
+                                     "pausing the request started last: --admission max-utilization)"))
 
     # ---- failure -----------------------------------------------------------------------------
     def fail(self, state: RequestState, reason: FailureReason, detail: str = "") -> None:

@@ -35,6 +35,17 @@ class Arrived(EngineEvent):
 
 
 @dataclass(frozen=True)
+class Paused(EngineEvent):
+    """The request's allocation was taken back (MAX_UTILIZATION): it runs again from the start,
+    its `num_computed_tokens` to be recomputed less what is reused or loaded."""
+
+    request_id: int
+    num_computed_tokens: int
+    context_len: int
+    """What its replay's context phase computes (prompt and tokens generated before the pause)."""
+
+
+@dataclass(frozen=True)
 class Ask(EngineEvent):
     """`get_num_new_matched_tokens` answered (once per request): the offer, clamped to the prompt."""
 

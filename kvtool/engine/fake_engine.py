@@ -19,11 +19,23 @@ from kvtool.blocks import num_blocks
 from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
+from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
 CHECKSUM_MASK = (1 << 64) - 1
+_UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was handed out",
+                     RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
+
+
+def found_bytes(head: torch.Tensor) -> str:
+    """What one head's bytes read back as: what they mean first, when every byte is one of the
+    manager's poisons or zero, then the first 8 bytes in hex."""
+    shown = bytes(head[:8].cpu().tolist()).hex()
+    first = int(head[0]) if head.numel() else None
+    meaning = _UNIFORM_MEANINGS.get(first) if first is not None and bool((head == first).all()) else None
+    return f"{meaning} ({shown})" if meaning else shown
 
 
 @dataclass(frozen=True)
@@ -249,7 +261,7 @@ class FakeEngine:
             p = int(positions[row])
             self.issues.append(IntegrityIssue(
                 request_id, group.layer_group_id, p // tpb, layer_id, lb.buffer.role.value, p, lb.first_head + head,
-                bytes(expected[row, head, :8].cpu().tolist()).hex(), bytes(found[row, head, :8].cpu().tolist()).hex()))
+                bytes(expected[row, head, :8].cpu().tolist()).hex(), found_bytes(found[row, head])))
 
     def _issue(self, request_id: int, group: LayerGroupSpec, ordinal: int, layer_id: int, role: str,
                position: int, head: int, what: str) -> None:

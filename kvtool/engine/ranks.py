@@ -17,7 +17,6 @@ import datetime
 import multiprocessing
 import os
 import socket
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
 from kvtool.connector.rank_context import set_process_rank
+from kvtool.connector.raised import describe_error, format_error
 from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
 from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
 from kvtool.errors import ConnectorError
@@ -95,6 +95,8 @@ class RankReport:
     rank: int
     failures: list[tuple[str, str]] = field(default_factory=list)
     """(hook, error) for each hook that raised."""
+    tracebacks: list[str] = field(default_factory=list)
+    """The whole traceback of each of `failures`, in the same order."""
     finished: Any = None
     """What get_finished returned (None when it raised, or for a pass order)."""
     checksums: dict[int, int] = field(default_factory=dict)
@@ -275,6 +277,6 @@ class RankExecutor:
         try:
             return True, fn(*args)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to rank 0
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            self._report.failures.append((hook, f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"))
+            self._report.failures.append((hook, describe_error(exc)))
+            self._report.tracebacks.append(format_error(exc))
             return False, None

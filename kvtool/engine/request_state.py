@@ -46,9 +46,10 @@ class Offer:
 
 _NEXT: dict[Phase, frozenset[Phase]] = {
     Phase.WAITING: frozenset({Phase.CONTEXT, Phase.FAILED}),
-    Phase.CONTEXT: frozenset({Phase.TRANSMISSION, Phase.GENERATION, Phase.SAVING, Phase.DONE, Phase.FAILED}),
+    Phase.CONTEXT: frozenset({Phase.TRANSMISSION, Phase.GENERATION, Phase.SAVING, Phase.DONE, Phase.FAILED,
+                              Phase.WAITING}),
     Phase.TRANSMISSION: frozenset({Phase.CONTEXT, Phase.FAILED}),
-    Phase.GENERATION: frozenset({Phase.SAVING, Phase.DONE, Phase.FAILED}),
+    Phase.GENERATION: frozenset({Phase.SAVING, Phase.DONE, Phase.FAILED, Phase.WAITING}),
     Phase.SAVING: frozenset({Phase.DONE, Phase.FAILED}),
     Phase.DONE: frozenset(),
     Phase.FAILED: frozenset(),
@@ -86,6 +87,12 @@ class RequestState:
     num_deferrals: int = 0
     arrival_order: int = 0
     """Its place among the engine's requests, in the order they were added."""
+    num_pauses: int = 0
+    paused_at: int = -1
+    """The iteration of its last pause (it is not admitted again in that iteration)."""
+    recompute_until: int = 0
+    """Tokens it had computed when it was last paused: the replay computes them again, less what
+    the radix tree or the connector serves."""
 
     @property
     def request_id(self) -> int:
@@ -135,6 +142,20 @@ class RequestState:
         """-> SAVING: finished, its asynchronous save in flight, its pages held by `hold`."""
         self._move(Phase.SAVING)
         self.hold = hold
+
+    def pause(self, num_computed: int) -> None:
+        """CONTEXT/GENERATION -> WAITING: its allocation was taken back (the caller closed its
+        cache, which held `num_computed` tokens) and it runs again from the start, its tokens so
+        far as the context. Everything the connector was told about this allocation is void: it
+        is asked again and reported new."""
+        self._move(Phase.WAITING)
+        self.recompute_until = max(self.recompute_until, num_computed)
+        self.num_pauses += 1
+        self.kv, self.offer, self.asked, self.position = None, None, False, 0
+        self.num_external = self.num_local_hit = 0
+        self.delivered_at, self.seen_by_connector = -1, False
+        self.reported_tokens, self.reported_blocks = -1, ()
+        self.request._pause()
 
     def end(self, phase: Phase, failure: FailureReason | None = None, error: str | None = None) -> None:
         """-> DONE or FAILED (with its reason), releasing a hold on its pages."""

@@ -41,7 +41,11 @@ class SchedulerConfig:
     reserve_outputs: bool = False
     """Admit a request only when every admitted one can still grow to prompt + max_new_tokens
     (`kvtool.engine.admission`); greedy admission (False) may fill the pool with requests that
-    all still grow, and the replay stops with OutOfPagesError."""
+    all still grow, and the replay stops with OutOfPagesError unless `pause_to_grow`."""
+    pause_to_grow: bool = False
+    """TensorRT-LLM's MAX_UTILIZATION: admit greedily; a running request that cannot grow takes
+    the pages of the running request started last, which is paused (its allocation released, its
+    committed blocks left in the radix tree) and runs again from the start later."""
 
 
 @dataclass
@@ -68,11 +72,13 @@ class Batch:
 class Scheduler:
     def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
                  fail: Callable[[RequestState, FailureReason], None],
-                 emit: Callable[..., None] = lambda kind, **fields: None) -> None:
+                 emit: Callable[..., None] = lambda kind, **fields: None,
+                 pause: Callable[[RequestState], None] | None = None) -> None:
         self.manager = manager
         self.config = config
         self.connector = connector
         self._fail = fail
+        self._pause = pause
         self._emit = emit
         self.iteration = 0
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
@@ -87,15 +93,16 @@ class Scheduler:
             self._reservation.start_pass([*running, *loading])
         alone = not running and not loading
         budget = [self.config.max_num_tokens]
+        running = list(running)
         for state in running:
             if state.phase is Phase.GENERATION and self._room(batch, budget):
-                if state.kv.resize(state.request.get_num_tokens()):
+                if self._grow(state, state.request.get_num_tokens(), running, batch):
                     batch.generation.append(state)
                     budget[0] -= 1
         for state in running:
             if state.phase is Phase.CONTEXT:
                 n = self._chunk(state.position, state.prompt_len, budget)
-                if n and self._room(batch, budget) and state.kv.resize(state.position + n):
+                if n and self._room(batch, budget) and self._grow(state, state.position + n, running, batch):
                     batch.context.append((state, n))
                     budget[0] -= n
         for state in waiting:
@@ -117,6 +124,25 @@ class Scheduler:
         for state in list(batch.first_chunks):
             self._deliver(state, batch)
         return batch
+
+    def _grow(self, state: RequestState, capacity: int, running: list[RequestState], batch: Batch) -> bool:
+        """Resize a running request's cache; with `pause_to_grow`, pause the running requests
+        started last (not yet in this batch) one by one until it fits. False: it sits this
+        iteration out."""
+        while not state.kv.resize(capacity):
+            victim = self._victim(state, running, batch) if self.config.pause_to_grow else None
+            if victim is None:
+                return False
+            self._pause(victim)
+        return True
+
+    @staticmethod
+    def _victim(state: RequestState, running: list[RequestState], batch: Batch) -> RequestState | None:
+        """The running request started last that this batch does not hold yet (never `state`)."""
+        scheduled = {s.request_id for s, _ in batch.context} | {s.request_id for s in batch.generation}
+        candidates = [s for s in running if s is not state and s.request_id not in scheduled
+                      and s.phase in (Phase.CONTEXT, Phase.GENERATION)]
+        return max(candidates, key=lambda s: s.arrival_order, default=None)
 
     # ---- phases ------------------------------------------------------------------------------
     def _prepare(self, state: RequestState, budget: list[int], alone: bool) -> int:

@@ -55,6 +55,10 @@ class TraceSummary:
     """Connector hooks that raised."""
     deferrals: int
     """Times a waiting request could not get pages and was put back."""
+    pauses: int
+    """Times a running request's allocation was taken back (--admission max-utilization)."""
+    recomputed_tokens: int
+    """Tokens computed again after a pause (computed before it, neither reused locally nor loaded)."""
     evictions: int
     """Cached pages the radix tree lost to make room."""
     connector_evictions: int | None
@@ -205,6 +209,8 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
         contract_violations=len(runtime.violations) if runtime else 0,
         hook_failures=len(runtime.failures) if runtime else 0,
         deferrals=engine.stats.num_deferrals,
+        pauses=engine.stats.num_pauses,
+        recomputed_tokens=engine.stats.recomputed_tokens,
         evictions=engine.manager.page_table.num_evictions,
         connector_evictions=counters.get("evicted_entries"),
         bytes_loaded=None if loaded is None else loaded * block_bytes,

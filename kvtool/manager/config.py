@@ -28,9 +28,9 @@ class KvCacheManagerConfig:
     num_slots_by_pool_group: tuple[int, ...] | None = None
     """Exact slots per pool group, overriding both sizings: another rank's pools, mirrored."""
     poison_new_pages: bool = False
-    """Fill every slot with 0xA5 when it is handed out and when it is freed, so reading bytes nobody
-    wrote (stale bytes of an earlier request, or a page read after its release) is caught; kvtool
-    validate turns it on."""
+    """Fill every slot with 0xA5 when it is handed out and with 0xDE when it is freed, so reading bytes
+    nobody wrote (stale bytes of an earlier request, or a page read after its release) is caught, and
+    the two can be told apart; kvtool validate turns it on."""
     virtual: bool = False
     """No memory behind the pools (block fidelity): bases are offsets, pages hold no bytes, and
     poisoning and copy-on-write do nothing."""

@@ -25,6 +25,9 @@ from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, P
 
 
 POISON_BYTE = 0xA5
+"""Every byte of a page when it is handed out: read back, it means the page was never written since."""
+RELEASED_POISON_BYTE = 0xDE
+"""Every byte of a page when it is freed: read back, it means the page was read after its release."""
 
 
 def default_device() -> torch.device:
@@ -79,7 +82,7 @@ class KvCacheManager:
             # one pass late) then saves poison, which a later load reveals, instead of stale bytes
             # that might happen to be right.
             self.page_table.on_allocate = self._poison
-            self.page_table.on_free = self._poison
+            self.page_table.on_free = self._poison_released
         self._caches: dict[int, KvCache] = {}
         self._holds: dict[int, PageHold] = {}
         self._cache_context = CacheContext(self.page_table, self.tree, self.layer_groups, self.tokens_per_block,
@@ -142,14 +145,18 @@ class KvCacheManager:
     def _poison(self, page: Page) -> None:
         self.poison_slot(page.layer_group_id, page.slot)
 
-    def poison_slot(self, layer_group_id: LayerGroupId, slot: PageIndex) -> None:
-        """Fill one page's bytes with POISON_BYTE in every region of its layer group."""
+    def _poison_released(self, page: Page) -> None:
+        self.poison_slot(page.layer_group_id, page.slot, RELEASED_POISON_BYTE)
+
+    def poison_slot(self, layer_group_id: LayerGroupId, slot: PageIndex, byte: int = POISON_BYTE) -> None:
+        """Fill one page's bytes with `byte` (POISON_BYTE when handed out, RELEASED_POISON_BYTE when
+        freed) in every region of its layer group."""
         if self.page_log is not None:
-            self.page_log.append(("poison", int(layer_group_id), int(slot)))
+            self.page_log.append(("poison", int(layer_group_id), int(slot), byte))
         if self.layout.is_virtual:
             return
         for region in self.layout.group(layer_group_id).regions:
-            region.as_tensor()[slot].fill_(POISON_BYTE)
+            region.as_tensor()[slot].fill_(byte)
 
     def copy_page(self, layer_group_id: LayerGroupId, src: PageIndex, dst: PageIndex) -> None:
         if self.page_log is not None:
@@ -165,7 +172,7 @@ class KvCacheManager:
         operations on its own shard: poisoning and copy-on-write)."""
         for op in ops:
             if op[0] == "poison":
-                self.poison_slot(LayerGroupId(op[1]), PageIndex(op[2]))
+                self.poison_slot(LayerGroupId(op[1]), PageIndex(op[2]), *op[3:4])
             else:
                 self.copy_page(LayerGroupId(op[1]), PageIndex(op[2]), PageIndex(op[3]))
 

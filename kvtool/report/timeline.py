@@ -2,7 +2,8 @@
 
 One track per request (process "requests", thread = request id): a span for the whole request,
 inside it `queued` (arrival to first pass), `loading` (a connector load), one span per prefill
-chunk, one `decode` span over its generation steps, `save` (an asynchronous save after it
+chunk, one `decode` span over its generation steps, `paused` (from a pause by MAX_UTILIZATION to
+its replay's next pass; its replay's prefill chunks follow), `save` (an asynchronous save after it
 finished), and instants for `ask`, `reserve` and `finished`. Process "engine" carries counters per
 iteration: pages in use and hit tokens. Times are the replay's simulated clock, in microseconds.
 """
@@ -13,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.engine.events import (Arrived, Ask, EngineEvent, Finished, LoadFinished, LoadStarted, PassDone, Reserve,
-                                  SaveFinished, SaveStarted)
+from kvtool.engine.events import (Arrived, Ask, EngineEvent, Finished, LoadFinished, LoadStarted, PassDone, Paused,
+                                  Reserve, SaveFinished, SaveStarted)
 from kvtool.report.run_folder import write_file
 
 REQUESTS_PID, ENGINE_PID = 1, 0
@@ -36,13 +37,14 @@ class _Track:
     end: float = 0.0
     finished: float | None = None
     saving: float | None = None
+    paused: float | None = None
 
 
 class TimelineRecorder:
     """An event subscriber that builds the timeline as the replay runs; `write(path)` after it."""
 
     event_kinds = frozenset({PassDone, Arrived, Ask, Reserve, LoadStarted, LoadFinished, Finished, SaveStarted,
-                             SaveFinished})
+                             SaveFinished, Paused})
 
     def __init__(self, max_requests: int | None = None) -> None:
         self.events: list[dict] = []
@@ -73,6 +75,9 @@ class TimelineRecorder:
             track.load_start = None
         elif kind is Finished:
             track.finished = event.clock
+        elif kind is Paused:
+            self._end_decode(track)
+            track.paused, track.prompt_len = event.clock, event.context_len
         elif kind is SaveStarted:
             track.saving = event.clock
         elif kind is SaveFinished and track.saving is not None:
@@ -90,6 +95,9 @@ class TimelineRecorder:
             if track is None:
                 continue
             self._started(track, event.clock)
+            if track.paused is not None:
+                self._span(track, "paused", track.paused, event.clock)
+                track.paused = None
             if track.load_start is not None:   # a synchronous load lands in this pass
                 self._span(track, "loading", track.load_start, end)
                 track.load_start = None
@@ -113,9 +121,13 @@ class TimelineRecorder:
             track.first_pass = at
             self._span(track, "queued", track.arrival, at)
 
-    def _close(self, track: _Track) -> None:
+    def _end_decode(self, track: _Track) -> None:
         if track.decode:
             self._span(track, f"decode ({track.decode[2]} steps)", track.decode[0], track.decode[1])
+            track.decode = []
+
+    def _close(self, track: _Track) -> None:
+        self._end_decode(track)
         finished = max(track.finished or 0.0, track.end)
         self._instant(track, "finished", finished)
         self._span(track, f"request {track.request_id}", track.arrival, max(finished, track.end))

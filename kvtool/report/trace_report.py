@@ -40,7 +40,7 @@ def tier_table(summary: TraceSummary, title: str = "") -> Table:
         table.add_row("  saved", "", "", f"{summary.saved_blocks:,} saved",
                       "-" if summary.bytes_saved is None else f"{format_size(summary.bytes_saved)} out", "")
     computed = summary.prompt_tokens - summary.local_hit_tokens - summary.connector_hit_tokens
-    table.add_row("computed", f"{computed:,}", share(computed), "", "", "")
+    table.add_row("computed (prompt only)", f"{computed:,}", share(computed), "", "", "")
     table.add_row("cancelled (offered, not taken)", f"{summary.cancelled_tokens:,}", "", "", "", "")
     table.add_row("[bold]hit rate[/bold]", "", f"[bold]{100 * summary.hit_rate:.2f} %[/bold]", "", "", "")
     return table
@@ -73,12 +73,18 @@ def ttft_report(result: TraceResult, cost: CostModel | None, baseline: TraceResu
     return report
 
 
-def ttft_table(report: dict[str, Any]) -> Table:
+def run_label(connector: str) -> str:
+    """How a replay is named in the TTFT table and plot: by its connector."""
+    return "no connector" if connector in ("", "none") else f"connector {connector}"
+
+
+def ttft_table(report: dict[str, Any], connector: str) -> Table:
+    """TTFT percentiles of the run with `connector` (and of the run without it, when in `report`)."""
     table = Table(title="TTFT (cost model)")
     table.add_column("run")
     for column in (*(f"p{p}" for p in PERCENTILES), "mean", "prefill compute saved"):
         table.add_column(column, justify="right")
-    for key, label in (("with_connector", "this run"), ("without_connector", "without the connector")):
+    for key, label in (("with_connector", run_label(connector)), ("without_connector", "without the connector")):
         if key in report:
             stats = report[key]
             saved = report["prefill_compute_saved_s" if key == "with_connector"
@@ -86,6 +92,31 @@ def ttft_table(report: dict[str, Any]) -> Table:
             table.add_row(label, *(format_seconds(stats[k]) for k in (*(f"p{p}" for p in PERCENTILES), "mean")),
                           f"{saved:,.1f} s")
     return table
+
+
+def cost_model_text(assumptions: dict[str, Any]) -> str:
+    """The cost model's assumptions (`CostModel.assumptions()`) as one sentence; a field this does
+    not know is appended as `name=value`."""
+    a = dict(assumptions)
+    parts = []
+    if "active_params" in a:
+        parts.append(f"{a.pop('active_params'):,.3g} active parameters")
+    if "num_layers" in a:
+        parts.append(f"{a.pop('num_layers')} layers")
+    if "attention_width" in a:
+        parts.append(f"attention width {a.pop('attention_width')}")
+    if "kv_bytes_per_token" in a:
+        parts.append(f"{format_size(a.pop('kv_bytes_per_token'))} of KV a token")
+    if "tflops" in a:
+        parts.append(f"compute at {a.pop('tflops'):g} TFLOP/s")
+    if "load_gbps" in a:
+        overlap = a.pop("layerwise", False)
+        parts.append(f"connector loads at {a.pop('load_gbps'):g} GB/s"
+                     + (" overlapped layer by layer" if overlap else " before the pass"))
+    if "idle_seconds" in a:
+        parts.append(f"{format_seconds(a.pop('idle_seconds'))} an idle iteration")
+    parts += [f"{k}={v}" for k, v in a.items()]
+    return "cost model: " + ", ".join(parts)
 
 
 def format_seconds(value: float | None) -> str:
@@ -104,7 +135,7 @@ def write_trace_folder(folder: Path, result: TraceResult, cost: CostModel | None
     write_file(folder / "requests.csv", pd.DataFrame([r.as_dict() for r in result.recorder.requests]).to_csv(index=False))
     write_file(folder / "iterations.csv", pd.DataFrame([vars(r) for r in result.recorder.iterations]).to_csv(index=False))
     if cost is not None:
-        plot_ttft_cdf(folder / "ttft_cdf.png", {"this run": result.recorder.requests} |
+        plot_ttft_cdf(folder / "ttft_cdf.png", {run_label(result.summary.connector): result.recorder.requests} |
                       ({"without the connector": baseline.recorder.requests} if baseline else {}))
     write_meta(folder, "trace", cost_model=cost.assumptions() if cost else None, **extra_meta)
 

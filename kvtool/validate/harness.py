@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import traceback
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.raised import describe_error, format_error, with_wrapped_location
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
@@ -92,11 +93,12 @@ class Run:
 
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
-                  max_batch_size: int) -> EngineConfig:
+                  max_batch_size: int, pause_to_grow: bool = False) -> EngineConfig:
     """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time."""
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
-    return EngineConfig(manager, SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse), seed=ctx.seed,
+    scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
+    return EngineConfig(manager, scheduler, seed=ctx.seed,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
@@ -104,9 +106,10 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
 def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
         local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64, connector: bool = True,
         setup: Callable[[Engine], None] | None = None,
-        on_iteration: Callable[[Engine], None] | None = None) -> Run:
-    """Replay `requests`; the connector under test is attached unless `connector` is False."""
-    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size)
+        on_iteration: Callable[[Engine], None] | None = None, pause_to_grow: bool = False) -> Run:
+    """Replay `requests`; the connector under test is attached unless `connector` is False;
+    `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow)."""
+    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
     engine.events.subscribe(result.events)
@@ -126,11 +129,30 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
         # An idle iteration waiting on a load sleeps 0.5 ms: allow enough of them for the load timeout.
         engine.run(max_iterations=2000 + int(ctx.load_timeout * 4000), on_iteration=each)
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        result.error = f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
+        result.error = describe_error(exc)
+        _note_traceback(f"the run stopped: {result.error}", format_error(exc))
     finally:
         engine.close()
+        for failure in engine.connector.failures if engine.connector is not None else ():
+            _note_traceback(failure.describe(), failure.traceback)
     return result
+
+
+_TRACEBACKS: list[tuple[str, str]] = []
+"""(what failed, its traceback) for every hook failure and stopped run in this process since
+`take_tracebacks` was last called: the runner attaches them to the scenario's results."""
+
+
+def _note_traceback(what: str, text: str) -> None:
+    _TRACEBACKS.append((what, text.rstrip("\n") or "(no traceback travelled with it: raised on a follower rank)"))
+
+
+def take_tracebacks() -> list[str]:
+    """Every traceback noted since the last call, once each (identical ones counted), each headed by
+    what failed; and forget them."""
+    counts = Counter(_TRACEBACKS)
+    _TRACEBACKS.clear()
+    return [f"{what}{f' ({n} times)' if n > 1 else ''}\n{text}" for (what, text), n in counts.items()]
 
 
 def _plant_canary(engine: Engine) -> Callable[[], None]:
@@ -169,6 +191,22 @@ def result(scenario: str, ctx: Context, check: str, ok: bool, evidence: list[str
 
 def skipped(scenario: str, ctx: Context, check: str, why: str) -> CheckResult:
     return CheckResult(scenario, ctx.model, check, Verdict.SKIP, 0.0, [why])
+
+
+def earlier_failure(r: Run) -> str | None:
+    """The first thing that went wrong in `r` by the connector's doing (its run stopped, or a hook
+    raised), or None."""
+    if r.error:
+        return f"the run stopped: {r.error}"
+    runtime = r.runtime
+    return runtime.failures[0].describe() if runtime is not None and runtime.failures else None
+
+
+def knock_on(r: Run, what: str) -> str:
+    """Evidence that a scenario could not create its case (`what`), said to be a knock-on of the
+    earlier failure in `r` that prevented it, when there was one."""
+    first = earlier_failure(r)
+    return f"knock-on: {what}, because of an earlier failure: {first}" if first else what
 
 
 def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]]]) -> CheckResult:
@@ -303,5 +341,5 @@ def registration_error(ctx: Context) -> str | None:
     except ConstructionError:
         raise
     except InputError as exc:
-        return str(exc)
+        return with_wrapped_location(exc)
     return None

@@ -28,6 +28,8 @@ def junit_xml(results: list[CheckResult], target: str) -> str:
             ET.SubElement(case, "skipped", message=(r.evidence or [""])[0][:500])
         note = "miss (not a failure without --strict): " if r.verdict is Verdict.MISS else ""
         ET.SubElement(case, "system-out").text = f"{r.purpose}\n{note}{text}"
+        if r.tracebacks:
+            ET.SubElement(case, "system-err").text = "\n\n".join(r.tracebacks)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 

@@ -15,8 +15,9 @@ from dataclasses import replace
 import torch
 
 from kvtool.connector.options import check_options, declared_options
+from kvtool.connector.raised import describe_error, with_wrapped_location
 from kvtool.connectors.registry import load_connector
-from kvtool.errors import InputError
+from kvtool.errors import ConstructionError, InputError
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.processes import scenario_processes
 
@@ -84,8 +85,9 @@ def _child(send, target: str, ctx_blob: bytes, compat: str | None, construct: bo
         send.send(("error", f"connector {target!r} called sys.exit({exc.code!r}) while {stage}: "
                             "a connector must raise, not exit"))
     except Exception as exc:  # noqa: BLE001 - whatever the target raises is reported in one line
-        send.send(("error", str(exc) if isinstance(exc, InputError) else
-                   f"connector {target!r}: {type(exc).__name__}: {exc} (while {stage})"))
+        send.send(("error", with_wrapped_location(exc) if isinstance(exc, ConstructionError) else
+                   str(exc) if isinstance(exc, InputError) else
+                   f"connector {target!r}: {describe_error(exc)} (while {stage})"))
     finally:
         send.close()
         os._exit(0)

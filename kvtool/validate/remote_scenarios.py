@@ -13,9 +13,13 @@ from __future__ import annotations
 from typing import Callable
 
 from kvtool.engine.engine import Engine
-from kvtool.validate.harness import Context, Req, Scenario, judge_integrity, result, run, skipped, tokens
+from kvtool.validate.harness import Context, Req, Scenario, judge_integrity, knock_on, result, run, skipped, tokens
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CheckResult
+
+
+NEEDS_REMOTE = "needs --remote URL (the server the connector stores into)"
+"""Why a remote scenario is skipped when `--remote` names no server."""
 
 
 def _workload(T: int) -> list[Req]:
@@ -44,14 +48,15 @@ def _after_each_ask(disrupt: Callable[[], None], counts: list[int]) -> Callable[
 
 def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, counts=None) -> list[CheckResult]:
     if ctx.remote is None:
-        return [skipped(name, ctx, "integrity", "needs --remote URL (the server the connector stores into)")]
+        return [skipped(name, ctx, "integrity", NEEDS_REMOTE)]
     reqs = _workload(ctx.tokens_per_block)
     r = run(ctx, reqs, setup=disrupt_setup, on_iteration=on_iteration)
     out = [judge_integrity(name, ctx, [(r, reqs)])]
     if counts is not None:
         out.append(result(name, ctx, "disrupted", bool(counts),
                           [f"disrupted after {len(counts)} asks that offered {counts} tokens"] if counts else
-                          ["the connector offered nothing, so there was no ask→load window to disrupt"]))
+                          [knock_on(r, "the connector offered nothing, so there was no ask→load window to "
+                                       "disrupt")]))
     return out
 
 

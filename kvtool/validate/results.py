@@ -39,6 +39,9 @@ class CheckResult:
     verdict: Verdict
     seconds: float = 0.0
     evidence: list[str] = field(default_factory=list)
+    tracebacks: list[str] = field(default_factory=list)
+    """The whole traceback of each connector hook failure (and stopped run) of the scenario, each
+    headed by what failed: on the scenario's first result that did not pass, none when all passed."""
 
     @property
     def purpose(self) -> str:

@@ -8,14 +8,14 @@ import os
 import pickle
 import tempfile
 import time
-import traceback
 from typing import Callable, Iterable
 
 import torch
 
 from kvtool.connector.store_namespace import store_namespace
 from kvtool.connector.compat import install_compat
-from kvtool.validate.harness import Context, registration_error
+from kvtool.connector.raised import describe_error, format_error
+from kvtool.validate.harness import Context, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
@@ -27,14 +27,15 @@ def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
     """One scenario, here, in a fresh temporary working directory; errors become ERROR results."""
     started = time.perf_counter()
     here = os.getcwd()
+    take_tracebacks()   # this scenario's only
     with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir, store_namespace(label="validate"):
         os.chdir(workdir)
         try:
             results = _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
         except Exception as exc:  # noqa: BLE001 - the scenario's failure is the finding
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            results = [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, 0.0,
-                                   [f"{type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"])]
+            error = describe_error(exc)
+            results = [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, 0.0, [error],
+                                   [f"the scenario stopped: {error}\n{format_error(exc).rstrip()}"])]
         finally:
             os.chdir(here)
             # Engines hold reference cycles (callbacks into their owners), and the garbage collector
@@ -44,7 +45,16 @@ def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
     seconds = round(time.perf_counter() - started, 3)
     for r in results:
         r.seconds = seconds
+    _attach_tracebacks(results, take_tracebacks())
     return results
+
+
+def _attach_tracebacks(results: list[CheckResult], tracebacks: list[str]) -> None:
+    """The scenario's tracebacks go on its first result that did not pass, once; none are kept
+    when every check passed (the failure hook-raises injects, say)."""
+    first = next((r for r in results if r.verdict not in (Verdict.PASS, Verdict.SKIP)), None)
+    if first is not None:
+        first.tracebacks = [t for t in first.tracebacks if t not in tracebacks] + tracebacks
 
 
 def _setup(ctx: Context) -> list[CheckResult]:

@@ -18,7 +18,9 @@ from kvtool.models import load_model
 from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
                                      judge_integrity, judge_warm_hit, reference_tokens, result, run, skipped,
                                      tokens)
+from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
+from kvtool.validate.sizing import squeeze_slots
 from kvtool.validate.results import CheckResult
 from kvtool.validate.store_scope import own_store
 
@@ -98,18 +100,6 @@ def contract(ctx: Context) -> list[CheckResult]:
 
 
 # ---- the protocol's edge cases -----------------------------------------------------------------
-def pages_per_block(ctx: Context) -> int:
-    """Pages one block of these scenarios' short requests (ten blocks) takes in the busiest pool
-    group: 1 for one full-attention group, 2 where two layer groups share a pool group, ..."""
-    tpb = ctx.tokens_per_block
-    groups = plan_layer_groups(load_model(ctx.model), tpb)
-    per_pool = pages_per_pool_group(groups, plan_pool_groups(groups), 10 * tpb, tpb)
-    return max(1, round(max(per_pool) / 10))
-
-
-def squeeze_slots(ctx: Context, blocks: int) -> int:
-    """Slots per pool group that hold `blocks` blocks of a request in this model's layout."""
-    return blocks * pages_per_block(ctx)
 
 
 def _squeeze(ctx: Context, num_blocks: int, local_reuse: bool = False, **kwargs):
@@ -406,5 +396,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("contract", "prompts of 1 token to several blocks, repeated and salted: answers in contract", contract),
     Scenario("cache-salt", "no hit across cache salts", cache_salt),
     Scenario("concurrency", "many requests sharing prefixes at once, chunked, small batches", concurrency),
+    *PAUSE_SCENARIOS,
     *REMOTE_SCENARIOS,
 )}

@@ -22,6 +22,16 @@ FORMATS = ("kvtool", *IMPORTED_FORMATS)
 
 
 @dataclass(frozen=True)
+class RequestSize:
+    """A request's lengths, as its workload line gives them (`Workload.request_sizes`)."""
+
+    request_id: int
+    line: int
+    prompt_len: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class Workload:
     """A workload file and how to read it. `requests()` may be called more than once."""
 
@@ -45,6 +55,23 @@ class Workload:
             yield request
         if not seen:
             raise InputError(f"workload {self.path} has no requests")
+
+    def request_sizes(self) -> Iterator[RequestSize]:
+        """Each request's id and lengths, read from its line without building the request (an
+        imported trace's tokens are not synthesized, a prompt's token ids only counted): a cheap
+        pass over the file, to check sizes before a replay. A record too malformed to size is
+        skipped; `requests()` names it when the replay reaches it."""
+        imported = self.format != "kvtool"
+        for index, (number, raw) in enumerate(_records(self.path)):
+            if imported:
+                prompt_len, new, request_id = raw.get("input_length"), raw.get("output_length"), index
+            else:
+                prompt = raw.get("prompt")
+                prompt_len = len(prompt) if isinstance(prompt, list) else None
+                new, request_id = raw.get("max_new_tokens"), raw.get("request_id")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (prompt_len, new, request_id)):
+                continue
+            yield RequestSize(request_id, number, prompt_len, 0 if self.prefill_only else new)
 
     def count(self) -> int:
         """Requests in the file (its non-blank lines), without parsing them."""

@@ -17,7 +17,7 @@ def scripted(answer, finish_async=False, worker=OracleWorker):
 
 def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, **kwargs):
     scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs)
-                                   if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse")})
+                                   if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse", "pause_to_grow")})
     config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=num_slots, device="cpu"),
                           scheduler, check_integrity_every_iteration=True, verify_all_after_iteration=True, **kwargs)
     engine = Engine(config, spec)

@@ -1,0 +1,46 @@
+"""The pause scenario: TensorRT-LLM's MAX_UTILIZATION policy takes a running request's allocation
+back so that another can grow. The connector hears `request_finished` for the paused request
+(early: `request.is_finished` is False), the request runs again from the start with its tokens so
+far as its context, is asked again, and is reported in `new_requests` with its whole block list.
+A connector that keeps the old page indices (they now belong to other requests) saves another
+request's KV under this one's keys; later requests repeating these prompts load it.
+"""
+
+from __future__ import annotations
+
+from kvtool.validate.harness import (Context, Req, Scenario, judge_integrity, judge_warm_hit, reference_tokens,
+                                     result, run, tokens)
+from kvtool.validate.results import CheckResult
+from kvtool.validate.sizing import squeeze_slots
+
+NUM_GROWING = 3
+PROMPT_BLOCKS = 3
+NEW_BLOCKS = 4
+
+
+def pause_replay(ctx: Context) -> list[CheckResult]:
+    """Three requests that all grow, in a pool holding fewer blocks than they reach together (sized
+    from the layout), then, once they are done, the same conversations continued (prompt and
+    answer): the paused requests' saves and the replays' saves are what serves them."""
+    T = ctx.tokens_per_block
+    growing = [Req(i, tokens(70 + i, PROMPT_BLOCKS * T + 1), max_new_tokens=NEW_BLOCKS * T) for i in range(NUM_GROWING)]
+    answers = reference_tokens(ctx, growing)
+    again = [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id][:-1]), arrival=5.0 + q.request_id)
+             for q in growing]   # one at a time: each finds room for its whole offer
+    room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1)
+    r = run(ctx, growing + again, num_slots=room, pause_to_grow=True)
+    pauses = {} if r.error else {rid: s.num_pauses for rid, s in r.states.items() if s.num_pauses}
+    integrity = judge_integrity("pause-replay", ctx, [(r, growing + again)])
+    if not r.error and not pauses:
+        return [result("pause-replay", ctx, "integrity", False,
+                       [f"not exercised: no request was paused with {room} slots per pool group"])]
+    if integrity.verdict.value == "pass":
+        integrity.evidence = [f"paused: {', '.join(f'request {rid} {n}x' for rid, n in sorted(pauses.items()))}; "
+                              f"repeats served {sum(r.state(q.request_id).num_external for q in again)} tokens"]
+    return [integrity, judge_warm_hit("pause-replay", ctx, r, [q.request_id for q in again])]
+
+
+PAUSE_SCENARIOS = (
+    Scenario("pause-replay", "running requests paused to let others grow (MAX_UTILIZATION), replayed from the "
+                             "start with their tokens so far, then their prompts repeated", pause_replay),
+)
