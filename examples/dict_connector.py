@@ -45,6 +45,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     pages: list[list[int]] = field(default_factory=list)
     offer: list[int] | None = None     # [start, end) still to load, trimmed by cancel_load
+    next_block: int = 0                # blocks before it are saved, loaded or computed locally
 
 
 def block_keys(salt: str | None, tokens: list[int], tokens_per_block: int) -> list[bytes]:
@@ -124,10 +125,13 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         tpb, start = self.tokens_per_block, data.computed_position
         if is_new and tracked.offer:
             start = max(start, tracked.offer[1])          # loaded blocks are stored already
+        # with draft tokens, a block completed by drafts is known (keyed) only once they are accepted
+        first = start // tpb if is_new else min(start // tpb, tracked.next_block)
         keys = block_keys(tracked.salt, tracked.tokens, tpb)
         end = min((data.computed_position + data.num_scheduled_tokens) // tpb, len(keys))
+        tracked.next_block = max(tracked.next_block, end)
         return [(keys[j], group, page, data.request_id) for group, pages in enumerate(tracked.pages)
-                for j, page in valid_page_slots(pages) if start // tpb <= j < end]
+                for j, page in valid_page_slots(pages) if first <= j < end]
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
         self._requests.pop(request.request_id, None)

@@ -42,6 +42,9 @@ class Request:
         self._context_position = 0
         self._context_len = len(self._prompt)
         """Tokens the context phase computes: the prompt, or (after a pause) every token so far."""
+        self.py_draft_tokens: list[int] = []
+        """The draft tokens of its current decode step (TensorRT-LLM's attribute; drafts are not
+        part of `get_tokens` until accepted)."""
         self.py_num_connector_matched_tokens = 0
         """Tokens the runtime committed to load from the connector (set at delivery: what was
         honoured, not what was offered), as TensorRT-LLM's `commit_new_matched_tokens` sets it."""

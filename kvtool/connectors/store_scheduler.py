@@ -60,6 +60,8 @@ class _Tracker:
     pending_loads: list[PageTransfer] = field(default_factory=list)
     delivered: tuple[int, int] | None = None
     delivered_reported: bool = False
+    next_block: int | None = None
+    """The first block no save has covered yet (None before the first report)."""
     held_pins: list[Any] = field(default_factory=list)
     """Pins of emitted loads, released once the load has surely run (a later iteration)."""
     loads_emitted_at: int = -1
@@ -272,9 +274,14 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             self._saving_in_background.add(tracker.request_id)
 
     def _completed_blocks(self, tracker: _Tracker, start: int, end: int) -> list[PageTransfer]:
-        """Saves for the full blocks this pass completes (their pages are written now)."""
+        """Saves for the full blocks written by the end of this pass and not saved yet: the ones it
+        completes, and the ones an earlier verify pass completed with drafts, accepted since (their
+        tokens, hence their keys, are known only now)."""
         tpb = self.tokens_per_block
-        return self._save_blocks(tracker, range(start // tpb, min(end // tpb, len(tracker.keys))))
+        first = start // tpb if tracker.next_block is None else min(start // tpb, tracker.next_block)
+        last = min(end // tpb, len(tracker.keys))
+        tracker.next_block = max(tracker.next_block or 0, last)
+        return self._save_blocks(tracker, range(first, last))
 
     def _save_blocks(self, tracker: _Tracker, ordinals: range) -> list[PageTransfer]:
         """A save per real page of each block in `ordinals` whose entry `reserve` hands out: block

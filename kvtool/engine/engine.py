@@ -20,6 +20,7 @@ from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
                                   SaveFinished, SaveStarted)
+from kvtool.engine.drafts import DraftModel
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
 from kvtool.engine.no_bytes import NoBytesModel
 from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
@@ -73,6 +74,10 @@ class EngineConfig:
     live ones only."""
     iteration_time: Callable[[Batch, list[PassItem]], float] | None = None
     """Simulated seconds one iteration takes (a cost model); None: `iteration_seconds` each."""
+    draft_tokens: int = 0
+    """Draft tokens per generation step (speculative decoding; `kvtool.engine.drafts`); 0: off."""
+    acceptance: float = 0.7
+    """With drafts: the probability a draft is accepted, given the ones before it were."""
 
 
 @dataclass
@@ -131,7 +136,10 @@ class Engine:
         except Exception:
             self.close()
             raise
-        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit, self.pause)
+        self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
+        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit, self.pause,
+                                   self.drafts)
+        self._rewinds: dict[int, int] = {}
 
     # ---- setup -------------------------------------------------------------------------------
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
@@ -374,10 +382,22 @@ class Engine:
             items.append(PassItem(state.request_id, state.request._token_view(), state.kv.page_indices_by_group(),
                                   state.position, state.position + n, samples))
         for state in batch.generation:
-            length = state.request.get_num_tokens()
-            items.append(PassItem(state.request_id, state.request._token_view(), state.kv.page_indices_by_group(),
-                                  length - 1, length, True))
+            items.append(self._generation_item(state))
         return items
+
+    def _generation_item(self, state: RequestState) -> PassItem:
+        """A decode step: the last token, and with drafts the K drafts after it (the verify pass
+        writes KV for all of them; it samples after the last accepted one)."""
+        request, length = state.request, state.request.get_num_tokens()
+        pages = state.kv.page_indices_by_group()
+        if not state.num_drafts:
+            request.py_draft_tokens = []
+            return PassItem(state.request_id, request._token_view(), pages, length - 1, length, True)
+        drafts = self.drafts.propose(state.request_id, length, state.num_drafts)
+        request.py_draft_tokens = drafts
+        state.accepted_drafts = drafts[:self.drafts.accepted(state.request_id, length, state.num_drafts)]
+        return PassItem(state.request_id, request._token_view() + drafts, pages, length - 1, length + len(drafts),
+                        True, sample_end=length + len(state.accepted_drafts))
 
     def _dummies(self, batch: Batch) -> list[tuple]:
         wanted = self.config.pad_generation_batch_to - len(batch.generation)
@@ -427,8 +447,8 @@ class Engine:
         `request_finished` calls; the ids every rank reported are acted on."""
         runtime = self.connector
         saving, loading = runtime.ids_to_report() if runtime is not None else ([], [])
-        self._send(FinishedOrder(self._take_page_log(), saving, loading, self._forgotten))
-        self._forgotten = []
+        self._send(FinishedOrder(self._take_page_log(), saving, loading, self._forgotten, self._rewinds))
+        self._forgotten, self._rewinds = [], {}
         answers = self.driver.get_finished(saving, loading)
         answers.update((r.rank, (r.finished is not None, r.finished)) for r in self._gather())
         if runtime is None:
@@ -517,9 +537,28 @@ class Engine:
                 self._produce(state, item)
         for state in batch.generation:
             item = by_id[state.request_id]
-            state.kv.commit([state.request.last_token])
-            self.stats.computed_tokens += 1
+            self._accept(state, item)
             self._produce(state, item)
+            self._rewind_rejected(state, item)
+
+    def _accept(self, state: RequestState, item: PassItem) -> None:
+        """A decode step's tokens whose KV is now right: the last token and the accepted drafts
+        (committed, so the radix tree holds only blocks of tokens that happened); the KV of
+        rejected drafts stays in the pages as garbage until overwritten."""
+        accepted, state.accepted_drafts = state.accepted_drafts, []
+        state.kv.commit([state.request.last_token, *accepted])
+        for token in accepted:
+            state.request._append_token(token)
+        self.stats.computed_tokens += item.end - item.start
+        self.stats.generated_tokens += len(accepted)
+
+    def _rewind_rejected(self, state: RequestState, item: PassItem) -> None:
+        """The fake engine (every rank) forgets the prefix hashes of the rejected drafts (after
+        the sample, which reads the pass's hashes)."""
+        if item.end > item.sampled_after:
+            self.fake.rewind(state.request_id, item.sampled_after)
+            if self.followers is not None:
+                self._rewinds[state.request_id] = item.sampled_after
 
     def _end_iteration(self, batch: Batch) -> None:
         """`get_finished` (with a connector or followers), then the checks of the iteration."""

@@ -71,6 +71,13 @@ class PassItem:
     end: int
     samples: bool
     checksum: int = 0
+    sample_end: int | None = None
+    """The token sampled is the one after position `sample_end - 1` (default `end - 1`): a verify
+    pass of drafts samples after the last accepted one, attending to the positions before it."""
+
+    @property
+    def sampled_after(self) -> int:
+        return self.end if self.sample_end is None else self.sample_end
 
 
 @dataclass
@@ -113,6 +120,12 @@ class FakeEngine:
     def forget(self, request_id: int) -> None:
         self._hashes.pop(request_id, None)
 
+    def rewind(self, request_id: int, length: int) -> None:
+        """The request's tokens from `length` on were drafts it rejected: forget their hashes."""
+        hashes = self._hashes.get(request_id)
+        if hashes is not None:
+            hashes.truncate(length)
+
     def forward_layer(self, layer_id: int, items: list[PassItem]) -> None:
         """Write positions [start, end) of `layer_id` for each item, then verify what it attends to."""
         group = self._group_of[layer_id]
@@ -123,8 +136,9 @@ class FakeEngine:
             readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
             found = self._verify(layer_id, group, item.request_id, pages, hashes, readable)
             if item.samples and found is not None:
+                last = item.sampled_after
                 item.checksum = (item.checksum + self._checksum(found, readable, self._positions_in_live_blocks(
-                    group, pages, item.end, item.end), layer_id)) & CHECKSUM_MASK
+                    group, pages, last, last), layer_id)) & CHECKSUM_MASK
 
     @staticmethod
     def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
@@ -146,7 +160,7 @@ class FakeEngine:
         self.issues.extend(replace(issue, rank=rank) for issue in issues[:max(room, 0)])
 
     def sample(self, item: PassItem) -> int:
-        return sample_token(int(self._prefix_hashes(item).array()[item.end - 1]), item.checksum, VOCAB_SIZE)
+        return sample_token(int(self._prefix_hashes(item).array()[item.sampled_after - 1]), item.checksum, VOCAB_SIZE)
 
     def verify_cache(self, request_id: int, tokens: list[int], pages: Mapping[int, Sequence[int]],
                      history: int) -> None:

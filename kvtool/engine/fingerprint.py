@@ -39,7 +39,7 @@ class PrefixHashes:
     """h[p] = mix(h[p-1] xor (token_p + gold)), extended as a request's tokens grow."""
 
     def __init__(self, seed: int = 0) -> None:
-        self._state = _mix_int(seed & _MASK)
+        self._start = self._state = _mix_int(seed & _MASK)
         self._hashes: list[int] = []
         self._array = np.zeros(0, dtype=np.uint64)
 
@@ -50,6 +50,12 @@ class PrefixHashes:
         for token in tokens[len(self._hashes):]:
             self._state = _mix_int(self._state ^ ((token + _GOLD) & _MASK))
             self._hashes.append(self._state)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` hashes (drafts a verify pass hashed may have been rejected)."""
+        if length < len(self._hashes):
+            del self._hashes[length:]
+            self._state = self._hashes[-1] if self._hashes else self._start
 
     def array(self) -> np.ndarray:
         if len(self._array) != len(self._hashes):
@@ -85,3 +91,8 @@ def expected_tensor(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_he
 def sample_token(last_prefix_hash: int, checksum: int, vocab_size: int) -> int:
     """The next token: a function of the prefix and of the KV bytes the last position attended to."""
     return _mix_int((last_prefix_hash ^ (checksum & _MASK)) & _MASK) % vocab_size
+
+
+def mix_int(x: int) -> int:
+    """The 64-bit mixer, for other modules that derive reproducible values from ids."""
+    return _mix_int(x & _MASK)

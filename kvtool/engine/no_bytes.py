@@ -24,6 +24,9 @@ class NoBytesModel:
         self.issues: list[IntegrityIssue] = []
         self.errors_by_request: Counter = Counter()
 
+    def rewind(self, request_id: int, length: int) -> None:
+        pass
+
     def forget(self, request_id: int) -> None:
         """Nothing is kept per request."""
 

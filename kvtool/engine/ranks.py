@@ -88,6 +88,8 @@ class FinishedOrder:
     saving: list[int]
     loading: list[int]
     forgotten: list[int]
+    rewinds: dict[int, int] = field(default_factory=dict)
+    """Request id -> tokens it kept after a verify pass rejected drafts (the fake engine rewinds)."""
 
 
 @dataclass
@@ -253,6 +255,8 @@ class RankExecutor:
         if isinstance(order, FinishedOrder):
             answer = self.driver.get_finished(order.saving, order.loading).get(self.rank)
             report.finished = answer[1] if answer is not None and answer[0] else None
+            for request_id, length in order.rewinds.items():
+                self.fake.rewind(request_id, length)
             for request_id in order.forgotten:
                 self.fake.forget(request_id)
         else:

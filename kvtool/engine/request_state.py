@@ -87,6 +87,10 @@ class RequestState:
     num_deferrals: int = 0
     arrival_order: int = 0
     """Its place among the engine's requests, in the order they were added."""
+    num_drafts: int = 0
+    """Draft tokens of its current decode step (set when the step is scheduled)."""
+    accepted_drafts: list[int] = field(default_factory=list)
+    """The drafts of its current step that will be accepted (drawn before the pass)."""
     num_pauses: int = 0
     paused_at: int = -1
     """The iteration of its last pause (it is not admitted again in that iteration)."""

@@ -25,6 +25,7 @@ from typing import Callable
 
 from kvtool.connector.runtime import ConnectorRuntime
 from kvtool.engine.admission import OutputReservation
+from kvtool.engine.drafts import DraftModel
 from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
 from kvtool.errors import LogicError
@@ -73,12 +74,13 @@ class Scheduler:
     def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
                  fail: Callable[[RequestState, FailureReason], None],
                  emit: Callable[..., None] = lambda kind, **fields: None,
-                 pause: Callable[[RequestState], None] | None = None) -> None:
+                 pause: Callable[[RequestState], None] | None = None, drafts: DraftModel | None = None) -> None:
         self.manager = manager
         self.config = config
         self.connector = connector
         self._fail = fail
         self._pause = pause
+        self._drafts = drafts
         self._emit = emit
         self.iteration = 0
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
@@ -96,9 +98,11 @@ class Scheduler:
         running = list(running)
         for state in running:
             if state.phase is Phase.GENERATION and self._room(batch, budget):
-                if self._grow(state, state.request.get_num_tokens(), running, batch):
+                drafts = self._num_drafts(state, budget[0])
+                if self._grow(state, state.request.get_num_tokens() + drafts, running, batch):
+                    state.num_drafts = drafts
                     batch.generation.append(state)
-                    budget[0] -= 1
+                    budget[0] -= 1 + drafts
         for state in running:
             if state.phase is Phase.CONTEXT:
                 n = self._chunk(state.position, state.prompt_len, budget)
@@ -124,6 +128,13 @@ class Scheduler:
         for state in list(batch.first_chunks):
             self._deliver(state, batch)
         return batch
+
+    def _num_drafts(self, state: RequestState, budget: int) -> int:
+        """Drafts of this decode step: K, fewer near the end of its output or of the token budget."""
+        if self._drafts is None:
+            return 0
+        request = state.request
+        return min(self._drafts.drafts_for(request.max_new_tokens, request.num_generated_tokens), budget - 1)
 
     def _grow(self, state: RequestState, capacity: int, running: list[RequestState], batch: Batch) -> bool:
         """Resize a running request's cache; with `pause_to_grow`, pause the running requests

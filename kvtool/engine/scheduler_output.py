@@ -17,9 +17,9 @@ def build_scheduler_output(batch: Batch, iteration: int) -> SchedulerOutput:
     for state, n in batch.context:
         data = _request_data(state, computed=state.position, scheduled=n, iteration=iteration)
         (output.new_requests if data[1] else output.cached_requests).append(data[0])
-    for state in batch.generation:
+    for state in batch.generation:   # TensorRT-LLM: 1 + get_draft_token_length(request)
         tokens = state.request.get_num_tokens()
-        output.cached_requests.append(_request_data(state, computed=tokens - 1, scheduled=1,
+        output.cached_requests.append(_request_data(state, computed=tokens - 1, scheduled=1 + state.num_drafts,
                                                     iteration=iteration)[0])
     return output
 

@@ -44,6 +44,8 @@ class Context:
     """The server the connector stores into (redis:// or mooncake://), for the remote scenarios to disrupt."""
     strict: bool = False
     """A miss (served less than it could) fails its check instead of being reported as a miss."""
+    draft_tokens: int = 0
+    """Draft tokens per decode step (speculative decoding), for the scenarios that set it."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True)
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
-    return EngineConfig(manager, scheduler, seed=ctx.seed,
+    return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
@@ -173,15 +175,16 @@ def _plant_canary(engine: Engine) -> Callable[[], None]:
 
 @functools.lru_cache(maxsize=64)
 def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None) -> dict[int, list[int]]:
-    model, tpb, seed = ctx_key
-    ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed)   # one rank: digests add up
+    model, tpb, seed, draft_tokens = ctx_key
+    ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed,   # one rank: digests add up
+                  draft_tokens=draft_tokens)
     result = run(ctx, list(requests), num_slots=1024, chunk_size=chunk_size, local_reuse=True, connector=False)
     return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
 
 
 def reference_tokens(ctx: Context, requests: list[Req]) -> dict[int, list[int]]:
     """Tokens a run without connector generates (what a correct connector must reproduce)."""
-    return _reference((ctx.model, ctx.tokens_per_block, ctx.seed), tuple(requests), None)
+    return _reference((ctx.model, ctx.tokens_per_block, ctx.seed, ctx.draft_tokens), tuple(requests), None)
 
 
 # ---- judging -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvtool.models import load_model
 from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
                                      judge_integrity, judge_warm_hit, reference_tokens, result, run, skipped,
                                      tokens)
+from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.sizing import squeeze_slots
@@ -397,5 +398,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("cache-salt", "no hit across cache salts", cache_salt),
     Scenario("concurrency", "many requests sharing prefixes at once, chunked, small batches", concurrency),
     *PAUSE_SCENARIOS,
+    *DRAFT_SCENARIOS,
     *REMOTE_SCENARIOS,
 )}
