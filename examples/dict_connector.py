@@ -128,7 +128,7 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         # with draft tokens, a block completed by drafts is known (keyed) only once they are accepted
         first = start // tpb if is_new else min(start // tpb, tracked.next_block)
         keys = block_keys(tracked.salt, tracked.tokens, tpb)
-        end = min((data.computed_position + data.num_scheduled_tokens) // tpb, len(keys))
+        end = min((start + data.num_scheduled_tokens) // tpb, len(keys))
         tracked.next_block = max(tracked.next_block, end)
         return [(keys[j], group, page, data.request_id) for group, pages in enumerate(tracked.pages)
                 for j, page in valid_page_slots(pages) if first <= j < end]

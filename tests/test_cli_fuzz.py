@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from typer.testing import CliRunner
 
 from kvtool.cli import app
@@ -40,6 +40,7 @@ def test_inspect_layout_sizes(tpb, memory, slots):
 
 @FUZZ
 @given(config=st.dictionaries(st.sampled_from(config_keys), numbers, max_size=8))
+@example(config={"num_hidden_layers": 32, "num_attention_heads": 64, "hidden_size": 32})   # head size 0
 def test_model_configs(tmp_path_factory, config):
     base = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
     path = tmp_path_factory.mktemp("cfg") / "config.json"
@@ -51,6 +52,15 @@ def test_a_deeply_nested_config_is_an_input_error(tmp_path):
     path = tmp_path / "config.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
     assert_clean(runner.invoke(app, ["inspect-layout", "--model", str(path)]))
+
+
+def test_a_head_size_of_zero_is_an_input_error(tmp_path):
+    """hidden_size / num_attention_heads below 1 (and no head_dim): one line, not a ZeroDivisionError."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 64, "hidden_size": 32}))
+    result = runner.invoke(app, ["inspect-layout", "--model", str(path)])
+    assert_clean(result)
+    assert result.exit_code == 2 and "head size of 0; give head_dim" in result.stderr
 
 
 def test_a_billion_layers_is_refused_quickly(tmp_path):

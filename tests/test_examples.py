@@ -20,7 +20,7 @@ def test_the_example_connector_passes_validate(tmp_path, compat):
     assert not [r for r in results if r["verdict"] in ("fail", "error")]
     # the one thing it does not do: serve a prompt whose local match ends inside a block
     assert {(r["scenario"], r["check"]) for r in results if r["verdict"] == "miss"} == {("local-prefix", "warm-hit")}
-    assert "72 checks: 58 passed, 2 missed, 12 skipped" in done.stderr
+    assert " checks: " in done.stderr and ", 2 missed, 12 skipped" in done.stderr and "failed" not in done.stderr
 
 
 def test_the_example_imports_tensorrt_llm_when_it_is_there():

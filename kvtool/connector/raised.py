@@ -6,9 +6,9 @@ not kvtool's `raise`. `describe_error` walks the traceback from the innermost fr
 first frame of the connector's code: outside the kvtool package and outside installed libraries
 (the standard library, site-packages); failing that, a frame of kvtool's own connectors
 (`kvtool/connectors`, for the built-in ones); failing that, any frame outside kvtool; else the
-innermost frame (an error of kvtool itself). Every guard around connector code uses it: the
-runtime's `ConnectorRuntime.call`, the follower ranks' `RankExecutor._call`, and the constructor
-guard.
+innermost frame (an error of kvtool itself). The hook guards use it (the runtime's
+`ConnectorRuntime.call`, the follower ranks' `RankExecutor._call`), and `with_wrapped_location`
+adds the place to an error kvtool raised around a connector's (a constructor's, a registration's).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request
+from kvtool.connector.raised import describe_error
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
@@ -178,8 +179,7 @@ class Engine:
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
-            raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
-                                    f"{type(exc).__name__}: {exc}") from None
+            raise ConstructionError(f"connector {spec.name!r} could not be constructed: {describe_error(exc)}") from None
         rank_workers = [self._registered(spec, rank, worker) for rank, worker in enumerate(workers)]
         self.driver.workers = rank_workers
         runtime = ConnectorRuntime(scheduler, workers, self.config.num_ranks)
@@ -198,8 +198,7 @@ class Engine:
         except ConnectorError as exc:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
         except Exception as exc:  # noqa: BLE001
-            raise InputError(f"connector {spec.name!r}: registering the KV cache failed: "
-                             f"{type(exc).__name__}: {exc}") from None
+            raise InputError(f"connector {spec.name!r}: registering the KV cache failed: {describe_error(exc)}") from None
 
     @property
     def _num_local_ranks(self) -> int:
@@ -505,9 +504,9 @@ class Engine:
         ok = True
         by_id = {item.request_id: item for item in items}
         for report in reports:
-            for hook, error in report.failures:
+            for (hook, error), text in zip(report.failures, report.tracebacks):
                 if self.connector is not None:
-                    self.connector.failures.append(HookFailure(hook, None, error))
+                    self.connector.failures.append(HookFailure(hook, None, error, text))
                 ok = False
             self.fake.merge(report.issues, report.errors_by_request, report.rank)
             if self.config.tp_size > 1:

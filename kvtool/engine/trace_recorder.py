@@ -33,8 +33,15 @@ class RequestRow:
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (draft tokens shorten it: several a step)."""
+        if self.first_token is None or self.finished is None or self.generated_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.generated_tokens - 1)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "ttft": self.ttft}
+        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot}
 
 
 @dataclass

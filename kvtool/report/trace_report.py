@@ -46,9 +46,9 @@ def tier_table(summary: TraceSummary, title: str = "") -> Table:
     return table
 
 
-def ttft_stats(rows: list[RequestRow]) -> dict[str, float | None]:
-    """p50/p90/p99 and mean TTFT in seconds over the requests that produced a first token."""
-    values = np.array([r.ttft for r in rows if r.ttft is not None])
+def ttft_stats(rows: list[RequestRow], metric: str = "ttft") -> dict[str, float | None]:
+    """p50/p90/p99 and mean TTFT (or `metric`: tpot) in seconds over the requests that have one."""
+    values = np.array([getattr(r, metric) for r in rows if getattr(r, metric) is not None])
     if not values.size:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES} | {"mean": float(values.mean())}
@@ -66,7 +66,8 @@ def ttft_report(result: TraceResult, cost: CostModel | None, baseline: TraceResu
     if cost is None:
         return {}
     report = {"with_connector": ttft_stats(result.recorder.requests),
-              "prefill_compute_saved_s": compute_saved_seconds(result.recorder.requests, cost)}
+              "prefill_compute_saved_s": compute_saved_seconds(result.recorder.requests, cost),
+              "tpot": ttft_stats(result.recorder.requests, "tpot")}
     if baseline is not None:
         report["without_connector"] = ttft_stats(baseline.recorder.requests)
         report["prefill_compute_saved_without_connector_s"] = compute_saved_seconds(baseline.recorder.requests, cost)
