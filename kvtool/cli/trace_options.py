@@ -66,6 +66,10 @@ def _shared(
     params: Annotated[Optional[float], typer.Option(help="Active parameters [default: the preset's].")] = None,
     attention_width: Annotated[Optional[int], typer.Option(help="Query heads x head size [default: the "
                                                            "preset's].")] = None,
+    draft_tokens: Annotated[int, typer.Option(metavar="K", help="Draft tokens per decode step (speculative "
+                                              "decoding: a verify pass of 1 + K tokens; 0: off).")] = 0,
+    acceptance: Annotated[float, typer.Option(metavar="P", help="With --draft-tokens: the probability a draft is "
+                                              "accepted given the ones before it were (seeded).")] = 0.7,
 ) -> None:
     """Only its signature is used: the shared options, in the order `--help` lists them."""
 

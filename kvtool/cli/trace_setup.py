@@ -82,6 +82,8 @@ class ReplayOptions:
     """A kvtool bench run folder: its load GB/s at `tokens_per_block` replaces `load_gbps`."""
     params: float | None = None
     attention_width: int | None = None
+    draft_tokens: int = 0
+    acceptance: float = 0.7
 
 
 def build_replay(o: ReplayOptions) -> Replay:
@@ -91,6 +93,10 @@ def build_replay(o: ReplayOptions) -> Replay:
                         ("tokens-per-block", o.tokens_per_block)):
         if value is not None and value <= 0:
             raise InputError(f"--{name} must be positive, got {value}")
+    if o.draft_tokens < 0:
+        raise InputError(f"--draft-tokens must be 0 or more, got {o.draft_tokens}")
+    if not 0.0 <= o.acceptance <= 1.0:
+        raise InputError(f"--acceptance is a probability: between 0 and 1, got {o.acceptance}")
     workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
     imported = workload.format != "kvtool"
     fidelity = o.fidelity or ("blocks" if imported else "bytes")
@@ -113,7 +119,8 @@ def build_replay(o: ReplayOptions) -> Replay:
                                                    local_reuse=not o.no_local_reuse,
                                                    **_admission(o.admission)),
                           seed=o.seed, num_ranks=o.num_ranks, tp_size=o.tp, ranks_as_processes=True,
-                          fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None)
+                          fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None,
+                          draft_tokens=o.draft_tokens, acceptance=o.acceptance)
     return Replay(workload, config, spec, options, cost)
 
 
@@ -176,10 +183,10 @@ def check_cache_holds(replay: Replay, sizes: dict[int, RequestSize]) -> None:
         return
     _, pg, need, slots, size = max(short, key=lambda s: s[:2])
     smallest = max(n for n, _ in needs)
-    raise InputError(f"the KV cache is too small: request {size.request_id} (line {size.line} of "
-                     f"{replay.workload.path.name}: {size.prompt_len} prompt + {size.max_new_tokens} new tokens) "
-                     f"needs {need} pages in pool group {pg}, which has {slots}; the smallest cache that holds "
-                     f"every request of the workload: --num-slots {smallest} or --gpu-memory "
+    raise InputError(f"the KV cache is too small: request {size.request_id} ({size.prompt_len} prompt + "
+                     f"{size.max_new_tokens} new tokens) needs {need} pages in pool group {pg}, which has {slots} "
+                     f"({replay.workload.path} line {size.line}); the smallest cache that holds every request of "
+                     f"the workload: --num-slots {smallest} or --gpu-memory "
                      f"{_smallest_memory(manager, [n for n, _ in needs])}")
 
 
@@ -205,10 +212,9 @@ def _smallest_memory(manager: KvCacheManagerConfig, needs: list[int]) -> str:
             return False
         return all(s >= n for s, n in zip(slots, needs))
 
-    high = 1 << 20
+    low, high = 0, 1 << 20
     while not holds(high):
-        high *= 2
-    low = high // 2
+        low, high = high, high * 2
     while high - low > max(high >> 12, 1):
         middle = (low + high) // 2
         low, high = (low, middle) if holds(middle) else (middle, high)
