@@ -30,6 +30,7 @@ WHERE = {  # scenario-specific integrity bugs must show in their scenario
     "integrity (deferral)": "deferral", "integrity (clamp)": "clamp", "integrity (overtaken head)": "overtaken-head",
     "integrity (local match)": "local-prefix", "integrity (moved blocks)": "moved-blocks",
     "integrity (multi-turn)": "multi-turn",
+    "integrity (final-pass blocks)": "final-pass-blocks",
 }
 
 

@@ -33,9 +33,10 @@ def inspect_layout(
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="layout.json, layout.csv"))] = None,
 ) -> None:
-    """Show the layout a connector receives: layer groups, regions, pool groups, totals.
+    """Show the KV cache layout a connector receives.
 
-    Computed without allocating: pool bases are virtual offsets, 2 MiB aligned.
+    Layer groups, regions, pool groups, totals; computed without allocating: pool bases are
+    virtual offsets, 2 MiB aligned.
     """
     legacy = is_legacy_output_file(output)
     if legacy:

@@ -27,7 +27,9 @@ def trace_compare(
                                               f"{', '.join(DEFAULT_JUDGED)}].")] = [],
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
 ) -> None:
-    """Print A, B and the change of every metric of two replays."""
+    """Compare two replays, metric by metric.
+
+    Prints A, B and the change of every metric; exit 1 past --max-regression."""
     if max_regression is not None and not max_regression >= 0:
         raise InputError(f"--max-regression must be a fraction >= 0, got {max_regression}")
     for name in metric:

@@ -38,7 +38,9 @@ def trace_generate(
     zipf: Annotated[float, typer.Option(help="Zipf exponent of the documents' popularity (docqa).")]
     = _DEFAULTS.zipf,
 ) -> None:
-    """Write a synthetic workload for `kvtool trace run` / `sweep`."""
+    """Write a synthetic workload file.
+
+    kvtool JSON Lines, for `kvtool trace run` / `sweep`."""
     config = GeneratorConfig(kind, requests, seed, rate, think_seconds, prefix_tokens, turn_tokens, output_tokens,
                              turns, documents, zipf)
     config.check()

@@ -3,13 +3,18 @@ processes, into one table, `sweep.csv`/`sweep.json` and the hit-rate plots.
 
 The tier is the built-in one of the fidelity: `index` (capacity in tokens) for blocks, `host`
 (capacity in bytes: capacity // tokens_per_block whole blocks) for bytes, so both fidelities sweep
-the same number of blocks at each point.
+the same number of blocks at each point. `--connector` names another: one of the tiers kvtool can
+size (`SIZED_TIERS`) is swept over capacity the same way; any other connector (one of your own,
+`disk`, a remote store) keeps the size its own options give it, and the sweep runs one point per
+tokens per block (`capacity_tokens` empty). A connector with a `dir` option left to its default
+gets a fresh temporary folder per point, so that no point is served what another one saved.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
@@ -20,11 +25,14 @@ import pandas as pd
 import typer
 from rich.console import Console
 
-from kvtool.cli.common import (FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors, fail, frame_text,
-                               progress_bar)
-from kvtool.cli.trace_options import with_replay_options
-from kvtool.cli.trace_setup import Replay, ReplayOptions, block_bytes, build_replay
+from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
+                               fail, frame_text, print_connector_help, progress_bar)
+from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
+from kvtool.cli.trace_setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
+                                    check_pools_fit_memory, workload_sizes)
+from kvtool.connector.options import declared_options
 from kvtool.connectors.index import parse_token_count
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import run_trace
 from kvtool.errors import InputError
 from kvtool.report.run_folder import prepare_run_folder
@@ -32,11 +40,14 @@ from kvtool.report.sweep_report import sweep_table, write_sweep_folder
 from kvtool.report.trace_report import ttft_stats
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
+SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes"}
+"""The connectors whose `capacity` the sweep sets at each point, and its unit there."""
 
 
 @dataclass(frozen=True)
 class SweepPoint:
-    capacity_tokens: int
+    capacity_tokens: int | None
+    """None: the connector's own size (one kvtool cannot set)."""
     tokens_per_block: int
 
 
@@ -44,8 +55,14 @@ class SweepPoint:
 @with_replay_options
 def trace_sweep(
     options: ReplayOptions,
-    capacity: Annotated[str, typer.Option(metavar="TOKENS,...", help="Capacities of the connector tier, in "
-                                          "tokens (1e6 or 1000000), comma-separated.")] = DEFAULT_CAPACITIES,
+    connector: Annotated[Optional[str], typer.Option(metavar="NAME", help=f"The tier: {CONNECTOR_CHOICES}. "
+                         f"{', '.join(SIZED_TIERS)} are swept over --capacity; any other connector keeps the size "
+                         "its --connector-opt give it, and only --tokens-per-block is swept [default: index for "
+                         "--fidelity blocks, host for bytes].")] = None,
+    connector_help: ConnectorHelp = False,
+    capacity: Annotated[Optional[str], typer.Option(metavar="TOKENS,...", help="Capacities of the connector tier, "
+                                                    "in tokens (1e6 or 1000000), comma-separated [default: "
+                                                    f"{DEFAULT_CAPACITIES}].")] = None,
     tokens_per_block: Annotated[str, typer.Option(metavar="N,...", help="Tokens per block, comma-separated: "
                                                   "every capacity runs at each.")] = "32",
     jobs: Annotated[Optional[int], typer.Option(metavar="N", help="Replays at once, each in its own process "
@@ -54,18 +71,38 @@ def trace_sweep(
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="sweep.csv, sweep.json, hit_rate_vs_capacity.png, hit_rate_vs_tokens_per_block.png"))] = None,
 ) -> None:
-    """Replay WORKLOAD at every capacity (and tokens per block); the hit rate against capacity."""
+    """Hit rate against tier capacity and block size.
+
+    One replay of WORKLOAD per (capacity, tokens per block), in parallel processes."""
+    if connector_help and connector is None and options.workload is None:
+        raise InputError("--connector-help without --connector lists the sweep's own tier, which WORKLOAD's "
+                         "fidelity chooses: give WORKLOAD or --connector")
+    fidelity = build_replay(replace(options, connector="none", connector_opt=())).config.fidelity \
+        if connector is None else None
+    tier = connector or ("index" if fidelity == "blocks" else "host")
+    if connector_help:
+        print_connector_help(load_connector(tier, options.compat))
+        return
+    sized = tier in SIZED_TIERS
+    if not sized and capacity is not None:
+        raise InputError(f"connector {tier!r} keeps its own size (kvtool sizes only {', '.join(SIZED_TIERS)}): "
+                         "drop --capacity; the sweep runs --tokens-per-block only (its size: --connector-opt)")
+    capacities = _positive_list(capacity or DEFAULT_CAPACITIES, "--capacity", parse_token_count) if sized else [None]
     points = [SweepPoint(c, t) for t in _positive_list(tokens_per_block, "--tokens-per-block", _whole_number)
-              for c in _positive_list(capacity, "--capacity", parse_token_count)]
+              for c in capacities]
     if jobs is not None and jobs <= 0:
         raise InputError(f"--jobs must be positive, got {jobs}")
-    if any(pair.split("=", 1)[0] == "capacity" for pair in options.connector_opt):
+    if sized and any(pair.split("=", 1)[0] == "capacity" for pair in options.connector_opt):
         raise InputError("the sweep sets the tier's capacity itself: give --capacity, not --connector-opt capacity=")
-    folder = prepare_run_folder(output) if output is not None else None
-    fidelity = build_replay(options).config.fidelity
+    options = replace(options, connector=tier)
+    fidelity = fidelity or build_replay(options).config.fidelity
     point_options = [point_replay_options(options, fidelity, p) for p in points]
+    sizes = workload_sizes(build_replay(options).workload)
     for each in point_options:
-        build_replay(each)   # every InputError now, before any replay
+        replay = build_replay(each)   # every InputError now, before any replay
+        check_pools_fit_memory(replay)
+        check_cache_holds(replay, sizes)
+    folder = prepare_run_folder(output) if output is not None else None
     rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:
@@ -77,8 +114,8 @@ def trace_sweep(
     if folder is not None:
         write_sweep_folder(folder, frame, {"workload": str(options.workload), "seed": options.seed,
                                            "jobs": jobs or os.cpu_count()})
-    failed = [f"capacity {r['capacity_tokens']} at {r['tokens_per_block']} tokens per block: {r['failed_checks']}"
-              for r in rows if r["failed_checks"]]
+    failed = [f"capacity {r['capacity_tokens'] or 'of its own'} at {r['tokens_per_block']} tokens per block: "
+              f"{r['failed_checks']}" for r in rows if r["failed_checks"]]
     if failed:
         raise fail("; ".join(failed), ExitCode.CHECK_FAILED)
 
@@ -103,14 +140,17 @@ def _whole_number(text: str) -> int:
 
 
 def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoint) -> ReplayOptions:
-    """The replay of one point: the fidelity's own tier, holding `point.capacity_tokens` tokens."""
+    """The replay of one point: `options.connector` holding `point.capacity_tokens` tokens (in its
+    own unit, `SIZED_TIERS`), or as its own options size it (capacity None)."""
     at_size = replace(options, tokens_per_block=point.tokens_per_block, fidelity=fidelity)
-    if fidelity == "blocks":
-        tier, size = "index", point.capacity_tokens
+    if point.capacity_tokens is None:
+        return at_size
+    if SIZED_TIERS[options.connector] == "tokens":
+        size = point.capacity_tokens
     else:
         manager = build_replay(at_size).config.manager
-        tier, size = "host", max(point.capacity_tokens // point.tokens_per_block, 1) * block_bytes(manager)
-    return replace(at_size, connector=tier, connector_opt=options.connector_opt + (f"capacity={size}",))
+        size = max(point.capacity_tokens // point.tokens_per_block, 1) * block_bytes(manager)
+    return replace(at_size, connector_opt=options.connector_opt + (f"capacity={size}",))
 
 
 def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs: int,
@@ -133,8 +173,11 @@ def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs:
 def run_point(point: SweepPoint, options: ReplayOptions) -> dict[str, Any]:
     """One replay, as a row of the sweep (runs in a worker process)."""
     replay: Replay = build_replay(options)
-    result = run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options,
-                       keep_iterations=False)
+    with tempfile.TemporaryDirectory(prefix="kvtool-sweep-point-") as scratch:
+        if _takes_a_folder(replay):
+            replay = replace(replay, options={**replay.options, "dir": scratch})
+        result = run_trace(replay.workload.requests(), replay.config, replay.connector, replay.options,
+                           keep_iterations=False)
     s = result.summary
     row: dict[str, Any] = {
         "capacity_tokens": point.capacity_tokens, "tokens_per_block": point.tokens_per_block,
@@ -148,3 +191,9 @@ def run_point(point: SweepPoint, options: ReplayOptions) -> dict[str, Any]:
         row.update({f"ttft_{k}_s": v for k, v in ttft_stats(result.recorder.requests).items()})
     row.update(failed_checks="; ".join(result.failed_checks), wall_seconds=s.wall_seconds)
     return row
+
+
+def _takes_a_folder(replay: Replay) -> bool:
+    """A connector with a `dir` option the user left to its default (one folder every point would share)."""
+    declared = declared_options(replay.connector.scheduler_class) if replay.connector else None
+    return "dir" not in replay.options and any(o.name == "dir" for o in declared or ())

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, note_model_origin,
-                               parse_options, print_connector_help)
+                               parse_options, print_connector_help, suggest)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
@@ -86,7 +86,7 @@ def validate(
         return
     for name in scenario:
         if name not in SCENARIOS:
-            raise InputError(f"unknown scenario {name!r}; see kvtool validate --list")
+            raise InputError(f"unknown scenario {name!r}{suggest(name, SCENARIOS)}; see kvtool validate --list")
     device = _device(device)
     if tokens_per_block <= 0:
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
-from kvtool.connector.request import Request
+from kvtool.connector.request import Request, max_kv_tokens
 from kvtool.connector.raised import describe_error
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
@@ -52,6 +52,10 @@ class EngineConfig:
     """When set, an asynchronous load fails after this many wall-clock seconds in transmission
     (instead of after `max_transmission_iterations` iterations: idle iterations take well under a
     millisecond, so counting them judges a slow store unfairly)."""
+    max_saving_seconds: float | None = None
+    """When set, a finished request whose asynchronous save (`request_finished` answered True)
+    `get_finished` has not reported this many wall-clock seconds after it began fails, and its held
+    pages are released (None: it holds them until the run ends)."""
     pad_generation_batch_to: int = 0
     """Pad generation batches with dummy requests up to this size (as CUDA-graph padding does)."""
     iteration_seconds: float = 0.01
@@ -227,7 +231,7 @@ class Engine:
 
     def _require_room_for(self, request: Request) -> None:
         """InputError now for a request that could not fit even in an empty cache (it would wait forever)."""
-        tokens = request.prompt_len + max(request.max_new_tokens - 1, 0)   # the last token is never fed back
+        tokens = max_kv_tokens(request.prompt_len, request.max_new_tokens)
         manager = self.manager
         needs = pages_per_pool_group(manager.layer_groups, manager.pool_groups, tokens, manager.tokens_per_block)
         for pg, need in zip(manager.pool_groups, needs):
@@ -618,6 +622,22 @@ class Engine:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {seconds:g} s")
             elif seconds is None and self.iteration - state.transmission_since > limit:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
+        self._fail_stuck_saves(now)
+
+    def _fail_stuck_saves(self, now: float) -> None:
+        """`max_saving_seconds`: fail a request whose asynchronous save is unreported that long after
+        the end of the iteration that finished it (when this check first saw it saving)."""
+        seconds = self.config.max_saving_seconds
+        if seconds is None:
+            return
+        since = self.__dict__.setdefault("_saving_since", {})   # request id -> when first seen saving
+        saving = [s for s in self._started if s.phase is Phase.SAVING]
+        for request_id in set(since) - {s.request_id for s in saving}:
+            del since[request_id]
+        for state in saving:
+            if now - since.setdefault(state.request_id, now) > seconds:
+                self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"request {state.request_id} waits for its "
+                          f"asynchronous save, which get_finished never reported within {seconds:g} s")
 
     def _check_progress(self, batch: Batch, progress_before: tuple) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""

@@ -11,7 +11,7 @@ import pandas as pd
 from rich.table import Table
 
 from kvtool.errors import InputError
-from kvtool.report.run_folder import write_meta
+from kvtool.report.run_folder import device_info, write_meta
 
 ROW_KEYS = ("backend", "direction", "granularity", "model", "tokens_per_block", "chunk_bytes", "batch_bytes",
             "gbps", "p50_us", "p99_us", "peak_gbps", "peak_spread", "ratio", "verified")
@@ -22,8 +22,9 @@ def default_output_dir() -> Path:
 
 
 def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], suite: str) -> dict[str, Any]:
-    """All outputs of one run under `directory`; returns the device section."""
-    device = write_meta(directory, suite)
+    """All outputs of one run under `directory`, meta.json last (it lists them); returns the device
+    section."""
+    device = device_info()
     try:
         (directory / "results.json").write_text(json.dumps({"device": device, "rows": rows, **extra}, indent=2) + "\n")
         pd.DataFrame(rows).to_csv(directory / "results.csv", index=False)
@@ -33,6 +34,7 @@ def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], s
         raise InputError(f"cannot write results to {directory}: {exc.strerror or exc}") from None
     if suite == "transfer" and rows:
         plot(rows, directory / "gbps_vs_chunk.png", device.get("name", ""))
+    write_meta(directory, suite, device)
     return device
 
 

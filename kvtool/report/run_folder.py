@@ -2,7 +2,9 @@
 command, date) beside the command's machine-readable files.
 
 `prepare_run_folder` runs before the work, so a folder that cannot be written fails in a second,
-not after an hour of benchmarking.
+not after an hour of benchmarking. A folder reused from an earlier run is cleared of what that run
+wrote (`meta.json` lists its files), so no result of it is left beside the new ones; files that
+kvtool did not write there are kept.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -21,8 +23,21 @@ import torch
 from kvtool.errors import InputError
 
 
+OUTPUT_NAMES = frozenset({
+    "layout.json", "layout.csv", "summary.json", "summary.csv", "requests.csv", "iterations.csv", "ttft_cdf.png",
+    "instances.csv", "instances.json", "sweep.csv", "sweep.json", "hit_rate_vs_capacity.png",
+    "hit_rate_vs_tokens_per_block.png", "results.json", "results.csv", "junit.xml", "gbps_vs_chunk.png",
+    "compute.csv", "segments.csv", "profile.txt"})
+"""Every file a command writes into its run folder: what an earlier run's meta.json that does not
+list its files (kvtool before it did) is taken to have written."""
+
+_FOUND: dict[Path, frozenset[str]] = {}
+"""Per folder prepared in this process: the names in it before the run (not the run's own)."""
+
+
 def prepare_run_folder(directory: Path) -> Path:
-    """Create `directory` (and its parents) and prove it writable; InputError naming why not."""
+    """Create `directory` (and its parents), prove it writable and remove the files an earlier
+    kvtool run wrote there (one line on stderr says so); InputError naming why not."""
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--output {directory} is a file; give a folder (it will hold meta.json and the results)")
     try:
@@ -32,7 +47,65 @@ def prepare_run_folder(directory: Path) -> Path:
         probe.unlink()
     except OSError as exc:
         raise InputError(f"cannot write to {directory}: {exc.strerror or exc}") from None
+    removed = _remove_earlier_run(directory)
+    if removed:
+        shown = ", ".join(removed[:4]) + (", ..." if len(removed) > 4 else "")
+        print(f"kvtool: --output {directory} held an earlier run: removed its {len(removed)} files ({shown})",
+              file=sys.stderr)
+    _FOUND[directory.resolve()] = frozenset(p.name for p in directory.iterdir())
     return directory
+
+
+def _remove_earlier_run(directory: Path) -> list[str]:
+    """The files the run whose meta.json is in `directory` wrote, removed (their names); nothing
+    when there is no meta.json or it is not kvtool's."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(meta, dict) or not {"suite", "command", "date"} <= set(meta):
+        return []
+    listed = meta.get("files")
+    names = [n for n in (listed if isinstance(listed, list) else sorted(OUTPUT_NAMES))
+             if isinstance(n, str) and n != "meta.json" and _is_inside(n)]
+    removed = []
+    for name in [*names, "meta.json"]:
+        path = directory.joinpath(*PurePosixPath(name).parts)
+        if path.is_symlink() or path.is_file():
+            try:
+                path.unlink()
+            except OSError as exc:
+                raise InputError(f"cannot remove {path}, written by an earlier run: {exc.strerror or exc}") from None
+            removed.append(name)
+            for parent in path.parents:      # a folder of the run's (tracebacks/) goes once empty
+                if parent == directory or not parent.is_relative_to(directory):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+    return removed
+
+
+def _is_inside(name: str) -> bool:
+    """A relative path that stays in its folder (a.csv, tracebacks/x.txt)."""
+    path = PurePosixPath(name)
+    return bool(path.parts) and not path.is_absolute() and not any(p in ("", ".", "..") for p in path.parts)
+
+
+def _run_files(directory: Path) -> list[str]:
+    """The files of the run in `directory` (relative, / separated): every file but meta.json and
+    those `prepare_run_folder` found, and every file under a folder it did not find."""
+    found = _FOUND.get(directory.resolve(), frozenset())
+    files = []
+    for entry in directory.iterdir():
+        if entry.name == "meta.json" or entry.name in found:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            files += [p.relative_to(directory).as_posix() for p in entry.rglob("*") if p.is_file() or p.is_symlink()]
+        elif entry.is_file() or entry.is_symlink():
+            files.append(entry.name)
+    return sorted(files)
 
 
 def check_writable_file(path: Path, option: str) -> None:
@@ -46,11 +119,14 @@ def check_writable_file(path: Path, option: str) -> None:
         raise InputError(f"{option} {path} cannot be written (no write permission in {parent})")
 
 
-def write_meta(directory: Path, suite: str, **extra: Any) -> dict[str, Any]:
-    """`meta.json` in `directory`; returns its device section."""
-    device = device_info()
+def write_meta(directory: Path, suite: str, device: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """`meta.json` in `directory`, written last: it lists the run's files (every file there but
+    those found by `prepare_run_folder`), which the next run into the folder removes. Returns its
+    device section (`device`, or this machine's)."""
+    device = device if device is not None else device_info()
+    files = _run_files(directory) if directory.is_dir() else []
     meta = {"device": device, "commit": git_commit(), "command": sys.argv, "suite": suite,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra}
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "files": files, **extra}
     write_json(directory / "meta.json", meta)
     return device
 

@@ -1,7 +1,8 @@
 """Writing a capacity sweep: the terminal table, `sweep.csv`/`sweep.json`, and its plots.
 
 - `hit_rate_vs_capacity.png`: token-weighted hit rate against the tier's capacity (tokens, log
-  x), a line per tokens-per-block.
+  x), a line per tokens-per-block (not for a connector the sweep does not size: one point per
+  tokens-per-block, capacity "its own").
 - `hit_rate_vs_tokens_per_block.png` (more than one tokens per block): the hit rate at each
   capacity against tokens per block, and on a second axis the load GB/s the cost model used at
   that size (what `--bandwidth-from` read from a `kvtool bench` run, or the stated default).
@@ -27,7 +28,7 @@ def sweep_table(frame: pd.DataFrame) -> Table:
     for column in (*columns, "wall s"):
         table.add_column(column, justify="right")
     for row in frame.to_dict("records"):
-        cells = [f"{row['capacity_tokens']:.3g}", str(row["tokens_per_block"]), f"{100 * row['hit_rate']:.2f} %",
+        cells = [capacity_label(row["capacity_tokens"]), str(row["tokens_per_block"]), f"{100 * row['hit_rate']:.2f} %",
                  f"{row['local_hit_tokens']:,}", f"{row['connector_hit_tokens']:,}",
                  _count(row["connector_evictions"])]
         if has_ttft:
@@ -42,7 +43,8 @@ def write_sweep_folder(folder: Path, frame: pd.DataFrame, extra_meta: dict[str, 
     rows = [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
             for row in frame.to_dict("records")]
     write_json(folder / "sweep.json", {"rows": rows})
-    plot_hit_rate_vs_capacity(folder / "hit_rate_vs_capacity.png", frame)
+    if frame["capacity_tokens"].notna().any():
+        plot_hit_rate_vs_capacity(folder / "hit_rate_vs_capacity.png", frame)
     if frame["tokens_per_block"].nunique() > 1:
         plot_hit_rate_vs_tokens_per_block(folder / "hit_rate_vs_tokens_per_block.png", frame)
     write_meta(folder, "trace-sweep", **extra_meta)
@@ -74,8 +76,8 @@ def plot_hit_rate_vs_capacity(path: Path, frame: pd.DataFrame) -> None:
 def plot_hit_rate_vs_tokens_per_block(path: Path, frame: pd.DataFrame) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for capacity, part in frame.sort_values("tokens_per_block").groupby("capacity_tokens"):
-        ax.plot(part["tokens_per_block"], 100 * part["hit_rate"], marker="o", label=f"{capacity:.3g} tokens")
+    for capacity, part in frame.sort_values("tokens_per_block").groupby("capacity_tokens", dropna=False):
+        ax.plot(part["tokens_per_block"], 100 * part["hit_rate"], marker="o", label=capacity_label(capacity, " tokens"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per block")
     ax.set_ylabel("token-weighted hit rate (%)")
@@ -91,6 +93,11 @@ def plot_hit_rate_vs_tokens_per_block(path: Path, frame: pd.DataFrame) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def capacity_label(value: Any, unit: str = "") -> str:
+    """A point's tier capacity; "its own" for a connector the sweep does not size (None or NaN)."""
+    return "its own" if value is None or value != value else f"{value:.3g}{unit}"
 
 
 def _count(value: Any) -> str:

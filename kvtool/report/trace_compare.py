@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import InputError
+from kvtool.report.sweep_report import capacity_label
 
 HIGHER_IS_BETTER = ("hit_rate", "local_hit_tokens", "connector_hit_tokens", "prefill_compute_saved_s")
 LOWER_IS_BETTER = ("computed_tokens", "cancelled_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s",
@@ -77,7 +78,7 @@ def _points(folder: Path, kind: str) -> dict[str, dict[str, Any]]:
             ttft = document.get("ttft") or {}
             flat = {f"ttft_{k}_s": v for k, v in (ttft.get("with_connector") or {}).items()}
             return {"": {**document, **flat, "prefill_compute_saved_s": ttft.get("prefill_compute_saved_s")}}
-        return {f"capacity {r['capacity_tokens']:.3g}, {r['tokens_per_block']} tokens/block": r
+        return {f"capacity {capacity_label(r['capacity_tokens'])}, {r['tokens_per_block']} tokens/block": r
                 for r in document["rows"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError(f"cannot read {folder / name}: {exc}") from None

@@ -12,7 +12,7 @@ from kvtool.connector.raised import describe_error, format_error, with_wrapped_l
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.events import Ask, Deliver, EventLog, Finished, LoadStarted, SaveFinished, SaveStarted
+from kvtool.engine.events import Ask, Deliver, EventLog, Finished, LoadStarted, PassDone, SaveFinished, SaveStarted
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
@@ -46,6 +46,9 @@ class Context:
     """A miss (served less than it could) fails its check instead of being reported as a miss."""
     draft_tokens: int = 0
     """Draft tokens per decode step (speculative decoding), for the scenarios that set it."""
+    save_timeout: float = 5.0
+    """Wall-clock seconds an asynchronous save (`request_finished` answered True) may stay unreported
+    by `get_finished` before its request fails and `finished-ids` fails with it."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
+                        max_saving_seconds=ctx.save_timeout,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 
@@ -128,8 +132,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
             on_iteration(e)
 
     try:
-        # An idle iteration waiting on a load sleeps 0.5 ms: allow enough of them for the load timeout.
-        engine.run(max_iterations=2000 + int(ctx.load_timeout * 4000), on_iteration=each)
+        # An idle iteration waiting on a load or save sleeps 0.5 ms: allow enough of them for the timeouts.
+        engine.run(max_iterations=2000 + int(max(ctx.load_timeout, ctx.save_timeout) * 4000), on_iteration=each)
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
         result.error = describe_error(exc)
         _note_traceback(f"the run stopped: {result.error}", format_error(exc))
@@ -222,7 +226,7 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
         evidence += [i.describe() for i in engine.fake.issues[:5]]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
-        evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r)
+        evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r) + offers_from_elsewhere(r)
         expected = reference_tokens(ctx, requests)
         for rid, state in r.states.items():
             if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
@@ -242,6 +246,37 @@ def late_deliveries_gone_wrong(r: Run) -> list[str]:
             "delivered (an offer outlives the iteration it was made in)"
             for e in r.events.of(Deliver)
             if e.request_id in wrong and e.num_external and asked.get(e.request_id, e.iteration) < e.iteration]
+
+
+def offers_from_elsewhere(r: Run) -> list[str]:
+    """Offers holding a block whose tokens no request of this engine had computed (at any position)
+    before the ask: the connector serves what an earlier engine saved. Every engine of a scenario
+    starts with a cold store, and a store lives no longer than one engine (its scheduler and worker
+    objects): one kept in a module or class attribute survives from one engine to the next in rank
+    0's process, while each follower rank is a new process with every engine, so it serves bytes
+    on one rank and fails on several (and would serve another model's bytes in a real process)."""
+    tpb = r.engine.manager.tokens_per_block
+    computed: dict[int, int] = {}
+    blocks: set[tuple[int, ...]] = set()
+    out = []
+    for event in r.events.events:
+        if isinstance(event, PassDone):
+            for rid, _, end in event.items:
+                tokens_so_far = r.states[rid].request.get_tokens() if rid in r.states else []
+                first, computed[rid] = computed.get(rid, 0) // tpb, max(computed.get(rid, 0), end)
+                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(first, computed[rid] // tpb))
+        elif isinstance(event, Ask) and event.num_offered_tokens and event.request_id in r.states:
+            prompt = r.states[event.request_id].request.get_tokens()
+            start, end = event.num_computed_tokens, event.num_computed_tokens + event.num_offered_tokens
+            unknown = [j for j in range(start // tpb, end // tpb) if tuple(prompt[j * tpb:(j + 1) * tpb]) not in blocks]
+            if unknown:
+                out.append(f"request {event.request_id} was offered tokens [{start}, {end}) at iteration "
+                           f"{event.iteration}, but no request of this engine had computed the tokens of its block "
+                           f"{unknown[0]}: the connector serves what an earlier engine saved. A store must live no "
+                           "longer than the connector objects (one engine): keep it on the scheduler and worker, "
+                           "not in a module or class attribute (each engine of a scenario starts with a cold store, "
+                           "and with --num-ranks the other ranks' processes are new with every engine)")
+    return out
 
 
 def failed_by_connector(r: Run) -> list[str]:
@@ -319,11 +354,20 @@ def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
     bad_ids = [v.detail for v in runtime.violations if v.check.is_bad_finished_id]
     saves = [e.request_id for e in r.events.of(SaveStarted)]
     reported = {e.request_id for e in r.events.of(SaveFinished)}
-    unsaved = [f"request {rid}: its asynchronous save was never reported" for rid in saves if rid not in reported]
+    unsaved = [_unreported_save(r, rid) for rid in saves if rid not in reported]
     if saves or bad_ids:
         out.append(result(scenario, ctx, "finished-ids", not bad_ids and not unsaved,
                           bad_ids + unsaved or [f"{len(saves)} asynchronous saves reported once each"]))
     return out
+
+
+def _unreported_save(r: Run, request_id: int) -> str:
+    """Why a request's asynchronous save is not done: what the engine's save timeout said when it
+    failed the request (`request 3 waits for its asynchronous save, which ... within 5 s`)."""
+    state = r.state(request_id)
+    if state.failure is FailureReason.STUCK_IN_TRANSMISSION and state.error:
+        return state.error.removeprefix(f"{FailureReason.STUCK_IN_TRANSMISSION.value}: ")
+    return f"request {request_id}: its asynchronous save was never reported"
 
 
 def judge_answers(scenario: str, ctx: Context, r: Run, always: bool = False) -> list[CheckResult]:

@@ -272,6 +272,35 @@ class AsyncWorker(HostConnectorWorker):
             self.save(self.meta.saves)
 
 
+# integrity (final-pass blocks): copies each pass's saves one pass late, at the next start_load_kv,
+# without asking the runtime to keep the pages: the blocks a request completes in its last pass are
+# copied after their pages were released (while it runs on, its pages are still its own)
+class DefersSavesWorker(HostConnectorWorker):
+    def __init__(self, llm_args):
+        super().__init__(llm_args)
+        self._late: list[PageTransfer] = []
+
+    def start_load_kv(self, stream):
+        late, self._late = self._late, []
+        if late:
+            self.save(late)
+        super().start_load_kv(stream)
+
+    def wait_for_save(self, stream):
+        self._late += self.meta.saves
+
+
+# finished-ids (a save never reported): request_finished answers True for every request with saves
+# in the background, and get_finished never names them
+class NeverReportsSaveWorker(HostConnectorWorker):
+    def __init__(self, llm_args):
+        super().__init__(_async_args(llm_args))
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        _, loaded = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        return [], loaded
+
+
 # registration: refuses every layout
 class LayoutRejecter(HostConnectorWorker):
     def register_kv_cache_layout(self, layout):
@@ -290,6 +319,7 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "integrity (local match)": ("AssumesAlignedMatch", "Worker"),
     "integrity (moved blocks)": ("UnchainedKeys", "Worker"),
     "integrity (multi-turn)": ("SavesUnwrittenAnswer", "AsyncWorker"),
+    "integrity (final-pass blocks)": ("HostConnectorScheduler", "DefersSavesWorker"),
     "integrity (failed requests)": ("HostConnectorScheduler", "LoadRaisesWorker"),
     "load-completes": ("NeverFinishesLoad", "NeverFinishesLoadWorker"),
     "finished-ids": ("AsyncScheduler", "RepeatsFinishedWorker"),
