@@ -208,8 +208,6 @@ def test_knock_on_names_the_earlier_failure():
     assert knock_on(Run(_Engine([])), "no failure could be injected") == "no failure could be injected"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the lead's edit of kvtool/validate/scenarios.py _judge_survival: "
-                                       "[knock_on(r, 'no failure could be injected')]")
 def test_no_injected_failure_is_a_knock_on_of_the_connectors_own():
     results = validate_tiny(HostConnectorScheduler, StoreUnreachable, ["hook-raises"])
     survival = only(results, "hook-raises", "survives-hook-failure")

@@ -28,8 +28,8 @@ from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model, shard_model
 from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
-                                     judge_integrity, judge_warm_hit, reference_tokens, result, run, skipped,
-                                     tokens)
+                                     judge_integrity, judge_warm_hit, knock_on, reference_tokens, result, run,
+                                     skipped, tokens)
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
@@ -460,7 +460,7 @@ def _take_free_slots(engine: Engine):
 def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int]) -> CheckResult:
     if r.error:
         return result("hook-raises", ctx, "survives-hook-failure", False, [f"the run stopped: {r.error}"])
-    evidence = [] if injected else ["no failure could be injected"]
+    evidence = [] if injected else [knock_on(r, "no failure could be injected")]
     already_wrong = set(baseline.engine.fake.errors_by_request) if baseline.engine else set()
     newly_wrong = set(r.engine.fake.errors_by_request) - already_wrong
     evidence += [f"after the failure: {i.describe()}" for i in r.engine.fake.issues if i.request_id in newly_wrong][:5]
