@@ -4,6 +4,8 @@ caught. A scenario change that stops producing a case turns this red."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvtool.connectors.registry import load_connector
@@ -58,3 +60,15 @@ def test_sharing_cases_are_named_by_the_first_difference():
     assert hook_cases.sharing_case(a[:4] + [99], a, T) == "prompts: diverge on a block boundary"
     assert hook_cases.sharing_case([99] + a, a, T) == "prompts: share no first block"
     assert hook_cases.moved_block(a[4:8] + a[:4], a, T) and not hook_cases.moved_block(a[:4] + [99] * 4, a, T)
+
+
+def test_a_real_models_sliding_window_is_reached():
+    """A gemma-3-1b-like layout (a 512-token window, hundreds of 4-token blocks): `vswa-live-pages`
+    runs at a block size where its prompts pass the window, so page lists hold BAD_PAGE_INDEX there
+    as they do on tiny-vswa."""
+    config = Path(__file__).resolve().parent / "data" / "hf_configs" / "gemma3-1b-like-6-layers" / "config.json"
+    spec = load_connector("tests.helpers.hook_cases:RecordingScheduler:RecordingWorker")
+    hook_cases.RECORDED.clear()
+    results = run_all([Context(spec, str(config), load_timeout=1.0)], ["vswa-live-pages"], 60, isolated=False)
+    assert [(r.check, r.verdict.value) for r in results] == [("registration", "pass"), ("integrity", "pass")]
+    assert "alloc: a page list holds BAD_PAGE_INDEX" in hook_cases.RECORDED

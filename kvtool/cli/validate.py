@@ -56,6 +56,9 @@ def validate(
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
     load_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous load "
                                                 "may stay in flight before load-completes fails it.")] = 5.0,
+    save_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous save "
+                                                "(request_finished answered True) may stay unreported by get_finished "
+                                                "before finished-ids fails it.")] = 5.0,
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
@@ -114,8 +117,10 @@ def validate(
               compat, timeout)
     spec = load_connector(_absolute(target), compat)
     options = tuple(connector_options(spec, connector_opt).items())
+    if not math.isfinite(save_timeout) or save_timeout <= 0:
+        raise InputError(f"--save-timeout must be a positive number of seconds, got {save_timeout}")
     contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
-                        strict) for m in models]
+                        strict, save_timeout=save_timeout) for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
                       on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))

@@ -17,6 +17,7 @@ from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
+from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
 from kvtool.validate.results import CheckResult, Verdict, verdict
 
@@ -182,7 +183,11 @@ def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None
     model, tpb, seed, draft_tokens = ctx_key
     ctx = Context(ConnectorSpec("none", object, object, ""), model, tpb, (), seed,   # one rank: digests add up
                   draft_tokens=draft_tokens)
-    result = run(ctx, list(requests), num_slots=1024, chunk_size=chunk_size, local_reuse=True, connector=False)
+    # room for every request at once (never squeezed), and no more: a block of a real model's layout
+    # at a window-sized block size is megabytes
+    blocks = sum(-(-(len(q.tokens) + q.max_new_tokens + draft_tokens) // tpb) for q in requests)
+    num_slots = min(1024, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)   # pages a block takes <= groups
+    result = run(ctx, list(requests), num_slots=num_slots, chunk_size=chunk_size, local_reuse=True, connector=False)
     return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
 
 

@@ -6,15 +6,11 @@ validate` says so in words on one rank and on several (`harness.offers_from_else
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
-_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dict_connector.py"
-_spec = importlib.util.spec_from_file_location("kvtool_example_dict_connector", _EXAMPLE)
-_example = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
-if not hasattr(_example, "DictConnectorScheduler"):
-    _spec.loader.exec_module(_example)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from dict_connector import DictConnectorScheduler, DictConnectorWorker  # noqa: E402
 
 STORED: dict[bytes, set[int]] = {}
 """Key -> layer groups holding it (the scheduler's index), for the life of the process."""
@@ -22,13 +18,13 @@ BLOCKS: dict[tuple, list] = {}
 """(key, layer group) -> the block's bytes per region (the worker's store), for the life of the process."""
 
 
-class ModuleStoreScheduler(_example.DictConnectorScheduler):
+class ModuleStoreScheduler(DictConnectorScheduler):
     def __init__(self, llm_args) -> None:
         super().__init__(llm_args)
         self._stored = STORED
 
 
-class ModuleStoreWorker(_example.DictConnectorWorker):
+class ModuleStoreWorker(DictConnectorWorker):
     def __init__(self, llm_args) -> None:
         super().__init__(llm_args)
         self._blocks = BLOCKS
