@@ -25,7 +25,6 @@ from kvtool.engine.events import Ask
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.manager.layer_groups import plan_layer_groups
-from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model, shard_model
 from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
                                      judge_integrity, judge_warm_hit, knock_on, reference_tokens, result, run,
