@@ -104,3 +104,27 @@ def test_trace_run_with_drafts_replays_in_fewer_iterations_with_right_bytes(tmp_
     assert summaries[3]["connector_hit_tokens"] > 0
     bad = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--draft-tokens", "2", "--acceptance", "1.5"])
     assert bad.exit_code == 2 and "--acceptance is a probability" in bad.output
+
+
+def test_rewound_prefix_hashes_equal_a_fresh_build_whatever_was_read_before():
+    """A verify pass hashes drafts; after the rewind the real tokens at those positions must be
+    hashed anew, also when the hash array was read at the longer length before (its cache)."""
+    from kvtool.engine.fingerprint import PrefixHashes
+    tokens, drafts = list(range(1, 21)), [900, 901, 902]
+    for read_between in (False, True):
+        hashes = PrefixHashes(7)
+        hashes.extend_to(tokens[:17] + drafts)
+        hashes.array()
+        hashes.truncate(17)
+        if read_between:
+            hashes.array()
+        hashes.extend_to(tokens)
+        fresh = PrefixHashes(7)
+        fresh.extend_to(tokens)
+        assert hashes.array().tolist() == fresh.array().tolist()
+
+
+def test_checking_every_page_after_each_iteration_does_not_change_what_drafts_generate():
+    runs = [_run(3, spec=None, verify_all_after_iteration=verify) for verify in (False, True)]
+    assert [s.request.generated_token_ids for s in runs[0].states.values()] == \
+        [s.request.generated_token_ids for s in runs[1].states.values()]

@@ -56,6 +56,7 @@ class PrefixHashes:
         if length < len(self._hashes):
             del self._hashes[length:]
             self._state = self._hashes[-1] if self._hashes else self._start
+            self._array = self._array[:length]   # the cache is keyed by length: never serve a draft's hash
 
     def array(self) -> np.ndarray:
         if len(self._array) != len(self._hashes):

@@ -19,7 +19,8 @@ def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, **kwargs):
     scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs)
                                    if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse", "pause_to_grow")})
     config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=num_slots, device="cpu"),
-                          scheduler, check_integrity_every_iteration=True, verify_all_after_iteration=True, **kwargs)
+                          scheduler, **{"check_integrity_every_iteration": True, "verify_all_after_iteration": True,
+                                        **kwargs})
     engine = Engine(config, spec)
     if spec is not None:
         for worker in engine.connector.workers:
