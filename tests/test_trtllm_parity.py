@@ -29,7 +29,6 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime
 from kvtool.engine.request_state import Phase
-from kvtool.engine.scheduler_output import forget_reported
 from kvtool.group_pages import GroupPages
 from tests.helpers.connectors import NoOpWorker
 from tests.helpers.engines import make_engine
@@ -325,7 +324,7 @@ def test_a_replayed_request_is_new_and_whole_while_deltas_stay_deltas_otherwise(
     engine.step()
     assert shape(outputs(mc)[0]) == (1, 0) and outputs(mc)[0].new_requests[0].new_block_ids == [0, 1, 2, 3]
     if replayed:
-        forget_reported(engine.states[1])      # TRT-LLM's reset_request: the allocation was destroyed
+        engine.states[1].forget_reported()      # TRT-LLM's reset_request: the allocation was destroyed
     engine.step()
     second = outputs(mc)[1]
     assert shape(second) == ((1, 0) if replayed else (0, 1))

@@ -172,11 +172,6 @@ class ConnectorRuntime:
         ok, _ = self.call("update_state_after_alloc", hook, request, lists, request_id=request.request_id)
         return ok
 
-    def reset(self, request: Request) -> bool:
-        """`request_reset`: the allocation the connector saw is gone, the request runs again."""
-        ok, _ = self.call("request_reset", self.scheduler.request_reset, request, request_id=request.request_id)
-        return ok
-
     def start_async_load(self, request_id: int) -> None:
         self._new_loading.append(request_id)
         self.num_async_loads += 1

@@ -158,8 +158,13 @@ class RequestState:
         self.kv, self.offer, self.asked, self.position = None, None, False, 0
         self.num_external = self.num_local_hit = 0
         self.delivered_at, self.seen_by_connector = -1, False
-        self.reported_tokens, self.reported_blocks = -1, ()
+        self.forget_reported()
         self.request._pause()
+
+    def forget_reported(self) -> None:
+        """Its allocation is gone and it runs again: its next report to the connector is new and
+        whole (TensorRT-LLM's `reset_request`)."""
+        self.reported_tokens, self.reported_blocks = -1, ()
 
     def end(self, phase: Phase, failure: FailureReason | None = None, error: str | None = None) -> None:
         """-> DONE or FAILED (with its reason), releasing a hold on its pages."""

@@ -9,7 +9,7 @@ from kvtool.engine.scheduler import Batch
 
 def build_scheduler_output(batch: Batch, iteration: int) -> SchedulerOutput:
     """New requests the first time they are reported (everything), cached ones after (deltas);
-    a request whose allocation was destroyed (`forget_reported`) is new again, whole.
+    a request whose allocation was destroyed (`RequestState.forget_reported`) is new again, whole.
 
     Requests loading asynchronously are not in the batch, and dummy requests never are.
     """
@@ -41,9 +41,3 @@ def _request_data(state: RequestState, computed: int, scheduled: int, iteration:
                        new_block_ids_by_layer_group=by_group.as_lists(), cache_salt_id=request.cache_salt_id)
     return data, is_new
 
-
-def forget_reported(state: RequestState) -> None:
-    """The request's allocation is gone and it runs again: its next report is new and whole
-    (TensorRT-LLM's `reset_request`, from `free_resources`)."""
-    state.reported_tokens = -1
-    state.reported_blocks = ()
