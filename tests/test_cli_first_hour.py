@@ -110,6 +110,23 @@ def test_connector_help_on_a_sweep_without_a_connector_names_the_sweeps_own_tier
     assert result.exit_code == 0 and "connector host" in result.stdout          # bytes fidelity's tier
 
 
+
+def test_connector_help_on_the_store_bench_lists_a_file_connectors_options(tmp_path):
+    connector = tmp_path / "opts_connector.py"
+    connector.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\n"
+                         "from dict_connector import DictConnectorScheduler, DictConnectorWorker\n"
+                         "from kvtool.connector.options import ConnectorOption\n"
+                         "class Sched(DictConnectorScheduler):\n"
+                         "    kvtool_options = (ConnectorOption('depth', 'how deep', default='3'),)\n")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", f"{connector}:Sched:DictConnectorWorker",
+                                 "--connector-help", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[1:] == ["  --connector-opt depth: how deep [default: 3]"]
+    assert not out.exists()                                     # printed, nothing measured
+    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", EXAMPLE_TARGET, "--connector-help"])
+    assert result.exit_code == 0 and "declares no options" in result.stdout
+
 # ---- 3. did you mean ---------------------------------------------------------------------------------
 def test_a_mistyped_builtin_connector_gets_a_suggestion():
     result = runner.invoke(app, ["trace", "run", SHIPPED, "--connector", "hots"])

@@ -19,7 +19,7 @@ from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
-from kvtool.cli.common import ExitCode, clean_errors, connector_options, fail, progress_bar
+from kvtool.cli.common import ExitCode, clean_errors, connector_options, fail, print_connector_help, progress_bar
 from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError
@@ -85,6 +85,8 @@ def bench(
                                                   "modules to a connector written against them.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="--suite store: KEY=VALUE for the connector "
                                                      "(repeatable).")] = [],
+    connector_help: Annotated[bool, typer.Option("--connector-help", help="--suite store: list --connector's "
+                                                 "options (what --connector-opt takes), then exit.")] = False,
     with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
                                                                       "while saving.")] = False,
 ) -> None:
@@ -93,6 +95,9 @@ def bench(
     own save and load paths against a raw loop of its store with --suite store --connector NAME (a
     connector of your own: its hooks timed through the engine, a cold then a warm round).
     Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
+    if connector_help:
+        print_connector_help(load_connector(connector, compat))
+        return
     out_dir = prepare_run_folder((output or default_output_dir()).resolve())
     console = Console(stderr=True)
     if suite is Suite.manager:
