@@ -108,7 +108,8 @@ class ForgetfulSched(Sched):
 
 QUICK_BLOCKS = QUICK.prompts * QUICK.blocks
 COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "gbps", "p50_us",
-           "p99_us", "raw_gbps", "ratio", "verified"]
+           "p99_us", "raw_gbps", "ratio", "vs_reference", "verified"]
+REFERENCE = "host (kvtool reference, backend torch)"
 
 
 @pytest.fixture
@@ -123,8 +124,13 @@ def _bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
-def _rows(out: Path) -> list[dict]:
+def _all_rows(out: Path) -> list[dict]:
     return json.loads((out / "results.json").read_text())["rows"]
+
+
+def _rows(out: Path) -> list[dict]:
+    """The connector's own rows (kvtool's reference connector's follow them)."""
+    return [r for r in _all_rows(out) if r["connector"] != REFERENCE]
 
 
 def _line_of(text: str) -> int:
@@ -142,15 +148,20 @@ def test_a_connector_of_ones_own_is_measured_through_the_engine(connector_file, 
     out = tmp_path / "run"
     done = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--format", "json", "--output", str(out))
     assert done.returncode == 0, done.stderr
-    rows = _rows(out)
+    rows = _all_rows(out)
     assert json.loads(done.stdout) == rows
-    assert [list(r) for r in rows] == [COLUMNS, COLUMNS]
+    assert [list(r) for r in rows] == [COLUMNS] * 4
     assert [(r["connector"], r["direction"], r["model"], r["tokens_per_block"], r["block_bytes"], r["blocks"],
-             r["verified"]) for r in rows] == [("dict_connector.py:Sched:Worker", d, "tiny", 16, 8192, QUICK_BLOCKS,
-                                                True) for d in ("save", "load")]
+             r["verified"]) for r in rows] == [(name, d, "tiny", 16, 8192, QUICK_BLOCKS, True)
+                                               for name in ("dict_connector.py:Sched:Worker", REFERENCE)
+                                               for d in ("save", "load")]
     for r in rows:
         assert r["gbps"] > 0 and r["raw_gbps"] > 0 and 0 < r["p50_us"] <= r["p99_us"]
         assert r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=0.01)
+    reference = {r["direction"]: r["gbps"] for r in rows[2:]}
+    assert [r["vs_reference"] for r in rows[2:]] == [1.0, 1.0]
+    for r in rows[:2]:
+        assert r["vs_reference"] == pytest.approx(r["gbps"] / reference[r["direction"]], rel=0.01)
     assert (out / "results.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
 
 
@@ -212,3 +223,10 @@ def test_an_unknown_compat_is_exit_2_in_one_line(connector, tmp_path):
                                  "--output", str(tmp_path)])
     assert result.exit_code == 2
     assert result.stderr.splitlines() == ["kvtool: error: unknown --compat 'vllm'; known: trtllm"]
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error(connector_file, tmp_path):
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--output", str(tmp_path),
+                                 "--connector", f"{connector_file}:Sched:Worker", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "--device cuda needs a CUDA GPU" in result.stderr

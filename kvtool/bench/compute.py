@@ -1,22 +1,30 @@
 """`--with-compute`: what a serving engine feels when a connector saves during prefill.
 
-A bf16 matrix product loop runs on its own stream, first alone, then while the backend saves on a
-high-priority stream for as long as the products run. Reported: the products' slowdown against
-running alone, and the transfer rate under load against the same run's contiguous pinned copy.
+A bf16 matrix product loop runs on its own stream, alone and then while a backend saves on another
+stream for as long as the products run; the two alternate for a few rounds and the medians are
+reported, because an H200's matmul rate drifts by several percent between seconds. Reported per
+variant: the products' slowdown against running alone, the transfer rate under load against the
+same run's contiguous pinned copy (`ratio`), and the slowdown of the **floor** measured in the same
+run: one contiguous copy-engine copy of the same bytes, the least interference a save can cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
-from kvtool.bench.workspace import Direction, geometry, make_workspace
+from kvtool.bench.workspace import Direction, Workspace, geometry, make_workspace
 from kvtool.transfer import get_backend
 
 MATMUL_SIZE = 8192
 HIGH_PRIORITY = -5
+LOW_PRIORITY = 0
+FLOOR = "contiguous"
+"""The floor's pseudo-backend: one `cudaMemcpyAsync` of the whole batch from a contiguous buffer."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +37,22 @@ class Variant:
     persistent matrix product is not sized for SMs the copy kernel occupies."""
 
 
+FLOOR_VARIANT = Variant("floor: one contiguous copy-engine copy", FLOOR)
 VARIANTS = (
-    Variant("kernel 8 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY),)),
     Variant("kernel 2 SMs, high priority", "kernel", (("priority", HIGH_PRIORITY), ("max_sms", 2))),
-    Variant("kernel 8 SMs, default priority", "kernel", ()),
-    Variant("kernel 8 SMs, high priority, cuBLAS carve-out 8", "kernel", (("priority", HIGH_PRIORITY),), 8),
     Variant("kernel 2 SMs, high priority, cuBLAS carve-out 2", "kernel", (("priority", HIGH_PRIORITY),
                                                                          ("max_sms", 2)), 2),
-    Variant("staged, high priority", "staged", (("priority", HIGH_PRIORITY),)),
+    Variant("staged, one chunk, whole-GPU gather (before)", "staged",
+            (("priority", HIGH_PRIORITY), ("chunk_bytes", 0), ("gather_sms", None))),
+    Variant("staged, 4 MiB chunks, 8-SM gather, high priority", "staged", (("priority", HIGH_PRIORITY),)),
+    Variant("staged, 4 MiB chunks, 2-SM gather, high priority", "staged",
+            (("priority", HIGH_PRIORITY), ("gather_sms", 2))),
+    Variant("staged, 4 MiB chunks, 2-SM gather, low priority", "staged",
+            (("priority", LOW_PRIORITY), ("gather_sms", 2))),
+    Variant("staged, 4 MiB chunks, 2-SM gather, graphed", "staged",
+            (("priority", HIGH_PRIORITY), ("gather_sms", 2), ("graphed", True))),
+    Variant("staged, 1 MiB chunks, 1-SM gather, graphed", "staged",
+            (("priority", HIGH_PRIORITY), ("gather_sms", 1), ("chunk_bytes", 1 << 20), ("graphed", True))),
     Variant("batch, high priority", "batch", (("priority", HIGH_PRIORITY),)),
 )
 
@@ -53,42 +69,78 @@ class ComputeRow:
     matmul_tflops_alone: float
     matmul_tflops_with_transfer: float
     matmul_slowdown: float
+    floor_slowdown: float
+    """The same run's floor (one contiguous copy-engine copy of the same bytes)."""
+    over_floor: float
+    """matmul_slowdown - floor_slowdown: what this path costs beyond the physical minimum."""
     transfer_gbps: float
     peak_gbps: float
     ratio: float
     transfer_sms: int
+    rounds: int
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Round:
+    alone_s: float
+    with_transfer_s: float
+    transfer_gbps: float
+
+
 def measure(variant: Variant, model: str, tokens_per_block: int, granularity: str, batch_bytes: int,
-            peak_gbps: float, num_matmuls: int = 60) -> ComputeRow:
+            peak_gbps: float, floor_slowdown: float | None = None, rounds: int = 3,
+            num_matmuls: int = 60) -> ComputeRow:
+    """One variant's row; `floor_slowdown` None measures the floor itself (and reports it as its own)."""
     ws = make_workspace(geometry(model, tokens_per_block, granularity), batch_bytes, torch.device("cuda"))
-    backend = get_backend(variant.backend, **dict(variant.options))
-    prepared = backend.prepare(ws.ops(Direction.SAVE))
+    launch, sms = _launcher(variant, ws)
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     compute_stream, transfer_caller = torch.cuda.Stream(), torch.cuda.Stream()
-    flops = 2 * MATMUL_SIZE ** 3 * num_matmuls
     _matmuls(compute_stream, a, b, 5)
+    per_batch = _transfers(transfer_caller, launch, 5)
     torch.cuda.synchronize()
+    results = [_round(variant, compute_stream, transfer_caller, launch, a, b, num_matmuls, per_batch.elapsed() / 5,
+                      ws) for _ in range(rounds)]
+    alone = statistics.median(r.alone_s for r in results)
+    slowdown = statistics.median(r.with_transfer_s / r.alone_s - 1 for r in results)
+    gbps = statistics.median(r.transfer_gbps for r in results)
+    loaded = statistics.median(r.with_transfer_s for r in results)
+    flops = 2 * MATMUL_SIZE ** 3 * num_matmuls
+    floor = slowdown if floor_slowdown is None else floor_slowdown
+    return ComputeRow(variant.label, variant.backend, Direction.SAVE, model, tokens_per_block, ws.geometry.nbytes,
+                      ws.batch_bytes, round(flops / alone / 1e12, 1), round(flops / loaded / 1e12, 1),
+                      round(slowdown, 4), round(floor, 4), round(slowdown - floor, 4), round(gbps, 3),
+                      round(peak_gbps, 3), round(gbps / peak_gbps, 4), sms, rounds)
+
+
+def _round(variant: Variant, compute_stream, transfer_caller, launch, a, b, num_matmuls: int, batch_s: float,
+           ws: Workspace) -> _Round:
+    """Products alone, then products with saves running for their whole duration."""
     alone = _matmuls(compute_stream, a, b, num_matmuls)
     torch.cuda.synchronize()
-    per_batch = _transfers(transfer_caller, backend, prepared, 5)
-    torch.cuda.synchronize()
-    repeats = max(1, int(alone.elapsed() / per_batch.elapsed() * 5 * 1.1))
+    repeats = max(1, int(alone.elapsed() / batch_s * 1.1))
     with _carveout(variant.sm_carveout):
         _matmuls(compute_stream, a, b, 3)      # cuBLAS picks its kernels for the carve-out
         torch.cuda.synchronize()
         with_matmul = _matmuls(compute_stream, a, b, num_matmuls)
-        under_load = _transfers(transfer_caller, backend, prepared, repeats)
+        under_load = _transfers(transfer_caller, launch, repeats)
         torch.cuda.synchronize()
-    gbps = ws.batch_bytes * repeats / under_load.elapsed() / 1e9
-    return ComputeRow(variant.label, variant.backend, Direction.SAVE, model, tokens_per_block, ws.geometry.nbytes, ws.batch_bytes,
-                      round(flops / alone.elapsed() / 1e12, 1), round(flops / with_matmul.elapsed() / 1e12, 1),
-                      round(with_matmul.elapsed() / alone.elapsed() - 1, 4), round(gbps, 3), round(peak_gbps, 3),
-                      round(gbps / peak_gbps, 4), getattr(backend, "max_sms", 0))
+    return _Round(alone.elapsed(), with_matmul.elapsed(), ws.batch_bytes * repeats / under_load.elapsed() / 1e9)
+
+
+def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], int]:
+    """(launch one batch on the current stream, SMs the path occupies)."""
+    if variant.backend == FLOOR:
+        source = ws.region.tensor[:ws.batch_bytes]
+        host = torch.empty(ws.batch_bytes, dtype=torch.uint8).pin_memory()
+        return (lambda: host.copy_(source, non_blocking=True)), 0
+    backend = get_backend(variant.backend, **dict(variant.options))
+    prepared = backend.prepare(ws.ops(Direction.SAVE))
+    sms = getattr(backend, "gather_sms", None) or getattr(backend, "max_sms", 0)
+    return (lambda: backend.launch(prepared)), sms
 
 
 @contextlib.contextmanager
@@ -124,11 +176,11 @@ def _matmuls(stream: torch.cuda.Stream, a: torch.Tensor, b: torch.Tensor, count:
     return span
 
 
-def _transfers(caller: torch.cuda.Stream, backend, prepared, count: int) -> _Span:
+def _transfers(caller: torch.cuda.Stream, launch: Callable[[], None], count: int) -> _Span:
     span = _Span()
     with torch.cuda.stream(caller):
         span.start.record()
         for _ in range(count):
-            backend.launch(prepared)
+            launch()
         span.end.record()
     return span

@@ -12,8 +12,11 @@ asynchronous load: from its `LoadStarted` event to its `LoadFinished`); its save
 `save_kv_layer` and `wait_for_save` in the pass that computed it (plus, for an asynchronous save,
 `SaveStarted` to `SaveFinished`). GB/s = blocks x layout bytes per block / the union of those
 intervals; p50/p99 over requests. Save blocks: the full prompt blocks the cold round computed; load
-blocks: the blocks the warm round delivered. Raw: one contiguous copy of the same bytes between two
-tensors on the pools' device, median of `repeats`; ratio = GB/s / raw GB/s.
+blocks: the blocks the warm round delivered. Raw: one contiguous copy of the same bytes, median of
+`repeats`: between two tensors in host memory for CPU pools; for GPU pools the link itself, a pinned
+host buffer to or from the GPU in the row's direction; ratio = GB/s / raw GB/s. Reference: kvtool's
+own `host` connector with the best transfer backend for the device (`staged` on a GPU) driven
+through the same protocol in the same run; vs_reference = GB/s / its GB/s in the same direction.
 
 Verified: no integrity error in the fake engine (it checks every byte a pass reads) and each warm
 request generated the cold request's tokens (the fake engine samples from a checksum of the KV).
@@ -79,6 +82,7 @@ class ProtocolRow:
     p99_us: float
     raw_gbps: float
     ratio: float
+    vs_reference: float | None
     verified: bool
 
     def as_dict(self) -> dict:
@@ -161,23 +165,50 @@ class Measured:
 
 
 def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
-                       workload: Workload, repeats: int, device: str = "cpu") -> tuple[list[ProtocolRow], list[str]]:
-    """A save and a load row per block size, and one line per failed check (bytes not verified,
-    nothing served in the warm round). ConnectorError when a connector hook raised or the run
-    stopped; InputError when the connector cannot be constructed or registered."""
+                       workload: Workload, repeats: int, device: str = "cpu",
+                       reference: tuple[ConnectorSpec, dict[str, str]] | None = None
+                       ) -> tuple[list[ProtocolRow], list[str]]:
+    """A save and a load row per block size (then the same for `reference`, the run's yardstick),
+    and one line per failed check (bytes not verified, nothing served in the warm round).
+    ConnectorError when a connector hook raised or the run stopped; InputError when the connector
+    cannot be constructed or registered."""
+    rows, problems = _connector_rows(spec, options, model, tokens_per_block, workload, repeats, device)
+    if reference is None:
+        return rows, problems
+    label = f"{reference[0].name} (kvtool reference, backend {reference[1].get('backend', 'torch')})"
+    ref_rows, ref_problems = _connector_rows(reference[0], reference[1], model, tokens_per_block, workload, repeats,
+                                             device, label)
+    yardstick = {(r.direction, r.tokens_per_block): r.gbps for r in ref_rows}
+    for row in rows + ref_rows:
+        base = yardstick.get((row.direction, row.tokens_per_block))
+        row.vs_reference = _digits(row.gbps / base) if base else None
+    return rows + ref_rows, problems + ref_problems
+
+
+def reference_connector(device: str) -> tuple[ConnectorSpec, dict[str, str]]:
+    """kvtool's `host` connector with the fastest backend the device has (module docstring)."""
+    from kvtool.connectors.registry import BUILTIN_CONNECTORS
+    from kvtool.transfer import available_backends
+    backend = "staged" if device == "cuda" and "staged" in available_backends() else "torch"
+    return BUILTIN_CONNECTORS["host"], {"backend": backend}
+
+
+def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
+                    workload: Workload, repeats: int, device: str,
+                    label: str | None = None) -> tuple[list[ProtocolRow], list[str]]:
     rows, problems = [], []
-    label = connector_label(spec.name)
+    label = label or connector_label(spec.name)
     with store_namespace(label="bench"):      # a shared-server store starts cold and keeps to itself
         for tpb in tokens_per_block:
             with _one_line_errors(label):
                 result = _run_block_size(spec, options, label, model, tpb, workload, device)
             gc.collect()                      # the engine and the connector's store go before the raw copy
-            raw: dict[int, float] = {}
+            raw: dict[tuple[str, int], float] = {}
             for direction, measured in (("save", result.save), ("load", result.load)):
                 nbytes = max(measured.blocks, 1) * result.block_bytes
-                raw.setdefault(nbytes, _raw_gbps(nbytes, repeats, device))
-                rows.append(_row(label, direction, model, tpb, result.block_bytes, measured, raw[nbytes],
-                                 result.issue is None))
+                raw.setdefault((direction, nbytes), _raw_gbps(nbytes, repeats, device, direction))
+                rows.append(_row(label, direction, model, tpb, result.block_bytes, measured,
+                                 raw[(direction, nbytes)], result.issue is None))
             where = f"{label}, {tpb} tokens per block"
             if result.issue is not None:
                 problems.append(f"{where}: not verified: {result.issue}")
@@ -307,18 +338,24 @@ def _check(engine: Engine, cold: _Round, warm: _Round) -> str | None:
     return None
 
 
-def _raw_gbps(nbytes: int, repeats: int, device: str) -> float:
-    """GB/s of one contiguous copy of `nbytes` between two tensors on `device` (median of `repeats`).
-    On a CPU the better of torch's threads and one thread: waking the thread pool costs milliseconds
-    on a busy machine, more than a small copy itself."""
+def _raw_gbps(nbytes: int, repeats: int, device: str, direction: str = "save") -> float:
+    """GB/s of one contiguous copy of `nbytes` (median of `repeats`): on a GPU over the link, from
+    the GPU to pinned host memory for a save and back for a load; on a CPU between two host tensors,
+    the better of torch's threads and one thread (waking the thread pool costs milliseconds on a
+    busy machine, more than a small copy itself)."""
     source = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    target = torch.zeros_like(source)
+    if source.is_cuda:
+        host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+        source, target = (source, host) if direction == "save" else (host, source)
+    else:
+        target = torch.zeros_like(source)
     target.copy_(source)                       # warm-up: first touch of the target's pages
+    cuda = source.is_cuda or target.is_cuda
 
     def median() -> float:
-        return time_repeats(lambda: target.copy_(source), repeats, cuda=source.is_cuda).median
+        return time_repeats(lambda: target.copy_(source, non_blocking=cuda), repeats, cuda=cuda).median
     seconds = median()
-    if not source.is_cuda and torch.get_num_threads() > 1:
+    if not cuda and torch.get_num_threads() > 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -333,7 +370,7 @@ def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, mea
     gbps = measured.blocks * block_bytes / measured.seconds / 1e9 if measured.seconds > 0 else 0.0
     p50, p99 = (np.percentile(np.array(measured.latencies) * 1e6, q) if measured.latencies else 0.0 for q in (50, 99))
     return ProtocolRow(label, direction, model, tpb, block_bytes, measured.blocks, _digits(gbps), round(float(p50), 1),
-                       round(float(p99), 1), _digits(raw_gbps), _digits(gbps / raw_gbps), verified)
+                       round(float(p99), 1), _digits(raw_gbps), _digits(gbps / raw_gbps), None, verified)
 
 
 def _digits(value: float) -> float:

@@ -89,6 +89,9 @@ def bench(
                                                  "options (what --connector-opt takes), then exit.")] = False,
     with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
                                                                       "while saving.")] = False,
+    device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
+                                                  "on cuda every connector is driven through the engine and measured "
+                                                  "against the PCIe link [default: cpu].")] = None,
 ) -> None:
     """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
     link peak measured in the same run; the manager's cost with --suite manager; or a connector's
@@ -108,7 +111,7 @@ def bench(
         return
     if suite is Suite.store:
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
-                     format)
+                     format, _store_device(device))
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -151,9 +154,19 @@ def bench(
 STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 
 
+def _store_device(name: Optional[str]) -> str:
+    if name in (None, "cpu"):
+        return "cpu"
+    if name != "cuda":
+        raise InputError(f"--device must be cpu or cuda, got {name!r}")
+    if not torch.cuda.is_available():
+        raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
+    return name
+
+
 def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
                  tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
-                 out_dir: Path, format: Format) -> None:
+                 out_dir: Path, format: Format, device: str = "cpu") -> None:
     if len(model) > 1:
         raise InputError("--suite store measures one --model at a time")
     name = model[0] if model else "llama-3.1-8b"
@@ -165,11 +178,11 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
     install_compat(compat)
     spec = load_connector(connector, compat)
     options = connector_options(spec, connector_opt)
-    if spec.name not in BUILTIN_CONNECTORS:
+    if spec.name not in BUILTIN_CONNECTORS or device == "cuda":
         if batch_bytes is not None:
-            raise InputError("--batch-bytes sizes the built-in stores' batches; a connector's own run moves "
-                             "whole prompts through the engine")
-        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format)
+            raise InputError("--batch-bytes sizes the built-in stores' batches on a CPU; a run through the engine "
+                             "moves whole prompts")
+        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device)
         return
     sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
     batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
@@ -186,18 +199,20 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
 
 
 def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
-                    quick: bool, out_dir: Path, format: Format) -> None:
-    """`protocol_suite` on a connector the store suite does not know; exit 1 naming the failed check."""
+                    quick: bool, out_dir: Path, format: Format, device: str = "cpu") -> None:
+    """`protocol_suite` on a connector the store suite does not know (or on GPU pages), beside kvtool's
+    reference connector; exit 1 naming the failed check."""
     sizes = tuple(tokens_per_block) or (protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
                                         protocol_suite.TOKENS_PER_BLOCK)
     workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
     rows, problems = protocol_suite.run_protocol_suite(spec, options, model, list(sizes), workload,
-                                                       repeats or (3 if quick else 5))
+                                                       repeats or (3 if quick else 5), device,
+                                                       protocol_suite.reference_connector(device))
     rows = [r.as_dict() for r in rows]
     write_run(out_dir, rows, {}, "store")
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
-                         "a contiguous copy")
+                         f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
     Console(stderr=True).print(f"results in {out_dir}", highlight=False)
     if problems:
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
@@ -217,14 +232,19 @@ def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:
 
 
 def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) -> list[dict]:
+    """Per shape (the first two), the floor first, then every variant of the chosen backends."""
     rows = []
     shapes = list(dict.fromkeys((c.model, c.tokens_per_block, c.granularity, c.batch_bytes) for c in cases))[:2]
-    for variant in [v for v in compute.VARIANTS if v.backend in backends]:
-        for model, tpb, gran, batch in shapes:
-            ws = transfer._workspace(geometry(model, tpb, gran), batch)
-            peak = transfer._peak(ws, Direction.SAVE)
+    variants = [v for v in compute.VARIANTS if v.backend in backends]
+    for model, tpb, gran, batch in shapes:
+        ws = transfer._workspace(geometry(model, tpb, gran), batch)
+        peak = transfer._peak(ws, Direction.SAVE)
+        console.print(f"with compute: {compute.FLOOR_VARIANT.label} {model}/{tpb} {gran}")
+        floor = compute.measure(compute.FLOOR_VARIANT, model, tpb, gran, batch, peak)
+        rows.append(floor.as_dict())
+        for variant in variants:
             console.print(f"with compute: {variant.label} {model}/{tpb} {gran}")
-            rows.append(compute.measure(variant, model, tpb, gran, batch, peak).as_dict())
+            rows.append(compute.measure(variant, model, tpb, gran, batch, peak, floor.matmul_slowdown).as_dict())
     return rows
 
 

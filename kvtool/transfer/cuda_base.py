@@ -1,4 +1,6 @@
-"""What the CUDA backends share: their own stream, ordered against the caller's stream both ways."""
+"""What the CUDA backends share: their own stream, ordered against the caller's stream both ways,
+and (`graphed`) prepared batches captured once as a CUDA graph and replayed with one driver call on
+the caller's stream: no per-launch Python work, no cross-stream events."""
 
 from __future__ import annotations
 
@@ -15,19 +17,25 @@ from kvtool.transfer.api import CopyOp
 class CudaBackendBase:
     name = "cuda"
 
-    def __init__(self, priority: int | None = None) -> None:
+    def __init__(self, priority: int | None = None, graphed: bool = False) -> None:
         self.stream, self.torch_stream = rt.new_stream(priority)
+        self.graphed = graphed
         self._in_flight: deque[tuple[torch.cuda.Event, Any]] = deque()
 
     def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue on the backend's stream after the caller's work; the caller's later work waits."""
+        """Enqueue on the backend's stream after the caller's work; the caller's later work waits.
+        (Never graphed: a graph pays off only for a batch launched many times.)"""
         ops = [op for op in ops if op.src_slots]
         if ops:
-            self.launch(self.prepare(ops), stream)
+            self.launch(self.prepare(ops, graphed=False), stream)
 
     def launch(self, prepared, stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue prepared work: after the caller's stream, and before the caller's later work."""
+        """Enqueue prepared work: after the caller's stream, and before the caller's later work.
+        A graphed batch runs on the caller's stream itself; the caller keeps `prepared` alive."""
         caller = stream or torch.cuda.current_stream()
+        if isinstance(prepared, rt.Graph):
+            prepared.launch(caller.cuda_stream)
+            return
         self.torch_stream.wait_stream(caller)
         self.enqueue(prepared)
         self.keep_until_done(prepared)
@@ -43,11 +51,16 @@ class CudaBackendBase:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()
 
-    def prepare(self, ops: Sequence[CopyOp]):
-        """Host-side work before the launch (descriptor tables); checks host memory is pinned."""
+    def prepare(self, ops: Sequence[CopyOp], graphed: bool | None = None):
+        """Host-side work before the launch (descriptor tables; with `graphed`, default the
+        backend's setting, the batch captured as a CUDA graph); checks host memory is pinned."""
         for op in ops:
             _require_reachable(op)
-        return self.build(ops)
+        built = self.build(ops)
+        if not (self.graphed if graphed is None else graphed):
+            return built
+        torch.cuda.synchronize()    # capture must not see work of other streams still pending
+        return rt.capture(int(self.stream.handle), lambda: self.enqueue(built), built)
 
     def build(self, ops: Sequence[CopyOp]):
         return list(ops)

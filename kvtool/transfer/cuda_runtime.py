@@ -11,6 +11,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -137,3 +138,45 @@ def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, st
         dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
         sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(count), ctypes.byref(attrs), ctypes.byref(index),
         ctypes.c_size_t(1), ctypes.c_void_p(stream_handle)), "cuMemcpyBatchAsync")
+
+
+# ---- CUDA graphs: a prepared batch replayed with one driver call ----------------------------------
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY = 8
+
+
+class Graph:
+    """An instantiated CUDA graph. `keep` holds what its nodes read (descriptor tables, staging):
+    the graph must not outlive them."""
+
+    def __init__(self, graph: int, graph_exec: int, keep: object) -> None:
+        self._graph, self._exec, self.keep = graph, graph_exec, keep
+
+    def launch(self, stream_handle: int) -> None:
+        _check(libcuda().cuGraphLaunch(ctypes.c_void_p(self._exec), ctypes.c_void_p(stream_handle)), "cuGraphLaunch")
+
+    def __del__(self) -> None:
+        try:    # at interpreter exit libcuda may already be gone: nothing to free then
+            libcuda().cuGraphExecDestroy(ctypes.c_void_p(self._exec))
+            libcuda().cuGraphDestroy(ctypes.c_void_p(self._graph))
+        except Exception:   # noqa: BLE001
+            pass
+
+
+def capture(stream_handle: int, enqueue: Callable[[], None], keep: object) -> Graph:
+    """What `enqueue` puts on `stream_handle` (and on streams it forks from there), as a graph.
+    Kernel nodes keep their stream's priority."""
+    lib = libcuda()
+    _check(lib.cuStreamBeginCapture_v2(ctypes.c_void_p(stream_handle), ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)),
+           "cuStreamBeginCapture")
+    graph = ctypes.c_void_p()
+    try:
+        enqueue()
+    finally:
+        ended = lib.cuStreamEndCapture(ctypes.c_void_p(stream_handle), ctypes.byref(graph))
+    _check(ended, "cuStreamEndCapture")
+    graph_exec = ctypes.c_void_p()
+    _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(graph_exec), graph,
+                                           ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)),
+           "cuGraphInstantiate")
+    return Graph(graph.value, graph_exec.value, keep)

@@ -1,7 +1,8 @@
 """`kernel`: zero-copy SM kernels over unified addresses; one launch per batch.
 
 Host transfers run on few SMs (`max_sms` blocks of 1024 threads, about 1 MiB in flight), GPU-to-GPU
-gathers on the whole GPU. Descriptors not 16-byte aligned go to a byte-copy fallback launch.
+gathers on the whole GPU unless `device_max_blocks` caps them (a gather feeding a copy engine at
+PCIe speed needs a few SMs, and every SM it leaves alone is one a matrix product keeps). Descriptors not 16-byte aligned go to a byte-copy fallback launch.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ class KernelBackend(CudaBackendBase):
 
     def __init__(self, max_sms: int = 8, unroll: int = DEFAULT_UNROLL, priority: int | None = None,
                  load_hint: int = 0, store_hint: int = 0, host_threads: int = HOST_THREADS,
-                 device_threads: int = DEVICE_THREADS, device_blocks_per_sm: int = 2) -> None:
-        super().__init__(priority)
+                 device_threads: int = DEVICE_THREADS, device_blocks_per_sm: int = 2,
+                 device_max_blocks: int | None = None, graphed: bool = False) -> None:
+        super().__init__(priority, graphed)
         self.max_sms = max_sms
         self.unroll = unroll
         self.host_threads = host_threads
         self.device_threads = device_threads
         self.device_blocks_per_sm = device_blocks_per_sm
+        self.device_max_blocks = device_max_blocks
         defines = (("KVTOOL_UNROLL", unroll), ("KVTOOL_LOAD_HINT", load_hint), ("KVTOOL_STORE_HINT", store_hint))
         self._vector = rt.kernel("copy_pages.cu", "copy_pages_vec16", defines)
         self._bytes = rt.kernel("copy_pages.cu", "copy_pages_bytes", defines)
@@ -52,7 +55,7 @@ class KernelBackend(CudaBackendBase):
     def build(self, ops: Sequence[CopyOp]) -> list[Launch]:
         host = any(is_host(op) for op in ops)
         threads = self.host_threads if host else self.device_threads
-        cap = self.max_sms if host else self.device_blocks_per_sm * rt.num_sms()
+        cap = self.max_sms if host else (self.device_max_blocks or self.device_blocks_per_sm * rt.num_sms())
         vector, fallback = tables_for(ops, self.unroll)
         return [self._upload(fn, table, threads, cap) for fn, table in ((self._vector, vector), (self._bytes, fallback))
                 if len(table)]
@@ -64,9 +67,11 @@ class KernelBackend(CudaBackendBase):
         return Launch(function, descs, starts, len(table), table.num_chunks, table.chunks_per_desc,
                       grid_blocks(table.num_chunks, threads, cap), threads)
 
-    def enqueue(self, prepared: list[Launch]) -> None:
+    def enqueue(self, prepared: list[Launch], stream=None) -> None:
+        """Launch on `stream` (a PyCUDA stream; default the backend's own), with no ordering of its own."""
+        stream = stream or self.stream
         for launch in prepared:
             launch.function(np.uintp(launch.descs.data_ptr()), np.uintp(launch.chunk_start.data_ptr()),
                             np.int32(launch.num_descs), np.uint64(launch.num_chunks),
                             np.uint64(launch.chunks_per_desc),
-                            block=(launch.threads, 1, 1), grid=(launch.blocks, 1), stream=self.stream)
+                            block=(launch.threads, 1, 1), grid=(launch.blocks, 1), stream=stream)

@@ -1,14 +1,19 @@
 """`staged`: a GPU gather into a contiguous staging buffer, then copy-engine copies on their own
-stream (and the reverse for loads). Two SM kernels streaming over PCIe in opposite directions fight
-over the link; copy engines in opposite directions do not, so this keeps both directions fast when
-saves and loads overlap. The host side is copied in runs of consecutive slots (one strided 2D copy
-per run), so it is fast when a connector gives a batch consecutive store slots.
+stream (and the reverse for loads), pipelined in chunks.
+
+Why: two SM kernels streaming over PCIe in opposite directions fight over the link; copy engines in
+opposite directions do not. Why chunks: with one gather of the whole batch before one copy, the
+link idles while the gather runs; with `chunk_bytes` chunks the copy engine starts after the first
+chunk's gather and the gathers of later chunks run beside it. Why few SMs (`gather_sms`): a gather
+that only has to stay ahead of a 55 GB/s link needs a few SMs, and every SM it leaves alone is one
+a concurrent prefill keeps. The host side is copied in runs of consecutive slots (one strided 2D
+copy per run), so it is fast when a connector gives a batch consecutive store slots.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -21,29 +26,46 @@ from kvtool.transfer.cuda_base import CudaBackendBase
 from kvtool.transfer.descriptors import slot_runs
 from kvtool.transfer.kernel_backend import KernelBackend
 
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_GATHER_SMS = 8
+GATHER_BLOCKS_PER_SM = 2
+
 
 class _PlanKind(enum.Enum):
     DEVICE = "device"     # GPU to GPU: the kernel alone
-    SAVE = "save"         # kernel gathers into staging, then copy-engine runs to the host
-    LOAD = "load"         # copy-engine runs from the host into staging, then the kernel scatters
+    SAVE = "save"         # kernel gathers a chunk into staging, a copy engine moves it to the host
+    LOAD = "load"         # a copy engine moves a chunk into staging, the kernel scatters it
+
+
+@dataclass
+class _Chunk:
+    kernel: list                                  # the prepared gather / scatter launch
+    runs: list[tuple[int, int, int, int]]
+    """(host address, host pitch, staging address, rows) of each run of consecutive host slots."""
+    ready: object = field(default_factory=lambda: rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING))
 
 
 @dataclass
 class _Plan:
     kind: _PlanKind
-    kernel: list                    # the prepared gather / scatter launch
+    chunks: list[_Chunk]
     staging: PageSpace | None = None
-    runs: list[tuple[int, int, int, int]] | None = None
-    """(host address, host pitch, staging address, rows) of each run of consecutive host slots."""
     row_bytes: int = 0
+    joined: object = field(default_factory=lambda: rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING))
 
 
 class StagedBackend(CudaBackendBase):
     name = "staged"
 
-    def __init__(self, priority: int | None = None) -> None:
-        super().__init__(priority)
-        self._gather = KernelBackend(max_sms=rt.num_sms())
+    def __init__(self, priority: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 gather_sms: int | None = DEFAULT_GATHER_SMS, graphed: bool = False) -> None:
+        """`chunk_bytes` 0: one chunk per batch (no pipelining); `gather_sms` None: the whole GPU."""
+        super().__init__(priority, graphed)
+        self.chunk_bytes = chunk_bytes
+        self.gather_sms = gather_sms
+        blocks = None if gather_sms is None else gather_sms * GATHER_BLOCKS_PER_SM
+        self._gather = KernelBackend(max_sms=rt.num_sms(), device_max_blocks=blocks)
+        self._device = KernelBackend()      # a plain GPU-to-GPU copy is not rate-limited by a link
         self._copy_stream, self._copy_torch_stream = rt.new_stream(priority)
 
     def build(self, ops: Sequence[CopyOp]) -> list[_Plan]:
@@ -54,38 +76,60 @@ class StagedBackend(CudaBackendBase):
         if src_host and dst_host:
             raise LogicError("the staged backend moves data to or from the GPU")
         if not src_host and not dst_host:
-            return _Plan(_PlanKind.DEVICE, self._gather.build([op]))
+            return _Plan(_PlanKind.DEVICE, [_Chunk(self._device.build([op]), [])])
         host_slots = np.asarray(op.dst_slots if dst_host else op.src_slots)
+        gpu_slots = np.asarray(op.src_slots if dst_host else op.dst_slots)
         order = np.argsort(host_slots, kind="stable")
         staging = PageSpace.contiguous(torch.empty(len(order) * op.nbytes, dtype=torch.uint8, device="cuda"),
                                        op.nbytes)
-        rows = tuple(range(len(order)))
         host, host_offset = (op.dst, op.dst_offset) if dst_host else (op.src, op.src_offset)
-        runs = [(host.address(int(host_slots[order[start]]), host_offset), host.stride, staging.address(start), length)
-                for start, length in slot_runs(host_slots[order])]
-        if dst_host:
-            gather = CopyOp(op.src, staging, tuple(np.asarray(op.src_slots)[order].tolist()), rows, op.nbytes,
-                            op.src_offset, 0)
-            return _Plan(_PlanKind.SAVE, self._gather.build([gather]), staging, runs, op.nbytes)
-        scatter = CopyOp(staging, op.dst, rows, tuple(np.asarray(op.dst_slots)[order].tolist()), op.nbytes,
-                         0, op.dst_offset)
-        return _Plan(_PlanKind.LOAD, self._gather.build([scatter]), staging, runs, op.nbytes)
+        per_chunk = max(1, self.chunk_bytes // op.nbytes) if self.chunk_bytes else len(order)
+        chunks = []
+        for first in range(0, len(order), per_chunk):
+            rows = tuple(range(first, min(first + per_chunk, len(order))))
+            chunk_order = order[rows[0]:rows[-1] + 1]
+            runs = [(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
+                     staging.address(rows[0] + start), length)
+                    for start, length in slot_runs(host_slots[chunk_order])]
+            gpu = tuple(gpu_slots[chunk_order].tolist())
+            kernel_op = (CopyOp(op.src, staging, gpu, rows, op.nbytes, op.src_offset, 0) if dst_host else
+                         CopyOp(staging, op.dst, rows, gpu, op.nbytes, 0, op.dst_offset))
+            chunks.append(_Chunk(self._gather.build([kernel_op]), runs))
+        return _Plan(_PlanKind.SAVE if dst_host else _PlanKind.LOAD, chunks, staging, op.nbytes)
 
     def enqueue(self, prepared: list[_Plan]) -> None:
         for plan in prepared:
-            if plan.kind is _PlanKind.LOAD:
-                self._host_copies(plan, to_host=False)
-            self._gather.launch(plan.kernel, self.torch_stream)
-            if plan.kind is _PlanKind.SAVE:
-                self._host_copies(plan, to_host=True)
-
-    def _host_copies(self, plan: _Plan, to_host: bool) -> None:
-        """Copy-engine copies of every run, on the copy stream, between two waits."""
-        self._copy_torch_stream.wait_stream(self.torch_stream)
-        handle = int(self._copy_stream.handle)
-        for host, pitch, staging, rows in plan.runs:
-            if to_host:
-                rt.memcpy_2d_async(host, pitch, staging, plan.row_bytes, plan.row_bytes, rows, handle)
+            if plan.kind is _PlanKind.DEVICE:
+                self._device.enqueue(plan.chunks[0].kernel, self.stream)
+            elif plan.kind is _PlanKind.SAVE:
+                self._save(plan)
             else:
-                rt.memcpy_2d_async(staging, plan.row_bytes, host, pitch, plan.row_bytes, rows, handle)
-        self.torch_stream.wait_stream(self._copy_torch_stream)
+                self._load(plan)
+
+    def _save(self, plan: _Plan) -> None:
+        """Gather chunk i on the backend's stream; the copy stream moves it once it is gathered."""
+        for chunk in plan.chunks:
+            self._gather.enqueue(chunk.kernel, self.stream)
+            chunk.ready.record(self.stream)
+            self._copy_stream.wait_for_event(chunk.ready)
+            self._host_copies(chunk, plan.row_bytes, to_host=True)
+        plan.joined.record(self._copy_stream)
+        self.stream.wait_for_event(plan.joined)
+
+    def _load(self, plan: _Plan) -> None:
+        """Copy chunk i into staging on the copy stream; the backend's stream scatters it once landed."""
+        plan.joined.record(self.stream)     # the copies may overwrite staging only after earlier work
+        self._copy_stream.wait_for_event(plan.joined)
+        for chunk in plan.chunks:
+            self._host_copies(chunk, plan.row_bytes, to_host=False)
+            chunk.ready.record(self._copy_stream)
+            self.stream.wait_for_event(chunk.ready)
+            self._gather.enqueue(chunk.kernel, self.stream)
+
+    def _host_copies(self, chunk: _Chunk, row_bytes: int, to_host: bool) -> None:
+        handle = int(self._copy_stream.handle)
+        for host, pitch, staging, rows in chunk.runs:
+            if to_host:
+                rt.memcpy_2d_async(host, pitch, staging, row_bytes, row_bytes, rows, handle)
+            else:
+                rt.memcpy_2d_async(staging, row_bytes, host, pitch, row_bytes, rows, handle)
