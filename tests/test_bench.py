@@ -119,3 +119,45 @@ def test_store_suite_round_trips_the_bytes_and_reports_the_ratio(tmp_path, conne
 def test_store_suite_refuses_a_store_it_has_no_raw_loop_for(tmp_path):
     result = runner.invoke(app, ["bench", "--suite", "store", "--connector", "index", "--output", str(tmp_path)])
     assert result.exit_code == 2 and "measures host" in result.output
+
+
+def _plot_rows() -> list[dict]:
+    """Two models x two granularities x two block sizes: each layout has chunk sizes of its own, and
+    GB/s that fall with the chunk in one layout and rise in another (one line across them zig-zags)."""
+    rows = []
+    for model, granularity, chunk, slope in [("llama-3.1-8b", "slot", 1 << 19, 1), ("llama-3.1-8b", "layer", 1 << 14, -1),
+                                             ("gpt-oss-20b", "slot", 3 << 16, 2), ("gpt-oss-20b", "layer", 1 << 13, -1)]:
+        for direction in ("save", "load"):
+            for tpb in (4, 16):
+                for backend, scale in (("torch", 1.0), ("kernel", 10.0)):
+                    rows.append({"backend": backend, "direction": direction, "granularity": granularity,
+                                 "model": model, "tokens_per_block": tpb, "chunk_bytes": chunk * tpb // 4,
+                                 "gbps": scale * (20 + slope * tpb), "peak_gbps": 500.0 + tpb})
+    return rows
+
+
+def test_the_plot_draws_a_line_per_backend_in_a_panel_per_model_granularity_and_direction():
+    from kvtool.report.bench_plot import PEAK_LABEL, figure
+    rows = _plot_rows()[:-4]          # gpt-oss-20b layer has no load rows
+    fig = figure(rows, "cpu")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"{d} · {m} · {g}" for m, g in [("llama-3.1-8b", "slot"), ("llama-3.1-8b", "layer"),
+                                                      ("gpt-oss-20b", "slot"), ("gpt-oss-20b", "layer")]
+                      for d in ("save", "load")]
+    colours = {}
+    for ax in fig.axes[:-1]:
+        direction, model, granularity = ax.get_title().split(" · ")
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == ["kernel", "torch", PEAK_LABEL]
+        mine = [r for r in rows if (r["direction"], r["model"], r["granularity"]) == (direction, model, granularity)]
+        for line in lines[:2]:
+            points = sorted((r["chunk_bytes"], r["gbps"]) for r in mine if r["backend"] == line.get_label())
+            assert list(zip(line.get_xdata(), line.get_ydata())) == points and len(points) == 2
+            assert colours.setdefault(line.get_label(), line.get_color()) == line.get_color()
+        peak = lines[2]
+        assert peak.get_linestyle() == "--" and list(peak.get_ydata()) == [504.0, 516.0]
+    assert not fig.axes[-1].get_lines() and fig.axes[-1].texts[0].get_text() == "not measured"
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["kernel", "torch", PEAK_LABEL]
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -11,6 +11,7 @@ import pandas as pd
 from rich.table import Table
 
 from kvtool.errors import InputError
+from kvtool.report.bench_plot import plot
 from kvtool.report.run_folder import device_info, write_meta
 
 ROW_KEYS = ("backend", "direction", "granularity", "model", "tokens_per_block", "chunk_bytes", "batch_bytes",
@@ -36,35 +37,6 @@ def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], s
         plot(rows, directory / "gbps_vs_chunk.png", device.get("name", ""))
     write_meta(directory, suite, device)
     return device
-
-
-def plot(rows: list[dict], path: Path, device_name: str) -> None:
-    """GB/s against chunk size per backend, one panel per direction, the measured peak dashed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    frame = pd.DataFrame(rows)
-    directions = list(dict.fromkeys(frame["direction"]))
-    fig, axes = plt.subplots(1, len(directions), figsize=(5 * len(directions), 4), squeeze=False)
-    for ax, direction in zip(axes[0], directions):
-        part = frame[frame["direction"] == direction]
-        for backend, group in part.groupby("backend"):
-            best = group.groupby("chunk_bytes")["gbps"].max()
-            ax.plot(best.index, best.values, marker="o", label=backend)
-        peak = part.groupby("chunk_bytes")["peak_gbps"].median()
-        ax.plot(peak.index, peak.values, "k--", label="contiguous copy (peak)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("chunk bytes")
-        ax.set_ylabel("GB/s")
-        ax.set_title(direction)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(f"kvtool bench · {device_name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "model": "model",
