@@ -22,6 +22,7 @@ import torch
 from kvtool.bench import compute
 from kvtool.bench.transfer_suite import Case, TransferSuite
 from kvtool.bench.workspace import Direction, geometry
+from kvtool.report.bench_plot import plot
 from kvtool.report.bench_report import write_run
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.units import parse_size
@@ -60,7 +61,10 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
     extra = {} if args.skip_compute else {"compute": _compute_rows(suite, batch)}
-    write_run(out, rows, extra, "transfer")
+    measured = [r for r in rows if "error" not in r]
+    if measured:
+        plot(measured, out / "gbps_vs_chunk.png", torch.cuda.get_device_name())
+    write_run(out, rows, extra, "link-study")
     print(f"results in {out}")
 
 
