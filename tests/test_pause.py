@@ -69,3 +69,44 @@ def test_pause_replay_passes_the_example_and_catches_a_connector_keeping_old_pag
     assert [r.verdict.value for r in good] == ["pass", "pass"] and "paused: request 2 1x" in good[0].evidence[0]
     bad = pause_replay(Context(load_connector(PAUSING, {}), "tiny"))
     assert bad[0].verdict.value == "fail" and "request 12, layer group 0, block 0" in bad[0].evidence[0]
+
+
+PAGE_TABLE = "tests/helpers/broken_pause_connectors.py:NamesBlocksByOrdinal:PageTableWorker"
+
+
+def test_pause_replay_catches_a_worker_page_table_that_keeps_a_replayed_requests_first_block_list():
+    """Issue 25: the worker's page table (request id -> pages) takes an id's first `new_requests`
+    report and then only `cached_requests` deltas; the replay, reported new with a new block list,
+    saves its recomputed block from the old page (someone else's now) under its key, and the repeat
+    of its conversation loads those bytes. Every other scenario passes as the example does."""
+    import re
+    from kvtool.validate.runner import run_all
+    from kvtool.validate.scenarios import SCENARIOS
+    spec = load_connector(PAGE_TABLE, {})
+    results = run_all([Context(spec, m, load_timeout=1.0) for m in ("tiny", "tiny-vswa")], list(SCENARIOS), 60,
+                      isolated=False)
+    assert {(r.scenario, r.model, r.check) for r in results if r.failed} == \
+        {("pause-replay", "tiny", "integrity"), ("pause-replay", "tiny-vswa", "integrity")}
+    for r in results:
+        if r.scenario == "pause-replay" and r.check == "integrity":
+            assert re.match(r"request 12, layer group \d, block 4, .*: mismatch", r.evidence[0]), r.evidence[:2]
+        if r.scenario == "pause-replay" and r.check == "warm-hit":
+            assert r.verdict.value == "miss" and "bytes it loaded were wrong" in r.evidence[0]
+
+
+def test_the_page_table_worker_passes_pause_replay_once_it_takes_the_replays_new_report():
+    """The failure above is the ignored report and nothing else: the same worker taking every
+    `new_requests` report whole passes."""
+    from dataclasses import replace
+    spec = load_connector(PAGE_TABLE, {})
+
+    class TakesEveryNewReport(spec.worker_class):
+        def start_load_kv(self, stream):
+            for rid, is_new, _ in self._metadata.reports:
+                if is_new:
+                    self._pages.pop(rid, None)
+            super().start_load_kv(stream)
+
+    for model in ("tiny", "tiny-vswa"):
+        fixed = pause_replay(Context(replace(spec, worker_class=TakesEveryNewReport), model))
+        assert [r.verdict.value for r in fixed] == ["pass", "pass"] and "request 2 1x" in fixed[0].evidence[0]
