@@ -123,3 +123,27 @@ def test_cuda_sources_compile_for_sm90(source, tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert "spill" not in done.stderr or "0 bytes spill stores" in done.stderr
+
+
+def test_pipeline_chunks_grow_from_the_first_size_to_the_cap_and_cover_every_row_once():
+    from kvtool.transfer.descriptors import pipeline_chunks
+    assert pipeline_chunks(4096, 16384, 1 << 20, 8 << 20) == [
+        (0, 64), (64, 128), (192, 256), (448, 512), (960, 512), (1472, 512), (1984, 512), (2496, 512),
+        (3008, 512), (3520, 512), (4032, 64)]
+    assert pipeline_chunks(10, 100, 1 << 20, 0) == [(0, 10)]          # 0: one chunk, no pipelining
+    assert pipeline_chunks(3, 2 << 20, 1 << 20, 8 << 20) == [(0, 1), (1, 2)]   # rows larger than a chunk
+    assert pipeline_chunks(0, 100, 1000, 1000) == []
+
+
+def test_auto_backend_is_torch_for_pages_in_host_memory():
+    from kvtool.transfer.registry import best_backend
+    assert best_backend(torch.device("cpu")) == "torch"
+
+
+def test_the_store_connectors_take_auto_as_their_backend_by_default():
+    from kvtool.connectors.store_scheduler import STORE_OPTIONS
+    backend = next(o for o in STORE_OPTIONS if o.name == "backend")
+    assert backend.default == "auto"
+    backend.check("auto")
+    with pytest.raises(ValueError, match="known: auto, torch"):
+        backend.check("nope")

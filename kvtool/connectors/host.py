@@ -3,7 +3,8 @@
 The scheduler owns the index (which entry sits in which store slot, LRU order, pins), so the
 worker only moves bytes: one batched copy per layer group and region, never a loop per page.
 Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `mode`
-(`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `torch`).
+(`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `auto`: `staged` for GPU
+pages where PyCUDA runs, else `torch`).
 """
 
 from __future__ import annotations

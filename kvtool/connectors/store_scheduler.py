@@ -29,20 +29,20 @@ from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, chain_keys, root_key, tokens_bytes
-from kvtool.transfer.registry import backend_names
+from kvtool.transfer.registry import AUTO, backend_names
 from kvtool.types import BAD_PAGE_INDEX
 
 
 def _known_backend(name: str) -> None:
-    if name not in backend_names():
-        raise ValueError(f"no transfer backend {name!r}; known: {', '.join(backend_names())}")
+    if name != AUTO and name not in backend_names():
+        raise ValueError(f"no transfer backend {name!r}; known: {AUTO}, {', '.join(backend_names())}")
 
 
 STORE_OPTIONS = (
     ConnectorOption("mode", "when blocks move: around the pass (sync), in the background (async), "
                             "or one layer at a time (layerwise)", "sync", tuple(m.value for m in StoreMode)),
-    ConnectorOption("backend", "the transfer backend that moves the bytes (see kvtool bench)", "torch",
-                    check=_known_backend),
+    ConnectorOption("backend", "the transfer backend that moves the bytes (see kvtool bench); auto: staged for "
+                               "pages on a GPU with PyCUDA, torch otherwise", AUTO, check=_known_backend),
 )
 
 

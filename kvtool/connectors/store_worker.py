@@ -24,6 +24,7 @@ from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.transfer import TransferBackend, get_backend
+from kvtool.transfer.registry import AUTO, best_backend
 from kvtool.transfer.api import CopyOp, PageSpace
 
 
@@ -31,7 +32,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         self.mode = store_mode(llm_args.connector_options)
-        self.backend_name = llm_args.connector_options.get("backend", "torch")
+        self.backend_name = llm_args.connector_options.get("backend", AUTO)
         self.layout: KvCacheLayout | None = None
         self.backend: TransferBackend | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -43,6 +44,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
         self.layout = layout
+        if self.backend_name == AUTO:
+            self.backend_name = best_backend(layout.group(0).regions[0].as_tensor().device)
         self.backend = get_backend(self.backend_name)
         self.open_store(layout)
 
@@ -149,7 +152,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def staging_rows(self, transfers: Sequence[PageTransfer]) -> tuple[dict[int, PageSpace], list[int]]:
         """A CPU row per transfer, one buffer per layer group: where a store that hands out bytes
-        (files, a server) puts them on their way to or from the pages."""
+        (files, a server) puts them on their way to or from the pages; pinned for a CUDA backend,
+        which reaches host memory only when it is pinned (torch's pinned cache reuses the buffers)."""
         counts: dict[int, int] = {}
         rows = []
         for t in transfers:
@@ -158,7 +162,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         staging = {}
         for g, n in counts.items():
             size = self.layout.group(g).bytes_per_page
-            staging[g] = PageSpace.contiguous(torch.empty(n * size, dtype=torch.uint8), size)
+            pin = self.backend is not None and self.backend.name != "torch"
+            staging[g] = PageSpace.contiguous(torch.empty(n * size, dtype=torch.uint8, pin_memory=pin), size)
         return staging, rows
 
     def load_payloads(self, transfers: Sequence[PageTransfer], layer_id: int | None,

@@ -96,6 +96,26 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def pipeline_chunks(num_rows: int, row_bytes: int, first_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each chunk of a pipelined staged copy: the first chunk about
+    `first_bytes`, each next one twice the last, up to `max_bytes` (0: one chunk of every row).
+    Why growing: the link idles only while the first chunk is gathered, so it is small; every
+    chunk is one more copy-engine call with its own gap, so the rest are large. At least one row
+    per chunk."""
+    if num_rows <= 0:
+        return []
+    if max_bytes <= 0:
+        return [(0, num_rows)]
+    chunks, first, size = [], 0, max(1, min(first_bytes, max_bytes) // row_bytes)
+    cap = max(1, max_bytes // row_bytes)
+    while first < num_rows:
+        rows = min(size, num_rows - first)
+        chunks.append((first, rows))
+        first += rows
+        size = min(size * 2, cap)
+    return chunks
+
+
 def reference_copy(memory: np.ndarray, table: DescriptorTable, base: int) -> None:
     """What the kernels do, on one flat byte array whose address 0 is `base` (tests use it)."""
     for src, dst, nbytes in table.descs.tolist():

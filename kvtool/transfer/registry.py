@@ -18,10 +18,26 @@ _BACKENDS: dict[str, str] = {
     "batch": "kvtool.transfer.batch_backend:BatchBackend",
 }
 _CUDA_ONLY = {"kernel", "staged", "memcpy", "batch"}
+AUTO = "auto"
+"""The built-in connectors' default: `best_backend` for where the pages live."""
+GPU_DEFAULT = "staged"
+"""Why staged: results/h200-link-study (the copy engines carry the bytes, so saves and loads at once
+keep the bidirectional link, and a concurrent matmul loses the least)."""
 
 
 def backend_names() -> list[str]:
     return list(_BACKENDS)
+
+
+def best_backend(device: torch.device) -> str:
+    """`staged` for pages on a GPU where PyCUDA runs, otherwise `torch` (always available)."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        get_backend(GPU_DEFAULT)
+    except InputError:
+        return "torch"
+    return GPU_DEFAULT
 
 
 def _factory(name: str) -> Callable[[], TransferBackend]:

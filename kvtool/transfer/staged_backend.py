@@ -23,10 +23,11 @@ from kvtool.errors import LogicError
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp, PageSpace
 from kvtool.transfer.cuda_base import CudaBackendBase
-from kvtool.transfer.descriptors import slot_runs
+from kvtool.transfer.descriptors import pipeline_chunks, slot_runs
 from kvtool.transfer.kernel_backend import KernelBackend
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_FIRST_CHUNK_BYTES = 1 << 20
 DEFAULT_GATHER_SMS = 8
 GATHER_BLOCKS_PER_SM = 2
 
@@ -58,10 +59,13 @@ class StagedBackend(CudaBackendBase):
     name = "staged"
 
     def __init__(self, priority: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 gather_sms: int | None = DEFAULT_GATHER_SMS, graphed: bool = False) -> None:
-        """`chunk_bytes` 0: one chunk per batch (no pipelining); `gather_sms` None: the whole GPU."""
+                 gather_sms: int | None = DEFAULT_GATHER_SMS, graphed: bool = False,
+                 first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES) -> None:
+        """Chunks grow from `first_chunk_bytes` to `chunk_bytes` (0: one chunk per batch, no
+        pipelining); `gather_sms` None: the gather uses the whole GPU."""
         super().__init__(priority, graphed)
         self.chunk_bytes = chunk_bytes
+        self.first_chunk_bytes = first_chunk_bytes
         self.gather_sms = gather_sms
         blocks = None if gather_sms is None else gather_sms * GATHER_BLOCKS_PER_SM
         self._gather = KernelBackend(max_sms=rt.num_sms(), device_max_blocks=blocks)
@@ -83,10 +87,9 @@ class StagedBackend(CudaBackendBase):
         staging = PageSpace.contiguous(torch.empty(len(order) * op.nbytes, dtype=torch.uint8, device="cuda"),
                                        op.nbytes)
         host, host_offset = (op.dst, op.dst_offset) if dst_host else (op.src, op.src_offset)
-        per_chunk = max(1, self.chunk_bytes // op.nbytes) if self.chunk_bytes else len(order)
         chunks = []
-        for first in range(0, len(order), per_chunk):
-            rows = tuple(range(first, min(first + per_chunk, len(order))))
+        for first, count in pipeline_chunks(len(order), op.nbytes, self.first_chunk_bytes, self.chunk_bytes):
+            rows = tuple(range(first, first + count))
             chunk_order = order[rows[0]:rows[-1] + 1]
             runs = [(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
                      staging.address(rows[0] + start), length)
@@ -127,9 +130,14 @@ class StagedBackend(CudaBackendBase):
             self._gather.enqueue(chunk.kernel, self.stream)
 
     def _host_copies(self, chunk: _Chunk, row_bytes: int, to_host: bool) -> None:
+        """One copy-engine call per run: a plain copy where the host rows are back to back, a
+        strided 2D copy otherwise."""
         handle = int(self._copy_stream.handle)
         for host, pitch, staging, rows in chunk.runs:
-            if to_host:
+            if pitch == row_bytes:
+                dst, src = (host, staging) if to_host else (staging, host)
+                rt.memcpy_async(dst, src, row_bytes * rows, handle)
+            elif to_host:
                 rt.memcpy_2d_async(host, pitch, staging, row_bytes, row_bytes, rows, handle)
             else:
                 rt.memcpy_2d_async(staging, row_bytes, host, pitch, row_bytes, rows, handle)

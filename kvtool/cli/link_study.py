@@ -1,6 +1,6 @@
 """The link study: every transfer path against the same run's physical limits, in one run.
 
-    python -m kvtool.bench.link_study --output results/NAME [--repeats 20] [--batch-bytes 64MiB]
+    python -m kvtool.cli.link_study --output results/NAME [--repeats 20] [--batch-bytes 64MiB]
 
 What it measures, for 16 KB (a layer's K and V of a 4-token llama-3.1-8b block) and 512 KB (the
 whole page) chunks:
@@ -31,10 +31,12 @@ MODEL, TOKENS_PER_BLOCK = "llama-3.1-8b", 4
 GRANULARITIES = ("layer", "slot")         # 16 KB and 512 KB chunks
 PATHS: dict[str, dict] = {
     "staged-before": {"chunk_bytes": 0, "gather_sms": None},
+    "staged-4MiB-flat": {"chunk_bytes": 4 << 20, "first_chunk_bytes": 4 << 20},
     "staged": {},
     "staged-graphed": {"graphed": True},
-    "staged-2sm-graphed": {"gather_sms": 2, "graphed": True},
-    "staged-8MiB-graphed": {"chunk_bytes": 8 << 20, "graphed": True},
+    "staged-whole-gpu-gather": {"gather_sms": None},
+    "staged-16MiB": {"chunk_bytes": 16 << 20},
+    "staged-first-256KiB": {"first_chunk_bytes": 256 << 10},
 }
 GATHER_PATHS: dict[str, dict] = {"kernel-graphed": {"graphed": True},
                                  "kernel-graphed-4-per-sm": {"graphed": True, "device_blocks_per_sm": 4}}
