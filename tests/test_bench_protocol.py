@@ -113,6 +113,15 @@ REFERENCE = "host (kvtool reference, backend torch)"
 
 
 @pytest.fixture
+def tmp_path(tmp_path_factory) -> Path:
+    """A short folder for this module's tests. `kvtool bench` prints `results in FOLDER` through rich,
+    which wraps at 80 columns without a terminal, and these tests read that line whole: a test's own
+    tmp_path under pytest-xdist (/tmp/pytest-of-USER/pytest-N/popen-gw0/test_a_connector_that_loads_wr0)
+    is long enough to be wrapped onto a line of its own."""
+    return tmp_path_factory.mktemp("b")
+
+
+@pytest.fixture
 def connector_file(tmp_path) -> Path:
     path = tmp_path / "dict_connector.py"
     path.write_text(CONNECTOR)

@@ -181,7 +181,10 @@ def test_old_spellings_still_work_with_a_deprecation_line(tmp_path):
 
 
 # ---- bench output that teaches ----------------------------------------------------------------
-def test_bench_on_a_cpu_explains_itself(tmp_path):
+def test_bench_on_a_cpu_explains_itself(tmp_path_factory):
+    # a short folder: rich wraps `results in FOLDER` at 80 columns without a terminal, and a test's
+    # own tmp_path under pytest-xdist (.../popen-gw0/test_bench_on_a_cpu_explains_i0) is long enough
+    tmp_path = tmp_path_factory.mktemp("b")
     done = kvtool("bench", "--quick", "--direction", "save", "--granularity", "slot", "--output", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ratio: GB/s / peak GB/s" in done.stdout and "±peak" in done.stdout

@@ -30,6 +30,7 @@ def _why_not() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_mooncake_cases_in_a_private_network_namespace():
     why = _why_not()
     if why:

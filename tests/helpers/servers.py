@@ -9,14 +9,30 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 with SO_REUSEADDR, never listening, held open for
+    as long as a server may use the port. While it is open the kernel gives the port to no other
+    bind(0) or outgoing connection (another pytest-xdist worker's server cannot take it between the
+    choice and the server's bind, nor while a killed server is restarted), a connection to it is
+    refused, and a server that sets SO_REUSEADDR itself (redis-server, Mooncake) binds and listens on it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def port_of(reservation: socket.socket) -> int:
+    return reservation.getsockname()[1]
+
+
+def _close_all(reservations: list[socket.socket]) -> None:
+    for reservation in reservations:
+        reservation.close()
 
 
 def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -46,7 +62,9 @@ class RedisServer:
     """One redis-server process; `kill` and `start` again give a server restarted empty."""
 
     def __init__(self, *extra: str) -> None:
-        self.port = free_port()
+        reservation = reserve_port()     # held until `stop` (or until this object goes): a restart finds the port free
+        self._release = weakref.finalize(self, _close_all, [reservation])
+        self.port = port_of(reservation)
         self.extra = extra
         self.process: subprocess.Popen | None = None
 
@@ -69,6 +87,7 @@ class RedisServer:
 
     def stop(self) -> None:
         stop_process(self.process)
+        self._release()
 
     def client(self):
         import redis
@@ -95,7 +114,9 @@ class MooncakeStore:
     pool. Only run inside a private network namespace: the master's listeners bind every interface."""
 
     def __init__(self, segment: str = "256MB") -> None:
-        self.rpc_port, self.http_port, self.metrics_port, self.client_port = (free_port() for _ in range(4))
+        reservations = [reserve_port() for _ in range(4)]     # held until `stop` (or until this object goes)
+        self._release = weakref.finalize(self, _close_all, reservations)
+        self.rpc_port, self.http_port, self.metrics_port, self.client_port = map(port_of, reservations)
         self.segment = segment
         self.master: subprocess.Popen | None = None
         self.pool: subprocess.Popen | None = None
@@ -129,6 +150,7 @@ class MooncakeStore:
     def stop(self) -> None:
         for process in (self.pool, self.master):
             stop_process(process)
+        self._release()
 
     def client(self):
         """A raw Mooncake client (segment 0) for tests that tamper with the store."""
