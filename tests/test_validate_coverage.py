@@ -13,6 +13,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_all
 from kvtool.validate.scenarios import SCENARIOS
 from tests.helpers import hook_cases
+from tests.test_validate import SMALL_STORE     # a host store of 8 MiB: nothing evicted, the same hooks called
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,8 @@ def cases_by_scenario() -> dict[str, set[str]]:
     produced = {}
     for name in SCENARIOS:
         hook_cases.RECORDED.clear()
-        results = run_all([Context(spec, m, load_timeout=1.0) for m in ("tiny", "tiny-vswa")], [name], 60,
-                          isolated=False)
+        results = run_all([Context(spec, m, load_timeout=1.0, options=SMALL_STORE) for m in ("tiny", "tiny-vswa")],
+                          [name], 60, isolated=False)
         assert not [r for r in results if r.failed], [(r.check, r.evidence) for r in results if r.failed]
         produced[name] = set(hook_cases.RECORDED)
     return produced
