@@ -44,14 +44,14 @@ VARIANTS = (
             (("priority", HIGH_PRIORITY), ("chunk_bytes", 0), ("gather_sms", None))),
     Variant("staged, pipelined, 8-SM gather", "staged", (("priority", HIGH_PRIORITY),)),
     Variant("staged, pipelined, whole-GPU gather", "staged", (("priority", HIGH_PRIORITY), ("gather_sms", None))),
-    Variant("staged, pipelined, 2-SM gather, cuBLAS carve-out 2", "staged",
-            (("priority", HIGH_PRIORITY), ("gather_sms", 2)), 2),
-    Variant("staged, pipelined, 2-SM gather, cuBLAS carve-out 2, graphed", "staged",
-            (("priority", HIGH_PRIORITY), ("gather_sms", 2), ("graphed", True)), 2),
-    Variant("staged, pipelined, 1-SM gather, cuBLAS carve-out 1", "staged",
-            (("priority", HIGH_PRIORITY), ("gather_sms", 1)), 1),
-    Variant("staged, pipelined, 4-SM gather, cuBLAS carve-out 4", "staged",
-            (("priority", HIGH_PRIORITY), ("gather_sms", 4)), 4),
+    Variant("staged, one chunk, whole-GPU gather, ring of 2", "staged",
+            (("priority", HIGH_PRIORITY), ("chunk_bytes", 0), ("gather_sms", None), ("ring", 2))),
+    Variant("staged, one chunk, whole-GPU gather, ring of 3", "staged",
+            (("priority", HIGH_PRIORITY), ("chunk_bytes", 0), ("gather_sms", None), ("ring", 3))),
+    Variant("staged, pipelined, whole-GPU gather, ring of 3", "staged",
+            (("priority", HIGH_PRIORITY), ("gather_sms", None), ("ring", 3))),
+    Variant("staged, one chunk, whole-GPU gather, ring of 3, low priority", "staged",
+            (("priority", LOW_PRIORITY), ("chunk_bytes", 0), ("gather_sms", None), ("ring", 3))),
     Variant("batch, high priority", "batch", (("priority", HIGH_PRIORITY),)),
 )
 
@@ -94,15 +94,15 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
             num_matmuls: int = 60) -> ComputeRow:
     """One variant's row; `floor_slowdown` None measures the floor itself (and reports it as its own)."""
     ws = make_workspace(geometry(model, tokens_per_block, granularity), batch_bytes, torch.device("cuda"))
-    launch, sms = _launcher(variant, ws)
+    launch, finish, sms = _launcher(variant, ws)
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
     compute_stream, transfer_caller = torch.cuda.Stream(), torch.cuda.Stream()
     _matmuls(compute_stream, a, b, 5)
-    per_batch = _transfers(transfer_caller, launch, 5)
+    per_batch = _transfers(transfer_caller, launch, finish, 5)
     torch.cuda.synchronize()
-    results = [_round(variant, compute_stream, transfer_caller, launch, a, b, num_matmuls, per_batch.elapsed() / 5,
-                      ws) for _ in range(rounds)]
+    results = [_round(variant, compute_stream, transfer_caller, (launch, finish), a, b, num_matmuls,
+                      per_batch.elapsed() / 5, ws) for _ in range(rounds)]
     alone = statistics.median(r.alone_s for r in results)
     slowdown = statistics.median(r.with_transfer_s / r.alone_s - 1 for r in results)
     gbps = statistics.median(r.transfer_gbps for r in results)
@@ -115,7 +115,7 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
                       round(peak_gbps, 3), round(gbps / peak_gbps, 4), sms, rounds)
 
 
-def _round(variant: Variant, compute_stream, transfer_caller, launch, a, b, num_matmuls: int, batch_s: float,
+def _round(variant: Variant, compute_stream, transfer_caller, calls, a, b, num_matmuls: int, batch_s: float,
            ws: Workspace) -> _Round:
     """Products alone, then products with saves running for their whole duration."""
     alone = _matmuls(compute_stream, a, b, num_matmuls)
@@ -125,21 +125,22 @@ def _round(variant: Variant, compute_stream, transfer_caller, launch, a, b, num_
         _matmuls(compute_stream, a, b, 3)      # cuBLAS picks its kernels for the carve-out
         torch.cuda.synchronize()
         with_matmul = _matmuls(compute_stream, a, b, num_matmuls)
-        under_load = _transfers(transfer_caller, launch, repeats)
+        under_load = _transfers(transfer_caller, *calls, repeats)
         torch.cuda.synchronize()
     return _Round(alone.elapsed(), with_matmul.elapsed(), ws.batch_bytes * repeats / under_load.elapsed() / 1e9)
 
 
-def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], int]:
-    """(launch one batch on the current stream, SMs the path occupies)."""
+def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], Callable[[], None], int]:
+    """(launch one batch on the current stream, order the current stream after every byte landed,
+    SMs the path occupies; 0 for a whole-GPU gather that runs only between the products' kernels)."""
     if variant.backend == FLOOR:
         source = ws.region.tensor[:ws.batch_bytes]
         host = torch.empty(ws.batch_bytes, dtype=torch.uint8).pin_memory()
-        return (lambda: host.copy_(source, non_blocking=True)), 0
+        return (lambda: host.copy_(source, non_blocking=True)), (lambda: None), 0
     backend = get_backend(variant.backend, **dict(variant.options))
     prepared = backend.prepare(ws.ops(Direction.SAVE))
     sms = getattr(backend, "gather_sms", None) or getattr(backend, "max_sms", 0)
-    return (lambda: backend.launch(prepared)), sms
+    return (lambda: backend.launch(prepared)), getattr(backend, "join", lambda: None), sms
 
 
 @contextlib.contextmanager
@@ -175,11 +176,14 @@ def _matmuls(stream: torch.cuda.Stream, a: torch.Tensor, b: torch.Tensor, count:
     return span
 
 
-def _transfers(caller: torch.cuda.Stream, launch: Callable[[], None], count: int) -> _Span:
+def _transfers(caller: torch.cuda.Stream, launch: Callable[[], None], finish: Callable[[], None],
+               count: int) -> _Span:
+    """`count` batches back to back; the span ends when the last byte has landed."""
     span = _Span()
     with torch.cuda.stream(caller):
         span.start.record()
         for _ in range(count):
             launch()
+        finish()
         span.end.record()
     return span

@@ -32,6 +32,7 @@ class CudaBackendBase:
     def launch(self, prepared, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue prepared work: after the caller's stream, and before the caller's later work.
         A graphed batch runs on the caller's stream itself; the caller keeps `prepared` alive."""
+        rt.make_current()
         caller = stream or torch.cuda.current_stream()
         if isinstance(prepared, rt.Graph):
             prepared.launch(caller.cuda_stream)
@@ -42,18 +43,32 @@ class CudaBackendBase:
         caller.wait_stream(self.torch_stream)
 
     def keep_until_done(self, objects: Any) -> None:
-        """Hold `objects` (tensors the enqueued work reads) until the backend's stream has passed
-        this point: the caching allocator must not hand their memory out while a copy still reads
-        it. (record_stream is not used: it would outlive the backend's stream.)"""
-        event = torch.cuda.Event()
-        event.record(self.torch_stream)
-        self._in_flight.append((event, objects))
-        while self._in_flight and self._in_flight[0][0].query():
+        """Hold `objects` (tensors the enqueued work reads) until every stream of the backend has
+        passed this point: the caching allocator must not hand their memory out while a copy still
+        reads it. (record_stream is not used: it would outlive the backend's streams.)"""
+        events = []
+        for stream in self.streams():
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
+        self._in_flight.append((events, objects))
+        while self._in_flight and all(e.query() for e in self._in_flight[0][0]):
             self._in_flight.popleft()
+
+    def streams(self) -> list[torch.cuda.Stream]:
+        """Every stream the backend enqueues on."""
+        return [self.torch_stream]
+
+    def join(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order `stream`'s later work after everything launched so far, including what a launch
+        leaves running past its own ordering (a staged save's copies to the host)."""
+        caller = stream or torch.cuda.current_stream()
+        for own in self.streams():
+            caller.wait_stream(own)
 
     def prepare(self, ops: Sequence[CopyOp], graphed: bool | None = None):
         """Host-side work before the launch (descriptor tables; with `graphed`, default the
         backend's setting, the batch captured as a CUDA graph); checks host memory is pinned."""
+        rt.make_current()
         for op in ops:
             _require_reachable(op)
         built = self.build(ops)
@@ -69,7 +84,8 @@ class CudaBackendBase:
         raise NotImplementedError
 
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
-        self.torch_stream.synchronize()
+        for own in self.streams():
+            own.synchronize()
         (stream or torch.cuda.current_stream()).synchronize()
         self._in_flight.clear()
 

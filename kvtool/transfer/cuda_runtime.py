@@ -10,6 +10,7 @@ import atexit
 import ctypes
 import functools
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -33,8 +34,26 @@ def context() -> "cuda.Context":
     cuda.init()
     ctx = cuda.Device(torch.cuda.current_device()).retain_primary_context()
     ctx.push()
+    global _main_thread
+    _main_thread = threading.current_thread()    # the thread that pushed it first
     atexit.register(_pop, ctx)
     return ctx
+
+
+_thread = threading.local()
+_main_thread: threading.Thread | None = None
+
+
+def make_current() -> None:
+    """PyTorch's primary context current for PyCUDA in the calling thread: PyCUDA's context stack
+    is per thread, so a backend used from a worker thread (an asynchronous connector's copies)
+    needs it pushed there once."""
+    ctx = context()
+    if getattr(_thread, "has_context", False):
+        return
+    if threading.current_thread() is not _main_thread:
+        ctx.push()      # popped never: the thread keeps using it until it ends
+    _thread.has_context = True
 
 
 def _pop(ctx) -> None:

@@ -8,6 +8,12 @@ chunk's gather and the gathers of later chunks run beside it. Why few SMs (`gath
 that only has to stay ahead of a 55 GB/s link needs a few SMs, and every SM it leaves alone is one
 a concurrent prefill keeps. The host side is copied in runs of consecutive slots (one strided 2D
 copy per run), so it is fast when a connector gives a batch consecutive store slots.
+
+A save's launch orders the caller's later work after the gathers only: the pages may be written
+again from then on, while the copy engine still carries the staged bytes to the host; `join` or
+`synchronize` waits for those. That is what lets a prepared save launched again and again keep the
+link busy beside a matrix product (`ring` staging buffers, used in turn): a gather gets SMs only
+between the product's kernels, so the next batches must be gathered while the link is busy.
 """
 
 from __future__ import annotations
@@ -46,13 +52,31 @@ class _Chunk:
     ready: object = field(default_factory=lambda: rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING))
 
 
+def _event():
+    return rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING)
+
+
+@dataclass
+class _Slot:
+    """One staging buffer of a plan and the launches that go through it."""
+
+    chunks: list[_Chunk]
+    staging: PageSpace | None = None
+    free: object = field(default_factory=_event)
+    """Recorded where the last use of `staging` ends; the next use waits for it."""
+
+
 @dataclass
 class _Plan:
     kind: _PlanKind
-    chunks: list[_Chunk]
-    staging: PageSpace | None = None
+    slots: list[_Slot]
     row_bytes: int = 0
-    joined: object = field(default_factory=lambda: rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING))
+    turn: int = 0
+
+    def next_slot(self) -> _Slot:
+        slot = self.slots[self.turn % len(self.slots)]
+        self.turn += 1
+        return slot
 
 
 class StagedBackend(CudaBackendBase):
@@ -60,10 +84,14 @@ class StagedBackend(CudaBackendBase):
 
     def __init__(self, priority: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  gather_sms: int | None = DEFAULT_GATHER_SMS, graphed: bool = False,
-                 first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES) -> None:
+                 first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES, ring: int = 1) -> None:
         """Chunks grow from `first_chunk_bytes` to `chunk_bytes` (0: one chunk per batch, no
-        pipelining); `gather_sms` None: the gather uses the whole GPU."""
+        pipelining); `gather_sms` None: the gather uses the whole GPU; `ring`: staging buffers
+        per prepared plan, used in turn (a graph replays one, so graphed needs ring 1)."""
+        if graphed and ring != 1:
+            raise LogicError("a graphed staged plan replays one staging buffer: ring must be 1")
         super().__init__(priority, graphed)
+        self.ring = ring
         self.chunk_bytes = chunk_bytes
         self.first_chunk_bytes = first_chunk_bytes
         self.gather_sms = gather_sms
@@ -80,7 +108,12 @@ class StagedBackend(CudaBackendBase):
         if src_host and dst_host:
             raise LogicError("the staged backend moves data to or from the GPU")
         if not src_host and not dst_host:
-            return _Plan(_PlanKind.DEVICE, [_Chunk(self._device.build([op]), [])])
+            return _Plan(_PlanKind.DEVICE, [_Slot([_Chunk(self._device.build([op]), [])])])
+        return _Plan(_PlanKind.SAVE if dst_host else _PlanKind.LOAD,
+                     [self._slot(op, dst_host) for _ in range(self.ring)], op.nbytes)
+
+    def _slot(self, op: CopyOp, dst_host: bool) -> _Slot:
+        """A staging buffer for `op`, and per chunk its gather (or scatter) and host runs."""
         host_slots = np.asarray(op.dst_slots if dst_host else op.src_slots)
         gpu_slots = np.asarray(op.src_slots if dst_host else op.dst_slots)
         order = np.argsort(host_slots, kind="stable")
@@ -90,44 +123,49 @@ class StagedBackend(CudaBackendBase):
         chunks = []
         for first, count in pipeline_chunks(len(order), op.nbytes, self.first_chunk_bytes, self.chunk_bytes):
             rows = tuple(range(first, first + count))
-            chunk_order = order[rows[0]:rows[-1] + 1]
+            chunk_order = order[first:first + count]
             runs = [(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
-                     staging.address(rows[0] + start), length)
+                     staging.address(first + start), length)
                     for start, length in slot_runs(host_slots[chunk_order])]
             gpu = tuple(gpu_slots[chunk_order].tolist())
             kernel_op = (CopyOp(op.src, staging, gpu, rows, op.nbytes, op.src_offset, 0) if dst_host else
                          CopyOp(staging, op.dst, rows, gpu, op.nbytes, 0, op.dst_offset))
             chunks.append(_Chunk(self._gather.build([kernel_op]), runs))
-        return _Plan(_PlanKind.SAVE if dst_host else _PlanKind.LOAD, chunks, staging, op.nbytes)
+        return _Slot(chunks, staging)
 
     def enqueue(self, prepared: list[_Plan]) -> None:
         for plan in prepared:
             if plan.kind is _PlanKind.DEVICE:
-                self._device.enqueue(plan.chunks[0].kernel, self.stream)
+                self._device.enqueue(plan.slots[0].chunks[0].kernel, self.stream)
             elif plan.kind is _PlanKind.SAVE:
-                self._save(plan)
+                self._save(plan.next_slot(), plan.row_bytes)
             else:
-                self._load(plan)
+                self._load(plan.next_slot(), plan.row_bytes)
 
-    def _save(self, plan: _Plan) -> None:
-        """Gather chunk i on the backend's stream; the copy stream moves it once it is gathered."""
-        for chunk in plan.chunks:
+    def _save(self, slot: _Slot, row_bytes: int) -> None:
+        """Gather chunk i on the backend's stream once the slot's last copies are done; the copy
+        stream moves it once it is gathered. The backend's stream does not wait for the copies."""
+        self.stream.wait_for_event(slot.free)
+        for chunk in slot.chunks:
             self._gather.enqueue(chunk.kernel, self.stream)
             chunk.ready.record(self.stream)
             self._copy_stream.wait_for_event(chunk.ready)
-            self._host_copies(chunk, plan.row_bytes, to_host=True)
-        plan.joined.record(self._copy_stream)
-        self.stream.wait_for_event(plan.joined)
+            self._host_copies(chunk, row_bytes, to_host=True)
+        slot.free.record(self._copy_stream)
 
-    def _load(self, plan: _Plan) -> None:
-        """Copy chunk i into staging on the copy stream; the backend's stream scatters it once landed."""
-        plan.joined.record(self.stream)     # the copies may overwrite staging only after earlier work
-        self._copy_stream.wait_for_event(plan.joined)
-        for chunk in plan.chunks:
-            self._host_copies(chunk, plan.row_bytes, to_host=False)
+    def _load(self, slot: _Slot, row_bytes: int) -> None:
+        """Copy chunk i into staging on the copy stream once earlier work is done (the slot's last
+        scatter included); the backend's stream scatters it once landed."""
+        slot.free.record(self.stream)
+        self._copy_stream.wait_for_event(slot.free)
+        for chunk in slot.chunks:
+            self._host_copies(chunk, row_bytes, to_host=False)
             chunk.ready.record(self._copy_stream)
             self.stream.wait_for_event(chunk.ready)
             self._gather.enqueue(chunk.kernel, self.stream)
+
+    def streams(self) -> list[torch.cuda.Stream]:
+        return [self.torch_stream, self._copy_torch_stream]
 
     def _host_copies(self, chunk: _Chunk, row_bytes: int, to_host: bool) -> None:
         """One copy-engine call per run: a plain copy where the host rows are back to back, a
