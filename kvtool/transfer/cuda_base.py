@@ -32,13 +32,13 @@ class CudaBackendBase:
     def launch(self, prepared, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue prepared work: after the caller's stream, and before the caller's later work.
         A graphed batch runs on the caller's stream itself; the caller keeps `prepared` alive."""
-        rt.make_current()
         caller = stream or torch.cuda.current_stream()
-        if isinstance(prepared, rt.Graph):
-            prepared.launch(caller.cuda_stream)
-            return
-        self.torch_stream.wait_stream(caller)
-        self.enqueue(prepared)
+        with rt.current():
+            if isinstance(prepared, rt.Graph):
+                prepared.launch(caller.cuda_stream)
+                return
+            self.torch_stream.wait_stream(caller)
+            self.enqueue(prepared)
         self.keep_until_done(prepared)
         caller.wait_stream(self.torch_stream)
 
@@ -68,14 +68,14 @@ class CudaBackendBase:
     def prepare(self, ops: Sequence[CopyOp], graphed: bool | None = None):
         """Host-side work before the launch (descriptor tables; with `graphed`, default the
         backend's setting, the batch captured as a CUDA graph); checks host memory is pinned."""
-        rt.make_current()
         for op in ops:
             _require_reachable(op)
-        built = self.build(ops)
-        if not (self.graphed if graphed is None else graphed):
-            return built
-        torch.cuda.synchronize()    # capture must not see work of other streams still pending
-        return rt.capture(int(self.stream.handle), lambda: self.enqueue(built), built)
+        with rt.current():
+            built = self.build(ops)
+            if not (self.graphed if graphed is None else graphed):
+                return built
+            torch.cuda.synchronize()    # capture must not see work of other streams still pending
+            return rt.capture(int(self.stream.handle), lambda: self.enqueue(built), built)
 
     def build(self, ops: Sequence[CopyOp]):
         return list(ops)

@@ -7,12 +7,13 @@ Importing this module imports PyCUDA; only the CUDA backends do, and only when a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -40,20 +41,24 @@ def context() -> "cuda.Context":
     return ctx
 
 
-_thread = threading.local()
 _main_thread: threading.Thread | None = None
 
 
-def make_current() -> None:
-    """PyTorch's primary context current for PyCUDA in the calling thread: PyCUDA's context stack
-    is per thread, so a backend used from a worker thread (an asynchronous connector's copies)
-    needs it pushed there once."""
+@contextlib.contextmanager
+def current() -> Iterator[None]:
+    """PyTorch's primary context current for PyCUDA in the calling thread while inside. PyCUDA's
+    context stack is per thread: a backend used from a worker thread (an asynchronous connector's
+    copies) pushes the context there, and pops it again, since PyCUDA aborts the process at exit
+    when any thread's stack still holds one. Enqueued work goes on after the pop."""
     ctx = context()
-    if getattr(_thread, "has_context", False):
+    if threading.current_thread() is _main_thread:
+        yield
         return
-    if threading.current_thread() is not _main_thread:
-        ctx.push()      # popped never: the thread keeps using it until it ends
-    _thread.has_context = True
+    ctx.push()
+    try:
+        yield
+    finally:
+        cuda.Context.pop()
 
 
 def _pop(ctx) -> None:
