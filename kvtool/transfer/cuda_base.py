@@ -75,7 +75,14 @@ class CudaBackendBase:
             if not (self.graphed if graphed is None else graphed):
                 return built
             torch.cuda.synchronize()    # capture must not see work of other streams still pending
-            return rt.capture(int(self.stream.handle), lambda: self.enqueue(built), built)
+            return rt.capture(int(self.stream.handle), lambda: self._enqueue_joined(built), built)
+
+    def _enqueue_joined(self, built) -> None:
+        """`enqueue`, then the backend's own stream waits for its others: a capture must end with
+        every stream it forked joined back (CUDA_ERROR_STREAM_CAPTURE_UNJOINED otherwise)."""
+        self.enqueue(built)
+        for own in self.streams()[1:]:
+            self.torch_stream.wait_stream(own)
 
     def build(self, ops: Sequence[CopyOp]):
         return list(ops)

@@ -1,19 +1,20 @@
 """`staged`: a GPU gather into a contiguous staging buffer, then copy-engine copies on their own
-stream (and the reverse for loads), pipelined in chunks.
+stream (and the reverse for loads), pipelined in chunks. Measured in results/h200-link-study.
 
-Why: two SM kernels streaming over PCIe in opposite directions fight over the link; copy engines in
-opposite directions do not. Why chunks: with one gather of the whole batch before one copy, the
-link idles while the gather runs; with `chunk_bytes` chunks the copy engine starts after the first
-chunk's gather and the gathers of later chunks run beside it. Why few SMs (`gather_sms`): a gather
-that only has to stay ahead of a 55 GB/s link needs a few SMs, and every SM it leaves alone is one
-a concurrent prefill keeps. The host side is copied in runs of consecutive slots (one strided 2D
+Why copy engines: two SM kernels streaming over PCIe in opposite directions fight over the link;
+copy engines in opposite directions do not. Why chunks: with one gather of the whole batch before
+one copy, the link idles while the gather runs; chunks growing from `first_chunk_bytes` start the
+copy engine after a small first gather. Why the whole GPU for the gather by default: beside a
+matrix product a gather gets SMs only between the product's kernels (a few-SM gather, even with
+SMs left free by cuBLAS's carve-out, was starved: 0.35-0.48 of the link), and the whole GPU
+gathers a 64 MiB batch in about 35 µs. The host side is copied in runs of consecutive slots (one
 copy per run), so it is fast when a connector gives a batch consecutive store slots.
 
 A save's launch orders the caller's later work after the gathers only: the pages may be written
 again from then on, while the copy engine still carries the staged bytes to the host; `join` or
 `synchronize` waits for those. That is what lets a prepared save launched again and again keep the
-link busy beside a matrix product (`ring` staging buffers, used in turn): a gather gets SMs only
-between the product's kernels, so the next batches must be gathered while the link is busy.
+link busy beside a matrix product (`ring` staging buffers, used in turn): the batches after the
+one on the link are gathered at the product's next kernel boundary.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvtool.transfer.kernel_backend import KernelBackend
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_FIRST_CHUNK_BYTES = 1 << 20
-DEFAULT_GATHER_SMS = 8
+DEFAULT_GATHER_SMS = None
 GATHER_BLOCKS_PER_SM = 2
 
 
