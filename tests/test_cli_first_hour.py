@@ -290,3 +290,15 @@ def test_pools_larger_than_the_machine_name_only_this_commands_options():
     result = runner.invoke(app, ["trace", "run", SHIPPED, "--gpu-memory", "1000000TiB"])
     assert result.exit_code == 2 and "lower --gpu-memory or --num-slots" in result.stderr
     assert "--batch-bytes" not in result.stderr
+
+
+@pytest.mark.parametrize("command, reason", [
+    (["trace", "run"], "32: TensorRT-LLM's default"),
+    (["inspect-layout"], "32: TensorRT-LLM's default"),
+    (["validate"], "so that every scenario spans many blocks"),
+    (["trace", "generate"], "not a run folder"),
+])
+def test_defaults_that_differ_between_commands_say_why_in_help(command, reason):
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    assert reason in " ".join(result.output.split())

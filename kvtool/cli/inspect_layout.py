@@ -21,7 +21,8 @@ from kvtool.report.run_folder import prepare_run_folder, write_file, write_json,
 @clean_errors
 def inspect_layout(
     model: Annotated[str, typer.Option(help="Preset name or path to a Hugging Face config.json.")] = "llama-3.1-8b",
-    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block.")] = 32,
+    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (32: TensorRT-LLM's default; "
+                                                  "validate uses 4 so that short prompts span many blocks).")] = 32,
     dtype: Annotated[Optional[str], typer.Option(help="KV dtype (bf16, fp16, fp32, fp8, int8); default: the model's.")] = None,
     gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools, e.g. 8GiB "
                                                       "[default: 8GiB].")] = None,

@@ -35,7 +35,8 @@ trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 @with_replay_options
 def trace_run(
     options: ReplayOptions,
-    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block.")] = 32,
+    tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (32: TensorRT-LLM's default; "
+                                                  "validate uses 4 so that short prompts span many blocks).")] = 32,
     connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
     connector_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Folder of the disk connector "
                                                          "(its dir option).")] = None,

@@ -21,7 +21,8 @@ _DEFAULTS = GeneratorConfig("chat")
 def trace_generate(
     kind: Annotated[str, typer.Argument(metavar="KIND", help=f"{'|'.join(KINDS)}: multi-turn chat with a shared "
                                         "system prompt, questions over repeated documents, agentic tool loops.")],
-    output: Annotated[Path, typer.Option(metavar="FILE", help="The JSON Lines file to write.")],
+    output: Annotated[Path, typer.Option(metavar="FILE", help="The JSON Lines file to write (a file, not a run "
+                                              "folder: the trace is the one thing this command writes).")],
     requests: Annotated[int, typer.Option(help="Requests in all.")] = _DEFAULTS.num_requests,
     seed: Annotated[int, typer.Option(help="Seed: the same seed and knobs give the same file.")] = 0,
     rate: Annotated[float, typer.Option(help="Sessions started per second (Poisson).")] = _DEFAULTS.rate,
