@@ -45,16 +45,16 @@ class _PlanKind(enum.Enum):
     LOAD = "load"         # a copy engine moves a chunk into staging, the kernel scatters it
 
 
+def _event():
+    return rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING)
+
+
 @dataclass
 class _Chunk:
     kernel: list                                  # the prepared gather / scatter launch
     runs: list[tuple[int, int, int, int]]
     """(host address, host pitch, staging address, rows) of each run of consecutive host slots."""
-    ready: object = field(default_factory=lambda: rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING))
-
-
-def _event():
-    return rt.cuda.Event(rt.cuda.event_flags.DISABLE_TIMING)
+    ready: object = field(default_factory=_event)
 
 
 @dataclass
