@@ -77,3 +77,61 @@ def test_mixed_batch_in_one_call(backend):
     backend.synchronize()
     assert torch.equal(b.tensor[:16384].cpu(), a.tensor[5 * 16384:6 * 16384].cpu())
     assert torch.equal(d.tensor[40 * 16384:41 * 16384].cpu(), c.tensor[:16384].cpu())
+
+
+def _expected(op: CopyOp) -> torch.Tensor:
+    """What the destination holds after `op`: the torch reference's copy into a poisoned clone."""
+    clone = op.dst.tensor.clone()
+    clone.fill_(0xA5)
+    target = PageSpace(clone.pin_memory() if op.dst.device.type == "cpu" else clone, op.dst.stride, op.dst.size,
+                       op.dst.num_slots)
+    get_backend("torch").copy([CopyOp(op.src, target, op.src_slots, op.dst_slots, op.nbytes, op.src_offset,
+                                      op.dst_offset)])
+    torch.cuda.synchronize()
+    return target.tensor.cpu()
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+@pytest.mark.parametrize("options", [{"ring": 3, "chunk_bytes": 65536, "first_chunk_bytes": 16384},
+                                     {"graphed": True}, {"gather_sms": 2}],
+                         ids=["ring3-chunked", "graphed", "2-sm-gather"])
+def test_a_prepared_staged_plan_launched_again_and_again_moves_the_right_bytes(direction, options):
+    """A ring's buffers in turn, a graph's replays, a small gather grid: the bytes after every launch
+    (the source changes between launches, so a launch that copied a stale buffer is caught)."""
+    src, dst = endpoints(direction, 16384)
+    op = CopyOp(src, dst, tuple(range(0, 64, 2)) if direction == "save" else tuple(range(32)),
+                tuple(range(32)) if direction == "save" else tuple(range(1, 65, 2)), 16384)
+    backend = get_backend("staged", **options)
+    prepared = backend.prepare([op])
+    for turn in range(5):
+        src.tensor.copy_(torch.randint(0, 256, src.tensor.shape, dtype=torch.uint8))
+        expected = _expected(op)
+        dst.tensor.fill_(0xA5)
+        backend.launch(prepared)
+        backend.join()
+        torch.cuda.synchronize()
+        assert torch.equal(dst.tensor.cpu(), expected), f"launch {turn}"
+
+
+def test_a_staged_save_from_a_worker_thread_works_and_the_process_exits_cleanly(tmp_path):
+    """PyCUDA's context stack is per thread and PyCUDA aborts at exit when one is left pushed: an
+    asynchronous connector copies from a worker thread."""
+    import subprocess
+    import sys
+    script = tmp_path / "thread_save.py"
+    script.write_text(
+        "import concurrent.futures, torch\n"
+        "from kvtool.transfer import CopyOp, PageSpace, get_backend\n"
+        "src = PageSpace(torch.randint(0, 256, (64 * 4096,), dtype=torch.uint8, device='cuda'), 4096, 4096, 64)\n"
+        "dst = PageSpace(torch.zeros(64 * 4096, dtype=torch.uint8).pin_memory(), 4096, 4096, 64)\n"
+        "backend = get_backend('staged')\n"
+        "def save():\n"
+        "    backend.copy([CopyOp(src, dst, tuple(range(63, -1, -1)), tuple(range(64)), 4096)])\n"
+        "    backend.synchronize()\n"
+        "with concurrent.futures.ThreadPoolExecutor(2) as pool:\n"
+        "    for f in [pool.submit(save) for _ in range(4)]: f.result()\n"
+        "assert torch.equal(dst.tensor.view(64, 4096), src.tensor.view(64, 4096).flip(0).cpu())\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    assert "PyCUDA ERROR" not in done.stderr
