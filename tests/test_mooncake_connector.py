@@ -32,12 +32,14 @@ def _why_not() -> str | None:
 
 @pytest.mark.slow
 def test_mooncake_cases_in_a_private_network_namespace():
+    """Two pytest-xdist workers inside, each with a store of its own: the two long command-line tests
+    (validate, two instances) run side by side."""
     why = _why_not()
     if why:
         pytest.skip(why)
     done = subprocess.run(
         ["unshare", "-n", "--", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider tests/netns"],
+         f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider -n 2 tests/netns"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200, env={**os.environ, "KVTOOL_PRIVATE_NET": "1"})
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]

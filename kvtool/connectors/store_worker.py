@@ -44,8 +44,9 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
         self.layout = layout
-        if self.backend_name == AUTO:
-            self.backend_name = best_backend(layout.group(0).regions[0].as_tensor().device)
+        if self.backend_name == AUTO:     # a layout without memory (block fidelity) moves no bytes: torch
+            storage = layout.group(0).regions[0].storage
+            self.backend_name = best_backend(storage.device if storage is not None else torch.device("cpu"))
         self.backend = get_backend(self.backend_name)
         self.open_store(layout)
 
