@@ -239,3 +239,12 @@ def test_device_cuda_without_a_gpu_is_a_usage_error(connector_file, tmp_path):
                                  "--connector", f"{connector_file}:Sched:Worker", "--device", "cuda"])
     assert result.exit_code == 2
     assert "--device cuda needs a CUDA GPU" in result.stderr
+
+
+def test_a_long_output_folder_is_said_on_one_line(connector_file, tmp_path):
+    """rich wraps at 80 columns without a terminal: the folder must stay whole, to be copied."""
+    out = tmp_path / ("a-long-folder-name-" * 6) / "run"
+    done = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--format", "json", "--output", str(out),
+                  env={"COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    assert f"results in {out}" in done.stderr.splitlines()

@@ -107,7 +107,7 @@ def bench(
         rows = [r.as_dict() for r in manager_suite.run()]
         write_run(out_dir, rows, {}, "manager")
         _print(rows, format, "manager cost per block (µs) at 1x, 10x, 100x cached blocks")
-        console.print(f"results in {out_dir}", highlight=False)
+        console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
         return
     if suite is Suite.store:
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
@@ -146,7 +146,7 @@ def bench(
         skipped = [b for b in backend_names() if b not in available]
         for note in bench_notes(rows, device.get("kind", "cpu"), skipped):
             Console(width=max(150, Console().width)).print(f"note: {note}", highlight=False, markup=False)
-    console.print(f"results in {out_dir}", highlight=False)
+    console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
         raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
 
@@ -193,7 +193,7 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
                                                        repeats or (3 if quick else 5), Path(scratch))]
     write_run(out_dir, rows, {}, "store")
     _print(rows, format, f"kvtool bench --suite store · {connector} · GB/s against a raw loop of the same bytes")
-    Console(stderr=True).print(f"results in {out_dir}", highlight=False)
+    Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
         raise fail("the store gave back other bytes than it saved (verified = NO)", ExitCode.CHECK_FAILED)
 
@@ -213,7 +213,7 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
-    Console(stderr=True).print(f"results in {out_dir}", highlight=False)
+    Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if problems:
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
 
