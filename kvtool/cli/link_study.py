@@ -34,7 +34,7 @@ PATHS: dict[str, dict] = {
     "staged-4MiB-flat": {"chunk_bytes": 4 << 20, "first_chunk_bytes": 4 << 20},
     "staged": {},
     "staged-graphed": {"graphed": True},
-    "staged-whole-gpu-gather": {"gather_sms": None},
+    "staged-8sm-gather": {"gather_sms": 8},
     "staged-16MiB": {"chunk_bytes": 16 << 20},
     "staged-first-256KiB": {"first_chunk_bytes": 256 << 10},
 }

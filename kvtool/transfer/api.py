@@ -88,8 +88,10 @@ class TransferBackend(Protocol):
     """Moves batches of page copies. All backends must produce identical bytes.
 
     `copy(ops)` = `launch(prepare(ops))`: the work is ordered after what `stream` (None: the current
-    stream) already holds, and `stream`'s later work is ordered after it; `synchronize` waits until
-    it has landed. Destination slots within one op are distinct.
+    stream) already holds, and `stream`'s later work is ordered after it, except that a CUDA
+    backend's save may still be carrying bytes to the host (the GPU pages may be reused, the host
+    rows not yet read): `join(stream)` orders `stream` after those too, and `synchronize` waits until
+    everything has landed. Destination slots within one op are distinct.
     """
 
     name: str
@@ -102,3 +104,5 @@ class TransferBackend(Protocol):
     def launch(self, prepared: object, stream: torch.cuda.Stream | None = None) -> None: ...
 
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None: ...
+
+    def join(self, stream: torch.cuda.Stream | None = None) -> None: ...

@@ -4,6 +4,7 @@ the caller's stream: no per-launch Python work, no cross-stream events."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Sequence
 
@@ -20,7 +21,8 @@ class CudaBackendBase:
     def __init__(self, priority: int | None = None, graphed: bool = False) -> None:
         self.stream, self.torch_stream = rt.new_stream(priority)
         self.graphed = graphed
-        self._in_flight: deque[tuple[torch.cuda.Event, Any]] = deque()
+        self._in_flight: deque[tuple[list[torch.cuda.Event], Any]] = deque()
+        self._in_flight_lock = threading.Lock()     # an async connector launches from several threads
 
     def copy(self, ops: Sequence[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on the backend's stream after the caller's work; the caller's later work waits.
@@ -35,7 +37,9 @@ class CudaBackendBase:
         caller = stream or torch.cuda.current_stream()
         with rt.current():
             if isinstance(prepared, rt.Graph):
+                self.join(caller)       # after copies earlier launches left running
                 prepared.launch(caller.cuda_stream)
+                self._keep(prepared, [caller])
                 return
             self.torch_stream.wait_stream(caller)
             self.enqueue(prepared)
@@ -46,11 +50,19 @@ class CudaBackendBase:
         """Hold `objects` (tensors the enqueued work reads) until every stream of the backend has
         passed this point: the caching allocator must not hand their memory out while a copy still
         reads it. (record_stream is not used: it would outlive the backend's streams.)"""
+        self._keep(objects, self.streams())
+
+    def _keep(self, objects: Any, streams: list[torch.cuda.Stream]) -> None:
         events = []
-        for stream in self.streams():
+        for stream in streams:
             events.append(torch.cuda.Event())
             events[-1].record(stream)
-        self._in_flight.append((events, objects))
+        with self._in_flight_lock:
+            self._in_flight.append((events, objects))
+            self._release_done()
+
+    def _release_done(self) -> None:
+        """Drop what the GPU has finished with (oldest first; the lock held)."""
         while self._in_flight and all(e.query() for e in self._in_flight[0][0]):
             self._in_flight.popleft()
 
@@ -94,7 +106,8 @@ class CudaBackendBase:
         for own in self.streams():
             own.synchronize()
         (stream or torch.cuda.current_stream()).synchronize()
-        self._in_flight.clear()
+        with self._in_flight_lock:     # only what is done: another thread may have launched since
+            self._release_done()
 
 
 def _require_reachable(op: CopyOp) -> None:

@@ -29,29 +29,31 @@ CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 @functools.lru_cache(maxsize=1)
 def context() -> "cuda.Context":
-    """PyTorch's primary context, current for PyCUDA from now on (never a new context)."""
+    """PyTorch's primary context (never a new one); `current()` makes it current for PyCUDA."""
     torch.cuda.init()
     torch.zeros(1, device="cuda")   # make sure the runtime has created the primary context
     cuda.init()
-    ctx = cuda.Device(torch.cuda.current_device()).retain_primary_context()
-    ctx.push()
-    global _main_thread
-    _main_thread = threading.current_thread()    # the thread that pushed it first
-    atexit.register(_pop, ctx)
-    return ctx
+    return cuda.Device(torch.cuda.current_device()).retain_primary_context()
 
 
-_main_thread: threading.Thread | None = None
+_main_push = threading.Lock()
+_main_pushed = False
 
 
 @contextlib.contextmanager
 def current() -> Iterator[None]:
     """PyTorch's primary context current for PyCUDA in the calling thread while inside. PyCUDA's
-    context stack is per thread: a backend used from a worker thread (an asynchronous connector's
-    copies) pushes the context there, and pops it again, since PyCUDA aborts the process at exit
-    when any thread's stack still holds one. Enqueued work goes on after the pop."""
+    context stack is per thread, and PyCUDA aborts the process at exit when a thread's stack still
+    holds one: the main thread pushes it once (popped at exit); any other thread (an asynchronous
+    connector's copies) pushes it here and pops it again. Enqueued work goes on after the pop."""
+    global _main_pushed
     ctx = context()
-    if threading.current_thread() is _main_thread:
+    if threading.current_thread() is threading.main_thread():
+        with _main_push:
+            if not _main_pushed:
+                ctx.push()
+                atexit.register(_pop, ctx)
+                _main_pushed = True
         yield
         return
     ctx.push()
@@ -71,21 +73,21 @@ def _pop(ctx) -> None:
 @functools.lru_cache(maxsize=None)
 def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
     """`name` from cuda/`source`, compiled for this device with `defines`; cached per specialization."""
-    context()
     major, minor = torch.cuda.get_device_capability()
     options = ["-O3", f"-I{CUDA_DIR}"] + [f"-D{k}={v}" for k, v in defines]
-    module = SourceModule((CUDA_DIR / source).read_text(), options=options, no_extern_c=True,
-                          arch=f"sm_{major}{minor}", include_dirs=[str(CUDA_DIR)])
-    return module.get_function(name)
+    with current():
+        module = SourceModule((CUDA_DIR / source).read_text(), options=options, no_extern_c=True,
+                              arch=f"sm_{major}{minor}", include_dirs=[str(CUDA_DIR)])
+        return module.get_function(name)
 
 
 def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:
     """A PyCUDA stream (optionally with a launch priority) and the same stream as seen by PyTorch."""
-    context()
-    stream = cuda.Stream(CU_STREAM_NON_BLOCKING)   # a blocking stream would serialise with torch's default stream
-    handle = int(stream.handle)
-    if priority is not None:
-        set_stream_priority(handle, priority)
+    with current():
+        stream = cuda.Stream(CU_STREAM_NON_BLOCKING)   # a blocking stream would serialise with torch's default
+        handle = int(stream.handle)
+        if priority is not None:
+            set_stream_priority(handle, priority)
     return stream, torch.cuda.ExternalStream(handle)
 
 

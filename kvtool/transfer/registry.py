@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Callable
 
 import torch
@@ -35,7 +36,9 @@ def best_backend(device: torch.device) -> str:
         return "torch"
     try:
         get_backend(GPU_DEFAULT)
-    except InputError:
+    except Exception as exc:    # noqa: BLE001 - no nvcc, a driver mismatch: whatever stops it, torch works
+        warnings.warn(f"backend auto: {GPU_DEFAULT} cannot run here ({type(exc).__name__}: {exc}); using torch",
+                      stacklevel=2)
         return "torch"
     return GPU_DEFAULT
 

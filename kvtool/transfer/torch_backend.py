@@ -36,3 +36,6 @@ class TorchBackend:
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             (stream or torch.cuda.current_stream()).synchronize()
+
+    def join(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Nothing to join: every copy runs on the caller's stream."""

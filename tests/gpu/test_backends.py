@@ -132,6 +132,30 @@ def test_a_staged_save_from_a_worker_thread_works_and_the_process_exits_cleanly(
         "    for f in [pool.submit(save) for _ in range(4)]: f.result()\n"
         "assert torch.equal(dst.tensor.view(64, 4096), src.tensor.view(64, 4096).flip(0).cpu())\n"
         "print('ok')\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    import os
+    from pathlib import Path
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
     assert "PyCUDA ERROR" not in done.stderr
+
+
+def test_staged_saves_launched_back_to_back_without_a_join_each_carry_the_bytes_of_their_launch():
+    """No join between launches: the caller overwrites the GPU pages right after each save's launch
+    (allowed: the launch orders it after the gather), and each save lands in its own host rows."""
+    src, _ = endpoints("save", 16384)
+    rounds, pages = 4, tuple(range(0, 64, 2))
+    hosts = [space("cpu", 16384, 10 + i) for i in range(rounds)]
+    backend = get_backend("staged", ring=3, chunk_bytes=65536, first_chunk_bytes=16384)
+    prepared = [backend.prepare([CopyOp(src, host, pages, tuple(range(32)), 16384)]) for host in hosts]
+    expected = []
+    for turn in range(rounds):
+        src.tensor.copy_(torch.randint(0, 256, src.tensor.shape, dtype=torch.uint8))   # on the caller's stream
+        expected.append(src.tensor.view(NUM_SLOTS, 16384)[list(pages)].cpu())
+        backend.launch(prepared[turn])
+    src.tensor.fill_(0xA5)          # after the last launch: must not reach any host row
+    backend.join()
+    torch.cuda.synchronize()
+    for turn, host in enumerate(hosts):
+        assert torch.equal(host.tensor.view(NUM_SLOTS, 16384)[:32], expected[turn]), f"launch {turn}"
