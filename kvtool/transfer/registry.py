@@ -22,8 +22,9 @@ _CUDA_ONLY = {"kernel", "staged", "memcpy", "batch"}
 AUTO = "auto"
 """The built-in connectors' default: `best_backend` for where the pages live."""
 GPU_DEFAULT = "staged"
-"""Why staged: results/h200-link-study (the copy engines carry the bytes, so saves and loads at once
-keep the bidirectional link, and a concurrent matmul loses the least)."""
+"""Why staged: results/h200-link-study (the copy engines carry the bytes, and a concurrent matmul
+loses the least). Saves and loads at once keep the bidirectional link only on two instances (two
+copy streams); one instance's copies queue on its one copy stream."""
 
 
 def backend_names() -> list[str]:
