@@ -142,7 +142,7 @@ def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], Call
     backend = get_backend(variant.backend, **dict(variant.options))
     prepared = backend.prepare(ws.ops(Direction.SAVE))
     sms = getattr(backend, "gather_sms", None) or getattr(backend, "max_sms", 0)
-    return (lambda: backend.launch(prepared)), getattr(backend, "join", lambda: None), sms
+    return (lambda: backend.launch(prepared)), backend.join, sms
 
 
 @contextlib.contextmanager

@@ -188,9 +188,8 @@ def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str,
 def reference_connector(device: str) -> tuple[ConnectorSpec, dict[str, str]]:
     """kvtool's `host` connector with the fastest backend the device has (module docstring)."""
     from kvtool.connectors.registry import BUILTIN_CONNECTORS
-    from kvtool.transfer import available_backends
-    backend = "staged" if device == "cuda" and "staged" in available_backends() else "torch"
-    return BUILTIN_CONNECTORS["host"], {"backend": backend}
+    from kvtool.transfer.registry import best_backend
+    return BUILTIN_CONNECTORS["host"], {"backend": best_backend(torch.device(device))}
 
 
 def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],

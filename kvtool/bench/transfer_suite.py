@@ -96,8 +96,7 @@ class TransferSuite:
         backend = self._backend(backend_name, lane)
         prepared = backend.prepare(ws.ops(direction))
         if self.cuda:      # joined: a staged save's bytes reach the host after its launch's ordering
-            join = getattr(backend, "join", lambda: None)
-            return lambda: (backend.launch(prepared), join())
+            return lambda: (backend.launch(prepared), backend.join())
         return lambda: (backend.launch(prepared), backend.synchronize())
 
     def _backend(self, name: str, lane: int):

@@ -19,7 +19,8 @@ from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
-from kvtool.cli.common import ExitCode, clean_errors, connector_options, fail, print_connector_help, progress_bar
+from kvtool.cli.common import (ExitCode, clean_errors, connector_options, fail, pages_device,
+                               print_connector_help, progress_bar)
 from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError
@@ -111,7 +112,7 @@ def bench(
         return
     if suite is Suite.store:
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
-                     format, _store_device(device))
+                     format, pages_device(device, "cpu"))
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -152,16 +153,6 @@ def bench(
 
 
 STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
-
-
-def _store_device(name: Optional[str]) -> str:
-    if name in (None, "cpu"):
-        return "cpu"
-    if name != "cuda":
-        raise InputError(f"--device must be cpu or cuda, got {name!r}")
-    if not torch.cuda.is_available():
-        raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
-    return name
 
 
 def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import pandas as pd
+import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -106,6 +107,17 @@ def kvtool_version() -> str:
     except PackageNotFoundError:       # run from a checkout (PYTHONPATH), as on the GPU machine
         from kvtool import __version__
         return f"{__version__} (from a checkout)"
+
+
+def pages_device(name: str | None, default: str) -> str:
+    """--device: `cpu` or `cuda` (`default` when not given); InputError for another name, or for
+    cuda on a machine without a CUDA GPU."""
+    name = default if name is None else name
+    if name not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
+    return name
 
 
 def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, note_model_origin,
-                               parse_options, print_connector_help, suggest)
+                               pages_device, parse_options, print_connector_help, suggest)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
@@ -90,7 +90,7 @@ def validate(
     for name in scenario:
         if name not in SCENARIOS:
             raise InputError(f"unknown scenario {name!r}{suggest(name, SCENARIOS)}; see kvtool validate --list")
-    device = _device(device)
+    device = pages_device(device, "cuda" if torch.cuda.is_available() else "cpu")
     if tokens_per_block <= 0:
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
     if not math.isfinite(timeout) or timeout <= 0:
@@ -154,16 +154,6 @@ def _check_remote(url: str) -> None:
 def _resolved_model(name: str) -> str:
     """A config path made absolute now: scenarios run in temporary folders."""
     return name if name in PRESETS or not Path(name).exists() else str(Path(name).resolve())
-
-
-def _device(name: str | None) -> str:
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise InputError(f"--device must be cpu or cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda needs a CUDA GPU, and this machine has none")
-    return name
 
 
 def _probe(model: str, tokens_per_block: int, connector_opt: list[str], compat: str | None, seed: int = 0,

@@ -161,9 +161,9 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             rows.append(counts.get(t.layer_group_id, 0))
             counts[t.layer_group_id] = rows[-1] + 1
         staging = {}
+        pin = self.backend is not None and self.backend.name != "torch"
         for g, n in counts.items():
             size = self.layout.group(g).bytes_per_page
-            pin = self.backend is not None and self.backend.name != "torch"
             staging[g] = PageSpace.contiguous(torch.empty(n * size, dtype=torch.uint8, pin_memory=pin), size)
         return staging, rows
 

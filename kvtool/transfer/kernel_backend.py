@@ -1,8 +1,9 @@
 """`kernel`: zero-copy SM kernels over unified addresses; one launch per batch.
 
 Host transfers run on few SMs (`max_sms` blocks of 1024 threads, about 1 MiB in flight), GPU-to-GPU
-gathers on the whole GPU unless `device_max_blocks` caps them (a gather feeding a copy engine at
-PCIe speed needs a few SMs, and every SM it leaves alone is one a matrix product keeps). Descriptors not 16-byte aligned go to a byte-copy fallback launch.
+gathers on the whole GPU unless `device_max_blocks` caps them (measured in results/h200-link-study:
+beside a matmul a capped gather is starved, so staged caps it only when asked). Descriptors not
+16-byte aligned go to a byte-copy fallback launch.
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ class StagedBackend(CudaBackendBase):
         self.first_chunk_bytes = first_chunk_bytes
         self.gather_sms = gather_sms
         blocks = None if gather_sms is None else gather_sms * GATHER_BLOCKS_PER_SM
-        self._gather = KernelBackend(max_sms=rt.num_sms(), device_max_blocks=blocks)
-        self._device = KernelBackend()      # a plain GPU-to-GPU copy is not rate-limited by a link
+        self._gather = KernelBackend(device_max_blocks=blocks)     # its copies are all GPU to GPU
+        # a plain GPU-to-GPU copy is not rate-limited by a link: the whole GPU
+        self._device = self._gather if blocks is None else KernelBackend()
         self._copy_stream, self._copy_torch_stream = rt.new_stream(priority)
 
     def build(self, ops: Sequence[CopyOp]) -> list[_Plan]:
