@@ -14,7 +14,7 @@ import typer
 import torch
 from rich.console import Console
 
-from kvtool.bench import compute, manager_suite, protocol_suite
+from kvtool.bench import compute, manager_suite, protocol_compute, protocol_suite
 from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
@@ -88,8 +88,10 @@ def bench(
                                                      "(repeatable).")] = [],
     connector_help: Annotated[bool, typer.Option("--connector-help", help="--suite store: list --connector's "
                                                  "options (what --connector-opt takes), then exit.")] = False,
-    with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a bf16 matmul's slowdown "
-                                                                      "while saving.")] = False,
+    with_compute: Annotated[bool, typer.Option("--with-compute", help="Also measure a matmul's slowdown while "
+                                               "saving: transfer suite, GPU only, per backend against one contiguous "
+                                               "copy; store suite, any connector through the engine, on a GPU or a "
+                                               "CPU.")] = False,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
                                                   "on cuda every connector is driven through the engine and measured "
                                                   "against the PCIe link [default: cpu].")] = None,
@@ -112,7 +114,7 @@ def bench(
         return
     if suite is Suite.store:
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
-                     format, pages_device(device, "cpu"))
+                     format, pages_device(device, "cpu"), with_compute)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -157,7 +159,7 @@ STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 
 def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
                  tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
-                 out_dir: Path, format: Format, device: str = "cpu") -> None:
+                 out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False) -> None:
     if len(model) > 1:
         raise InputError("--suite store measures one --model at a time")
     name = model[0] if model else "llama-3.1-8b"
@@ -169,11 +171,11 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
     install_compat(compat)
     spec = load_connector(connector, compat)
     options = connector_options(spec, connector_opt)
-    if spec.name not in BUILTIN_CONNECTORS or device == "cuda":
+    if spec.name not in BUILTIN_CONNECTORS or device == "cuda" or with_compute:
         if batch_bytes is not None:
             raise InputError("--batch-bytes sizes the built-in stores' batches on a CPU; a run through the engine "
                              "moves whole prompts")
-        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device)
+        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device, with_compute)
         return
     sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
     batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
@@ -190,23 +192,39 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
 
 
 def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
-                    quick: bool, out_dir: Path, format: Format, device: str = "cpu") -> None:
-    """`protocol_suite` on a connector the store suite does not know (or on GPU pages), beside kvtool's
-    reference connector; exit 1 naming the failed check."""
-    sizes = tuple(tokens_per_block) or (protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
-                                        protocol_suite.TOKENS_PER_BLOCK)
+                    quick: bool, out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False) -> None:
+    """`protocol_suite` on a connector the store suite does not know (or on GPU pages, or with
+    products beside the saves), beside kvtool's reference connector; exit 1 naming the failed check."""
+    sizes = list(tokens_per_block) or list(protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
+                                            protocol_suite.TOKENS_PER_BLOCK)
     workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
-    rows, problems = protocol_suite.run_protocol_suite(spec, options, model, list(sizes), workload,
-                                                       repeats or (3 if quick else 5), device,
-                                                       protocol_suite.reference_connector(device))
+    reference = protocol_suite.reference_connector(device)
+    rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
+                                                       repeats or (3 if quick else 5), device, reference)
     rows = [r.as_dict() for r in rows]
-    write_run(out_dir, rows, {}, "store")
+    extra = {}
+    if with_compute:
+        extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload, device)
+        problems += more
+    write_run(out_dir, rows, extra, "store")
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
+    if extra:
+        _print(extra["compute"], format, f"saves beside {extra['compute'][0]['products']}: each product's time "
+                                         "alone, during the connector's saves, and beside the engine's own work")
     Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if problems:
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
+
+
+def _protocol_compute_rows(spec, options: dict[str, str], reference, model: str, sizes: list[int], workload,
+                           device: str) -> tuple[list[dict], list[str]]:
+    """The loaded cold rounds of the connector and of the reference, against their unloaded saves."""
+    targets = [(spec, options, protocol_suite.connector_label(spec.name)),
+               (reference[0], reference[1], protocol_suite.reference_label(reference))]
+    compute_rows, problems = protocol_compute.run_compute_suite(targets, model, sizes, workload, device)
+    return [r.as_dict() for r in compute_rows], problems
 
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:

@@ -42,14 +42,19 @@ def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], s
 _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "model": "model",
           "tokens_per_block": "tpb", "chunk_bytes": "chunk", "batch_bytes": "batch", "gbps": "GB/s",
           "p50_us": "p50 µs", "p99_us": "p99 µs", "peak_gbps": "peak GB/s", "peak_spread": "±peak",
-          "ratio": "ratio", "verified": "ok"}
+          "ratio": "ratio", "verified": "ok",
+          # --suite store --with-compute
+          "matmul_ms_alone": "ms alone", "matmul_ms_during_saves": "ms saving", "matmul_ms_engine_only": "ms engine",
+          "slowdown_during_saves": "slowdown saving", "engine_slowdown": "slowdown engine",
+          "products_during_saves": "n saving", "save_gbps_with_compute": "save GB/s loaded",
+          "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone"}
 LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
           "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
           "chunk: bytes per page copy; batch: bytes per timed batch; ratio: GB/s / peak GB/s, where the peak is "
           "one contiguous pinned copy of the same size in the same run; ±peak: (p90 - p10) / median of the "
           "peak's repeats; ok: every byte verified")
 _SIZES = {"chunk_bytes", "batch_bytes"}
-_TEXT = {"backend", "direction", "granularity", "model", "operation"}
+_TEXT = {"backend", "direction", "granularity", "model", "operation", "connector", "products"}
 
 
 def rows_table(rows: list[dict], title: str) -> Table:
@@ -63,6 +68,8 @@ def rows_table(rows: list[dict], title: str) -> Table:
 
 
 def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
     if key in _SIZES:
         return _size(int(value))
     if isinstance(value, bool):

@@ -1,0 +1,216 @@
+"""Driving a connector through the engine for the protocol benches: the workload, the rounds, and
+what the engine shows of the connector's loads and saves on the host's clock (`Recorder`).
+
+A round runs its prompts as new requests, one per pass, to completion. Timing: the wall clock
+inside the worker's hooks, on the engine's iteration. A request's load is the time inside
+`start_load_kv` and `wait_for_layer_load` in the pass that delivered it (an asynchronous load: from
+its `LoadStarted` event to its `LoadFinished`); its save is the time inside `save_kv_layer` and
+`wait_for_save` in the pass that computed it (plus, for an asynchronous save, `SaveStarted` to
+`SaveFinished`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterator
+
+import numpy as np
+
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
+from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
+from kvtool.engine.fake_engine import VOCAB_SIZE
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.errors import ConnectorError, KvToolError
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
+
+LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load")
+SAVE_HOOKS = ("save_kv_layer", "wait_for_save")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """N prompts of K full blocks each (plus half a block the connector never sees whole)."""
+
+    prompts: int = 8
+    blocks: int = 4
+
+    def token_lists(self, tokens_per_block: int, rng: np.random.Generator) -> list[list[int]]:
+        length = self.blocks * tokens_per_block + max(1, tokens_per_block // 2)
+        return [rng.integers(0, VOCAB_SIZE, length).tolist() for _ in range(self.prompts)]
+
+
+QUICK = Workload(prompts=4, blocks=4)
+
+
+@dataclass
+class Recorder:
+    """What one engine's run shows of its requests' loads and saves: worker hook intervals
+    `(kind, iteration, start, end)` and the events, wall-clocked (request ids and iterations never
+    repeat, so one recorder serves both rounds)."""
+
+    event_kinds: ClassVar[frozenset] = frozenset({PassDone, LoadStarted, LoadFinished, SaveStarted, SaveFinished,
+                                                  Deliver, Finished})
+    engine: Engine
+    hooks: list[tuple[str, int, float, float]] = field(default_factory=list)
+    computed_in: dict[int, int] = field(default_factory=dict)
+    load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
+    async_end: dict[tuple[str, int], float] = field(default_factory=dict)
+    save_start: dict[int, float] = field(default_factory=dict)
+    finished: dict[int, Finished] = field(default_factory=dict)
+    delivered: dict[int, int] = field(default_factory=dict)
+
+    def attach(self) -> None:
+        """Subscribe to the engine's events and wrap every worker's load and save hooks."""
+        self.engine.events.subscribe(self)
+        for worker in self.engine.connector.workers:
+            for hook in LOAD_HOOKS + SAVE_HOOKS:
+                self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
+
+    def _wrap(self, worker, hook: str, kind: str) -> None:
+        inner = getattr(worker, hook)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.hooks.append((kind, self.engine.iteration, start, time.perf_counter()))
+        setattr(worker, hook, timed)
+
+    def __call__(self, event) -> None:
+        now = time.perf_counter()
+        if isinstance(event, PassDone):
+            for request_id, _, _ in event.items:
+                self.computed_in.setdefault(request_id, event.iteration)
+        elif isinstance(event, LoadStarted):
+            self.load_start[event.request_id] = (event.iteration, now, event.is_async)
+        elif isinstance(event, (LoadFinished, SaveFinished)):
+            self.async_end[("load" if isinstance(event, LoadFinished) else "save", event.request_id)] = now
+        elif isinstance(event, SaveStarted):
+            self.save_start[event.request_id] = now
+        elif isinstance(event, Deliver):
+            self.delivered[event.request_id] = event.num_external
+        elif isinstance(event, Finished):
+            self.finished[event.request_id] = event
+
+    def intervals(self, kind: str, request_id: int) -> list[tuple[float, float]]:
+        """The wall-clock intervals of `request_id`'s load or save (module docstring)."""
+        if kind == "load":
+            iteration, started, is_async = self.load_start[request_id]
+            if is_async:
+                return [(started, self.async_end.get(("load", request_id), started))]
+        else:
+            iteration = self.computed_in.get(request_id, -1)
+        spans = [(s, e) for k, i, s, e in self.hooks if k == kind and i == iteration]
+        if kind == "save" and request_id in self.save_start:
+            spans.append((self.save_start[request_id], self.async_end.get(("save", request_id),
+                                                                          self.save_start[request_id])))
+        return spans
+
+
+@dataclass
+class Measured:
+    """One direction of one block size: blocks moved, seconds (union of intervals), per-request seconds."""
+
+    blocks: int
+    seconds: float
+    latencies: list[float]
+
+def build_engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
+            device: str) -> Engine:
+    """One request per pass, no local prefix reuse (the warm round must ask the connector), pages
+    poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for every
+    prompt at once (asynchronous loads and saves hold pages outside the batch) plus a spare page."""
+    slots = workload.prompts * (workload.blocks + 1) + 1
+    manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
+    config = EngineConfig(manager, SchedulerConfig(max_batch_size=1, local_reuse=False),
+                          max_transmission_seconds=60.0)
+    return Engine(config, spec, options)
+
+
+@dataclass
+class Round:
+    ids: list[int]
+    tokens: list[list[int]]
+    """Generated tokens per request, in prompt order."""
+
+
+def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: int) -> Round:
+    """Run `prompts` as new requests (ids from `first_id`) to completion; ConnectorError, in one
+    line, when a hook raised or a request failed."""
+    ids = list(range(first_id, first_id + len(prompts)))
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(Request(request_id, prompt, max_new_tokens=1))
+    engine.run()
+    if engine.connector.failures:
+        raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
+    if engine.stats.failures:                   # e.g. an asynchronous load never reported
+        raise ConnectorError(_one_line(f"connector {label}: {engine.stats.failures[0]}"))
+    return Round(ids, [engine.states[i].request.generated_token_ids for i in ids])
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def one_line_errors(label: str) -> Iterator[None]:
+    """A kvtool error keeps its kind (so its exit code) in one line; anything else raised on the
+    way (from the connector's code) becomes a ConnectorError naming the connector."""
+    try:
+        yield
+    except KvToolError as exc:
+        raise type(exc)(_one_line(str(exc))) from None
+    except Exception as exc:  # noqa: BLE001 - the connector's failure, said in one line
+        raise ConnectorError(_one_line(f"connector {label}: the run stopped: {type(exc).__name__}: {exc}")) from None
+
+
+def measure_round(recorder: Recorder, round_: Round, kind: str, tpb: int) -> Measured:
+    """Blocks, seconds and per-request seconds of the round's loads or saves (module docstring)."""
+    if kind == "load":
+        ids = [i for i in round_.ids if recorder.delivered.get(i, 0) > 0 and i in recorder.load_start]
+        blocks = sum(math.ceil(recorder.delivered[i] / tpb) for i in ids)
+    else:
+        ids = round_.ids
+        blocks = sum(computed_blocks(recorder.finished[i], tpb) for i in ids if i in recorder.finished)
+    spans = {i: recorder.intervals(kind, i) for i in ids}
+    latencies = [sum(e - s for s, e in union(spans[i])) for i in ids]
+    total = sum(e - s for s, e in union([s for i in ids for s in spans[i]]))
+    return Measured(blocks, total, latencies)
+
+
+def computed_blocks(event: Finished, tpb: int) -> int:
+    """Full prompt blocks the engine computed (not served from a cache): what a connector saves."""
+    return event.prompt_len // tpb - (event.num_local_hit + event.num_external) // tpb
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def check_bytes(engine: Engine, cold: Round, warm: Round) -> str | None:
+    """None when every byte read was right and every warm request generated the cold one's tokens."""
+    if engine.integrity_errors:
+        first = engine.fake.issues[0].describe() if engine.fake.issues else ""
+        return f"{engine.integrity_errors} integrity error(s) in the KV bytes ({first})"
+    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens)) if a != b]
+    if differ:
+        return f"{len(differ)} of {len(cold.tokens)} warm prompts generated other tokens than cold"
+    return None
+
+
+def four_digits(value: float) -> float:
+    """`value` to four significant digits, as every bench row reports rates."""
+    return float(f"{value:.4g}")
