@@ -302,3 +302,30 @@ def test_defaults_that_differ_between_commands_say_why_in_help(command, reason):
     result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0
     assert reason in " ".join(result.output.split())
+
+
+# ---- 10. the store bench of your connector feeds the replay's cost model ---------------------------
+def test_your_connectors_bench_feeds_trace_run_bandwidth_from(tmp_path):
+    """`--bandwidth-from` takes your connector's load rate from a store run, not the reference
+    connector's beside it (the faster of the two, on a CPU, is either)."""
+    bench = tmp_path / "bench"
+    done = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--connector",
+                               EXAMPLE_TARGET, "--output", str(bench)])
+    assert done.exit_code == 0, done.output
+    rows = json.loads((bench / "results.json").read_text())["rows"]
+    (mine,) = [r["gbps"] for r in rows if r["direction"] == "load" and "DictConnectorWorker" in r["connector"]]
+    result = runner.invoke(app, ["trace", "run", str(small_workload(tmp_path)), "--connector", EXAMPLE_TARGET,
+                                 "--model", "tiny", "--tokens-per-block", "16", "--cost-model", "--bandwidth-from",
+                                 str(bench), "--output", str(tmp_path / "run")], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert f"connector loads at {mine:g} GB/s" in result.stdout
+
+
+def test_bandwidth_from_skips_the_reference_rows(tmp_path):
+    from kvtool.report.bench_report import bench_gbps
+    rows = [{"connector": "mine.py:S:W", "direction": "load", "model": "tiny", "tokens_per_block": 16, "gbps": 1.5},
+            {"connector": "host (kvtool reference, backend torch)", "direction": "load", "model": "tiny",
+             "tokens_per_block": 16, "gbps": 9.0}]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    assert bench_gbps(tmp_path, "load", 16, "tiny") == 1.5
+    assert bench_gbps(tmp_path, "load", 32, "tiny") == 1.5

@@ -34,6 +34,7 @@ from kvtool.bench.protocol_engine import (QUICK, Measured, Recorder, Workload, b
 from kvtool.bench.timing import time_repeats
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.store_namespace import store_namespace
+from kvtool.report.bench_report import REFERENCE_MARK
 
 __all__ = ["QUICK", "Workload", "run_protocol_suite", "reference_connector", "reference_label", "connector_label"]
 
@@ -90,7 +91,7 @@ def reference_connector(device: str) -> tuple[ConnectorSpec, dict[str, str]]:
 
 def reference_label(reference: tuple[ConnectorSpec, dict[str, str]]) -> str:
     """How the reference connector's rows are labelled."""
-    return f"{reference[0].name} (kvtool reference, backend {reference[1].get('backend', 'torch')})"
+    return f"{reference[0].name} {REFERENCE_MARK}, backend {reference[1].get('backend', 'torch')})"
 
 
 def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],

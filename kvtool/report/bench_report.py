@@ -106,16 +106,22 @@ def bench_notes(rows: list[dict], device_kind: str, skipped_backends: list[str])
     return notes
 
 
+REFERENCE_MARK = "(kvtool reference"
+"""In a store run's `connector` column: the rows of kvtool's own connector, run as a yardstick."""
+
+
 def bench_gbps(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> float:
     """The best GB/s a `kvtool bench` run measured in `direction` at `tokens_per_block` (the
     closest block size it ran when that one is missing), on `model`'s rows when it ran that
-    model; InputError when the folder has none."""
+    model; of a store run through the engine, the measured connector's rows, never the
+    reference's. InputError when the folder has none."""
     path = directory / "results.json"
     try:
         rows = json.loads(path.read_text())["rows"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"--bandwidth-from {directory}: no kvtool bench results.json there ({exc})") from None
-    rows = [r for r in rows if isinstance(r, dict) and r.get("direction") == direction and r.get("gbps")]
+    rows = [r for r in rows if isinstance(r, dict) and r.get("direction") == direction and r.get("gbps")
+            and REFERENCE_MARK not in str(r.get("connector", ""))]
     if not rows:
         raise InputError(f"--bandwidth-from {directory}: no {direction} rows in results.json")
     rows = [r for r in rows if r.get("model") == model] or rows
