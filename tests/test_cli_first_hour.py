@@ -329,3 +329,29 @@ def test_bandwidth_from_skips_the_reference_rows(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
     assert bench_gbps(tmp_path, "load", 16, "tiny") == 1.5
     assert bench_gbps(tmp_path, "load", 32, "tiny") == 1.5
+
+
+# ---- 11. bench: a connector named without --suite is the store suite; strays are refused -----------
+def test_naming_a_connector_on_bench_measures_that_connector(tmp_path):
+    result = runner.invoke(app, ["bench", "--connector", EXAMPLE_TARGET, "--model", "tiny", "--quick",
+                                 "--format", "json", "--output", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
+    assert {r["connector"] for r in rows} == {"dict_connector.py:DictConnectorScheduler:DictConnectorWorker",
+                                              "host (kvtool reference, backend torch)"}
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["suite"] == "store"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "manager", "--connector", "host"],
+     "--connector applies to --suite store (a connector's own paths), not to --suite manager"),
+    (["--suite", "transfer", "--compat", "trtllm", "--device", "cpu"],
+     "--compat, --device apply to --suite store (a connector's own paths), not to --suite transfer"),
+    (["--connector", "host", "--backend", "kernel"], "--backend applies to --suite transfer, not to --suite store"),
+    (["--suite", "store", "--direction", "save"], "--direction applies to --suite transfer, not to --suite store"),
+])
+def test_an_option_the_chosen_suite_would_ignore_is_refused(args, message, tmp_path):
+    result = runner.invoke(app, ["bench", *args, "--output", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"kvtool: error: {message}"]
+    assert not (tmp_path / "run").exists()

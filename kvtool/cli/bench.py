@@ -77,11 +77,13 @@ def bench(
     format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
                                                    "the plot [default: results/<UTC timestamp>/].")] = None,
-    suite: Annotated[Suite, typer.Option(help="transfer (the link), manager (CPU cost per block) or store (a "
-                                         "connector's save/load paths against a raw loop).")] = Suite.transfer,
-    connector: Annotated[str, typer.Option(help="--suite store: host, disk, redis, mooncake, or any connector as "
-                                           "MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER (measured through "
-                                           "the engine: a cold then a warm round).")] = "host",
+    suite: Annotated[Optional[Suite], typer.Option(help="transfer (the link), manager (CPU cost per block) or "
+                                                   "store (a connector's save/load paths) [default: store when "
+                                                   "--connector is given, else transfer].")] = None,
+    connector: Annotated[Optional[str], typer.Option(help="--suite store: host, disk, redis, mooncake, or any "
+                                                     "connector as MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER "
+                                                     "(measured through the engine: a cold then a warm round) "
+                                                     "[default: host].")] = None,
     compat: Annotated[Optional[str], typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
                                                   "modules to a connector written against them.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="--suite store: KEY=VALUE for the connector "
@@ -101,6 +103,11 @@ def bench(
     own save and load paths against a raw loop of its store with --suite store --connector NAME (a
     connector of your own: its hooks timed through the engine, a cold then a warm round).
     Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
+    suite = _chosen_suite(suite, {"--connector": connector is not None, "--compat": compat is not None,
+                                  "--connector-opt": bool(connector_opt), "--device": device is not None},
+                          {"--granularity": bool(granularity), "--direction": bool(direction),
+                           "--backend": bool(backend)})
+    connector = connector or "host"
     if connector_help:
         print_connector_help(load_connector(connector, compat))
         return
@@ -152,6 +159,21 @@ def bench(
     console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
         raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
+
+
+def _chosen_suite(suite: Optional[Suite], store_options: dict[str, bool], transfer_options: dict[str, bool]
+                  ) -> Suite:
+    """The suite asked for, or the one the options given belong to; InputError for an option the
+    suite would ignore (a connector named on the transfer suite measured nothing of it)."""
+    store = [name for name, given in store_options.items() if given]
+    chosen = suite or (Suite.store if store else Suite.transfer)
+    strays = store if chosen is not Suite.store else []
+    strays += [name for name, given in transfer_options.items() if given and chosen is not Suite.transfer]
+    if strays:
+        owner = "--suite store (a connector's own paths)" if chosen is not Suite.store else "--suite transfer"
+        raise InputError(f"{', '.join(strays)} {'applies' if len(strays) == 1 else 'apply'} to {owner}, "
+                         f"not to --suite {chosen.value}")
+    return chosen
 
 
 STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
