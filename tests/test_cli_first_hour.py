@@ -315,10 +315,37 @@ def test_your_connectors_bench_feeds_trace_run_bandwidth_from(tmp_path):
     rows = json.loads((bench / "results.json").read_text())["rows"]
     (mine,) = [r["gbps"] for r in rows if r["direction"] == "load" and "DictConnectorWorker" in r["connector"]]
     result = runner.invoke(app, ["trace", "run", str(small_workload(tmp_path)), "--connector", EXAMPLE_TARGET,
-                                 "--model", "tiny", "--tokens-per-block", "16", "--cost-model", "--bandwidth-from",
+                                 "--model", "tiny", "--tokens-per-block", "16", "--bandwidth-from",
                                  str(bench), "--output", str(tmp_path / "run")], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
-    assert f"connector loads at {mine:g} GB/s" in result.stdout
+    assert f"connector loads at {mine:g} GB/s" in result.stdout        # the cost model is on: the rate is used
+    assert result.stderr.splitlines()[0] == (f"kvtool: load rate {mine:g} GB/s from {bench} (dict_connector.py:"
+                                             "DictConnectorScheduler:DictConnectorWorker, tiny, 16 tokens per block)")
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["cost_model"]["load_gbps"] == mine
+    assert meta["load_gbps_from"] == {"folder": str(bench), "source": "dict_connector.py:DictConnectorScheduler:"
+                                      "DictConnectorWorker", "model": "tiny", "tokens_per_block": 16, "gbps": mine}
+
+
+def test_bandwidth_from_says_when_its_row_is_not_the_replays(tmp_path):
+    rows = [{"backend": "staged", "direction": "load", "model": "llama-3.1-8b", "tokens_per_block": 16, "gbps": 40.0}]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    result = runner.invoke(app, ["trace", "run", str(small_workload(tmp_path)), "--connector", "host", "--model",
+                                 "tiny", "--bandwidth-from", str(tmp_path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == (
+        f"kvtool: load rate 40 GB/s from {tmp_path} (staged, llama-3.1-8b, 16 tokens per block): 16 tokens per "
+        "block, not this replay's 32 (the closest the run has); model llama-3.1-8b, not this replay's tiny (the run "
+        "has no tiny row)")
+
+
+def test_bandwidth_from_cannot_go_with_no_cost_model(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"rows": []}))
+    result = runner.invoke(app, ["trace", "run", str(small_workload(tmp_path)), "--bandwidth-from", str(tmp_path),
+                                 "--no-cost-model"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["kvtool: error: --bandwidth-from sets the cost model's load rate: it "
+                                          "cannot go with --no-cost-model"]
 
 
 def test_bandwidth_from_skips_the_reference_rows(tmp_path):

@@ -88,6 +88,8 @@ def trace_run(
     folder = prepare_run_folder(output) if output is not None else None
     note_store_folder(replay)
     console = Console(stderr=True)
+    if replay.load_rate_note:
+        console.print(f"kvtool: {replay.load_rate_note}", highlight=False, markup=False, soft_wrap=True)
     recorder = TimelineRecorder() if timeline is not None else None
     result = _replay(replay, console, [recorder] if recorder else [])
     base = _replay(replace(replay, connector=None, options={}), console, []) if baseline else None
@@ -107,7 +109,8 @@ def trace_run(
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
                            {"workload": str(options.workload), "workload_format": replay.workload.format, "seed": options.seed,
-                            "connector_options": replay.options})
+                            "connector_options": replay.options,
+                            **({"load_gbps_from": replay.load_rate_source} if replay.load_rate_source else {})})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
 

@@ -62,7 +62,8 @@ def _shared(
     load_gbps: Annotated[float, typer.Option(help="Connector load rate of the cost model, GB/s.")] = H200_LOAD_GBPS,
     bandwidth_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Take the load rate from a "
                                                            "kvtool bench run folder (results.json), at the "
-                                                           "replay's tokens per block.")] = None,
+                                                           "replay's tokens per block (or the closest), and "
+                                                           "turn the cost model on.")] = None,
     params: Annotated[Optional[float], typer.Option(help="Active parameters [default: the preset's].")] = None,
     attention_width: Annotated[Optional[int], typer.Option(help="Query heads x head size [default: the "
                                                            "preset's].")] = None,

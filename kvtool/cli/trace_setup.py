@@ -25,7 +25,7 @@ from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.manager import compute_layout, default_device, plan_num_slots
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.manager.storage import require_memory
-from kvtool.report.bench_report import bench_gbps
+from kvtool.report.bench_report import bench_rate
 from kvtool.units import parse_size
 from kvtool.workloads.source import RequestSize, Workload, open_workload
 
@@ -43,6 +43,10 @@ class Replay:
     connector: ConnectorSpec | None
     options: dict[str, str]
     cost_model: CostModel | None
+    load_rate_note: str | None = None
+    """Where --bandwidth-from took the load rate, in words (and how that row differs from the replay)."""
+    load_rate_source: dict | None = None
+    """The same for meta.json."""
 
     @property
     def is_imported(self) -> bool:
@@ -79,7 +83,8 @@ class ReplayOptions:
     tflops: float = H200_BF16_TFLOPS
     load_gbps: float = H200_LOAD_GBPS
     bandwidth_from: Path | None = None
-    """A kvtool bench run folder: its load GB/s at `tokens_per_block` replaces `load_gbps`."""
+    """A kvtool bench run folder: its load GB/s at `tokens_per_block` replaces `load_gbps`, and
+    turns the cost model on (the rate means nothing without it)."""
     params: float | None = None
     attention_width: int | None = None
     draft_tokens: int = 0
@@ -112,8 +117,12 @@ def build_replay(o: ReplayOptions) -> Replay:
         parse_options(list(o.connector_opt))
     if options and spec is None:
         raise InputError("--connector-opt needs a --connector")
+    rate = None
     if o.bandwidth_from is not None:
-        o = replace(o, load_gbps=bench_gbps(o.bandwidth_from, "load", o.tokens_per_block, manager.model.name))
+        if o.cost_model is False:
+            raise InputError("--bandwidth-from sets the cost model's load rate: it cannot go with --no-cost-model")
+        rate = bench_rate(o.bandwidth_from, "load", o.tokens_per_block, manager.model.name)
+        o = replace(o, load_gbps=rate.gbps, cost_model=True)
     cost = _cost_model(o, manager, spec, options, imported)
     config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
                                                    local_reuse=not o.no_local_reuse,
@@ -121,7 +130,9 @@ def build_replay(o: ReplayOptions) -> Replay:
                           seed=o.seed, num_ranks=o.num_ranks, tp_size=o.tp, ranks_as_processes=True,
                           fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None,
                           draft_tokens=o.draft_tokens, acceptance=o.acceptance)
-    return Replay(workload, config, spec, options, cost)
+    return Replay(workload, config, spec, options, cost,
+                  rate.describe(o.tokens_per_block, manager.model.name) if rate else None,
+                  rate.as_dict() if rate else None)
 
 
 ADMISSIONS = {"reserve": dict(reserve_outputs=True), "greedy": dict(),

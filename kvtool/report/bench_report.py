@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,40 @@ REFERENCE_MARK = "(kvtool reference"
 """In a store run's `connector` column: the rows of kvtool's own connector, run as a yardstick."""
 
 
+@dataclass(frozen=True)
+class BenchRate:
+    """The row a replay's rate was taken from."""
+
+    gbps: float
+    folder: Path
+    source: str
+    """The row's connector (a store run) or backend (a transfer run)."""
+    model: str | None
+    tokens_per_block: int
+
+    def describe(self, tokens_per_block: int, model: str | None) -> str:
+        """One line: the rate, where it came from, and how that row differs from the replay."""
+        mismatches = []
+        if self.tokens_per_block != tokens_per_block:
+            mismatches.append(f"{self.tokens_per_block} tokens per block, not this replay's {tokens_per_block} "
+                              "(the closest the run has)")
+        if model is not None and self.model != model:
+            mismatches.append(f"model {self.model}, not this replay's {model} (the run has no {model} row)")
+        where = f"{self.source}, {self.model}, {self.tokens_per_block} tokens per block"
+        text = f"load rate {self.gbps:g} GB/s from {self.folder} ({where})"
+        return text + (": " + "; ".join(mismatches) if mismatches else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"folder": str(self.folder), "source": self.source, "model": self.model,
+                "tokens_per_block": self.tokens_per_block, "gbps": self.gbps}
+
+
 def bench_gbps(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> float:
+    """`bench_rate(...).gbps`."""
+    return bench_rate(directory, direction, tokens_per_block, model).gbps
+
+
+def bench_rate(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> BenchRate:
     """The best GB/s a `kvtool bench` run measured in `direction` at `tokens_per_block` (the
     closest block size it ran when that one is missing), on `model`'s rows when it ran that
     model; of a store run through the engine, the measured connector's rows, never the
@@ -126,4 +160,6 @@ def bench_gbps(directory: Path, direction: str, tokens_per_block: int, model: st
         raise InputError(f"--bandwidth-from {directory}: no {direction} rows in results.json")
     rows = [r for r in rows if r.get("model") == model] or rows
     nearest = min({r["tokens_per_block"] for r in rows}, key=lambda t: (abs(t - tokens_per_block), t))
-    return max(float(r["gbps"]) for r in rows if r["tokens_per_block"] == nearest)
+    best = max((r for r in rows if r["tokens_per_block"] == nearest), key=lambda r: float(r["gbps"]))
+    return BenchRate(float(best["gbps"]), directory, str(best.get("connector") or best.get("backend") or "?"),
+                     best.get("model"), int(nearest))
