@@ -181,14 +181,26 @@ def test_a_reused_output_folder_holds_only_the_latest_run(tmp_path):
     assert json.loads((folder / "meta.json").read_text())["files"] == [
         "iterations.csv", "requests.csv", "summary.csv", "summary.json"]
     (folder / "notes.txt").write_text("mine")
-    result = runner.invoke(app, ["inspect-layout", "--model", "tiny", "--output", str(folder), "--format", "json"])
+    result = runner.invoke(app, ["trace", "run", SHIPPED, "--output", str(folder), "--format", "json",
+                                 "--connector", "host", "--timeline", str(tmp_path / "t.json")])
     assert result.exit_code == 0 and "held an earlier run: removed its 5 files" in result.stderr
-    assert {p.name for p in folder.iterdir()} == {"layout.json", "layout.csv", "meta.json", "notes.txt"}
-    result = runner.invoke(app, ["validate", "host", "--scenario", "cold-warm", "--model", "tiny",
-                                 "--output", str(folder), "--format", "json"])
-    assert result.exit_code == 0, result.output
-    assert {p.name for p in folder.iterdir()} == {"results.json", "results.csv", "junit.xml", "meta.json",
-                                                  "notes.txt"}
+    assert {p.name for p in folder.iterdir()} == {"iterations.csv", "requests.csv", "summary.csv", "summary.json",
+                                                  "meta.json", "notes.txt"}
+
+
+def test_another_commands_run_folder_is_refused_and_kept(tmp_path):
+    """A run of another command would delete results the user still reads (a bench run a replay's
+    --bandwidth-from is about to take its rate from)."""
+    folder = tmp_path / "run"
+    assert runner.invoke(app, ["trace", "run", SHIPPED, "--output", str(folder), "--format", "json"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for command in (["inspect-layout", "--model", "tiny"], ["bench", "--suite", "manager"]):
+        result = runner.invoke(app, [*command, "--output", str(folder)])
+        assert result.exit_code == 2
+        assert result.stderr.splitlines() == [f"kvtool: error: --output {folder} holds a kvtool trace run; a "
+                                              f"{command[0]} run would replace it: give another folder (or remove "
+                                              "that one)"]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_a_bench_folder_lists_its_files_and_is_cleared_the_same_way(tmp_path):

@@ -111,7 +111,7 @@ def bench(
     if connector_help:
         print_connector_help(load_connector(connector, compat))
         return
-    out_dir = prepare_run_folder((output or default_output_dir()).resolve())
+    out_dir = prepare_run_folder((output or default_output_dir()).resolve(), "bench")
     console = Console(stderr=True)
     if suite is Suite.manager:
         rows = [r.as_dict() for r in manager_suite.run()]

@@ -42,7 +42,7 @@ def inspect_layout(
     legacy = is_legacy_output_file(output)
     if legacy:
         deprecated("--output FILE", "--output DIR (layout.json, layout.csv, meta.json) or shell redirection")
-    folder = prepare_run_folder(output) if output is not None and not legacy else None
+    folder = prepare_run_folder(output, "inspect-layout") if output is not None and not legacy else None
     layout = compute_layout(manager_config(model, tokens_per_block, dtype, gpu_memory, num_slots, tp=(tp, rank)))
     text = _layout_text(layout, format)
     if legacy:

@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-compute", action="store_true")
     args = parser.parse_args()
-    out = prepare_run_folder(args.output.resolve())
+    out = prepare_run_folder(args.output.resolve(), "bench")
     batch = parse_size(args.batch_bytes)
     suite = _suite(args.repeats)
     rows = []

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                              "fraction alike); the medians are reported")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)   # the target is one core
-    folder = prepare_run_folder(args.output) if args.output else None
+    folder = prepare_run_folder(args.output, "trace") if args.output else None
     fractions = sorted(float(f) for f in args.fractions.split(","))
     if args.repeats < 1 or args.segments < 1:
         parser.error("--repeats and --segments must be at least 1")

@@ -85,7 +85,7 @@ def trace_run(
     if baseline and replay.connector is None:
         raise InputError("--baseline compares with a run without the connector: give a --connector")
     check_before_replay(replay)
-    folder = prepare_run_folder(output) if output is not None else None
+    folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     console = Console(stderr=True)
     if replay.load_rate_note:
@@ -126,7 +126,7 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
         raise InputError(f"--sync-window must be a positive number of seconds, got {sync_window}")
     replay = build_replay(options)
     check_before_replay(replay)
-    folder = prepare_run_folder(output) if output is not None else None
+    folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:

@@ -102,7 +102,7 @@ def trace_sweep(
         replay = build_replay(each)   # every InputError now, before any replay
         check_pools_fit_memory(replay)
         check_cache_holds(replay, sizes)
-    folder = prepare_run_folder(output) if output is not None else None
+    folder = prepare_run_folder(output, "trace") if output is not None else None
     rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:

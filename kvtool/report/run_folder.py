@@ -35,11 +35,26 @@ _FOUND: dict[Path, frozenset[str]] = {}
 """Per folder prepared in this process: the names in it before the run (not the run's own)."""
 
 
-def prepare_run_folder(directory: Path) -> Path:
+BENCH_SUITES = frozenset({"transfer", "store", "manager", "link-study"})
+
+
+def command_of(suite: str) -> str:
+    """The command that writes a meta.json with this `suite`: bench for its suites, `trace` for
+    trace, trace-sweep, trace-instances and trace-replay-bench, the suite itself otherwise."""
+    return "bench" if suite in BENCH_SUITES else suite.split("-")[0] if suite.startswith("trace") else suite
+
+
+def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
     """Create `directory` (and its parents), prove it writable and remove the files an earlier
-    kvtool run wrote there (one line on stderr says so); InputError naming why not."""
+    kvtool run wrote there (one line on stderr says so); InputError naming why not, and, when
+    `command` is given, when the earlier run is another command's (a validate run pointed at a
+    bench folder would delete the results a replay is about to read)."""
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--output {directory} is a file; give a folder (it will hold meta.json and the results)")
+    earlier = _earlier_command(directory)
+    if command is not None and earlier is not None and earlier != command:
+        raise InputError(f"--output {directory} holds a kvtool {earlier} run; a {command} run would replace it: "
+                         "give another folder (or remove that one)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".kvtool-write-test"
@@ -54,6 +69,16 @@ def prepare_run_folder(directory: Path) -> Path:
               file=sys.stderr)
     _FOUND[directory.resolve()] = frozenset(p.name for p in directory.iterdir())
     return directory
+
+
+def _earlier_command(directory: Path) -> str | None:
+    """The command of the run whose meta.json is in `directory`; None when there is none."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    suite = meta.get("suite") if isinstance(meta, dict) else None
+    return command_of(suite) if isinstance(suite, str) else None
 
 
 def _remove_earlier_run(directory: Path) -> list[str]:
