@@ -248,3 +248,17 @@ def test_a_long_output_folder_is_said_on_one_line(connector_file, tmp_path):
                   env={"COLUMNS": "80"})
     assert done.returncode == 0, done.stderr
     assert f"results in {out}" in done.stderr.splitlines()
+
+
+def test_a_connector_writing_into_its_working_folder_leaves_nothing_behind(tmp_path):
+    """The TensorRT-LLM-style connector keeps its blocks in ./block_files; the bench runs it in a
+    temporary folder of its own, as validate does each scenario."""
+    target = f"{Path(__file__).parent / 'data' / 'trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker"
+    env = {k: v for k, v in os.environ.items() if k != "BLOCK_FILES_FOLDER"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "kvtool", "bench", "--suite", "store", "--model", "tiny", "--quick",
+                           "--connector", target, "--compat", "trtllm", "--output", "run"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert all(r["verified"] and r["blocks"] == QUICK_BLOCKS for r in _rows(tmp_path / "run"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

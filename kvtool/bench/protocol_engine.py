@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Iterator
 
 import numpy as np
@@ -214,3 +217,17 @@ def check_bytes(engine: Engine, cold: Round, warm: Round) -> str | None:
 def four_digits(value: float) -> float:
     """`value` to four significant digits, as every bench row reports rates."""
     return float(f"{value:.4g}")
+
+
+@contextlib.contextmanager
+def scratch_working_folder() -> Iterator[Path]:
+    """Run in a new temporary folder, removed afterwards with whatever a connector wrote there
+    (a store in `./connector_cache`, say): a bench leaves nothing in the user's folder, as a
+    validate run keeps each scenario's files in a folder of its own."""
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="kvtool-bench-") as scratch:
+        os.chdir(scratch)
+        try:
+            yield Path(scratch)
+        finally:
+            os.chdir(here)

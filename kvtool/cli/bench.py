@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 
 from kvtool.bench import compute, manager_suite, protocol_compute, protocol_suite
+from kvtool.bench.protocol_engine import scratch_working_folder
 from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
@@ -82,7 +83,8 @@ def bench(
                                                    "--connector is given, else transfer].")] = None,
     connector: Annotated[Optional[str], typer.Option(help="--suite store: host, disk, redis, mooncake, or any "
                                                      "connector as MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER "
-                                                     "(measured through the engine: a cold then a warm round) "
+                                                     "(measured through the engine, in a temporary working folder "
+                                                     "removed afterwards: a cold then a warm round) "
                                                      "[default: host].")] = None,
     compat: Annotated[Optional[str], typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
                                                   "modules to a connector written against them.")] = None,
@@ -221,13 +223,14 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
                                             protocol_suite.TOKENS_PER_BLOCK)
     workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
     reference = protocol_suite.reference_connector(device)
-    rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
-                                                       repeats or (3 if quick else 5), device, reference)
-    rows = [r.as_dict() for r in rows]
-    extra = {}
-    if with_compute:
-        extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload, device)
-        problems += more
+    with scratch_working_folder():
+        rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
+                                                           repeats or (3 if quick else 5), device, reference)
+        rows = [r.as_dict() for r in rows]
+        extra = {}
+        if with_compute:
+            extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload, device)
+            problems += more
     write_run(out_dir, rows, extra, "store")
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
