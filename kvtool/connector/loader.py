@@ -61,9 +61,9 @@ def load_connector(target: str, registered: Mapping[str, ConnectorSpec], compat:
                          "MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER")
     where, sched, worker = parts
     if where.endswith(".py"):
-        module, shown = _import_file(where, target), where
+        module, shown = _import_file(where, target, compat), where
     else:
-        module = _import_module(where, target)
+        module = _import_module(where, target, compat)
         shown = module.__name__
     return _spec(target, module, shown, sched, worker, {}, compat)
 
@@ -96,11 +96,24 @@ def _looks_like(cls: type, base: type) -> bool:
     return all(callable(getattr(cls, n, None)) for n in names)
 
 
-def _import_module(name: str, target: str):
+_COMPAT_OF_PACKAGE = {"tensorrt_llm": ("TensorRT-LLM", "trtllm")}
+"""Runtime packages a `--compat` provides: the runtime's name and the `--compat` value."""
+
+
+def _compat_hint(exc: Exception, compat: str | None) -> str:
+    """" (... add --compat NAME)" when `exc` is a missing package that a `--compat` not given
+    provides (a submodule of it included), else ""."""
+    if compat is not None or not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    runtime = _COMPAT_OF_PACKAGE.get(exc.name.split(".")[0])
+    return f" (a connector written against {runtime[0]}: add --compat {runtime[1]})" if runtime else ""
+
+
+def _import_module(name: str, target: str, compat: str | None):
     try:
         return importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any import-time failure is the target's, reported in one line
-        hint = ""
+        hint = _compat_hint(exc, compat)
         if isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
                 (name == exc.name or name.startswith(exc.name + ".")):
             file = Path(*name.split(".")).with_suffix(".py")
@@ -109,7 +122,7 @@ def _import_module(name: str, target: str):
         raise InputError(f"connector {target!r}: cannot import {name}: {type(exc).__name__}: {exc}{hint}") from None
 
 
-def _import_file(path: str, target: str):
+def _import_file(path: str, target: str, compat: str | None):
     file = Path(path)
     if not file.is_file():
         raise InputError(f"connector {target!r}: no file {path}")
@@ -122,7 +135,8 @@ def _import_file(path: str, target: str):
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001
         sys.modules.pop(name, None)
-        raise InputError(f"connector {target!r}: cannot import {path}: {type(exc).__name__}: {exc}") from None
+        raise InputError(f"connector {target!r}: cannot import {path}: {type(exc).__name__}: {exc}"
+                         f"{_compat_hint(exc, compat)}") from None
     finally:
         sys.path.remove(str(file.parent.resolve()))
     return module

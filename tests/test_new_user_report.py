@@ -1,0 +1,104 @@
+"""A new user's report, one section per problem, each a test that fails without its fix:
+1. a TensorRT-LLM connector run without `--compat trtllm`; 2. an abstract method left out, blamed on
+kvtool's file; 3. local-prefix's evidence read as a contradiction; 4. a mistyped model name, and
+the line a config file's model prints; 5. what `stream` the worker hooks get."""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app
+from kvtool.connector import KvCacheConnectorWorker
+from kvtool.connectors.registry import load_connector
+from kvtool.engine.worker_setup import forward_stream
+from kvtool.errors import InputError
+from kvtool.models import load_model
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = str(REPO / "examples" / "dict_connector.py")
+SHIPPED = str(REPO / "workloads" / "shared_prefix.jsonl")
+HINT = " (a connector written against TensorRT-LLM: add --compat trtllm)"
+
+
+def _trtllm_modules() -> list[str]:
+    return [name for name in sys.modules if name == "tensorrt_llm" or name.startswith("tensorrt_llm.")]
+
+
+@pytest.fixture
+def no_trtllm(monkeypatch):
+    """TensorRT-LLM absent, as on the user's machine (an earlier test's --compat may have put
+    kvtool's modules under its name into this process); what this test installs goes again."""
+    for name in _trtllm_modules():
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in _trtllm_modules():
+        del sys.modules[name]     # then monkeypatch puts the earlier ones back
+
+
+def _trtllm_connector(folder: Path, module: str = "tensorrt_llm._torch.pyexecutor.kv_cache_connector") -> Path:
+    path = folder / "myconn_trt.py"
+    path.write_text(f"from {module} import KvCacheConnectorScheduler, KvCacheConnectorWorker\n\n"
+                    "class MyScheduler(KvCacheConnectorScheduler):\n    pass\n\n"
+                    "class MyWorker(KvCacheConnectorWorker):\n    pass\n")
+    return path
+
+
+# ---- 1. a TensorRT-LLM connector without --compat trtllm ----------------------------------------
+def test_a_file_importing_tensorrt_llm_without_compat_is_told_to_add_it(tmp_path, no_trtllm):
+    path = _trtllm_connector(tmp_path)
+    target = f"{path}:MyScheduler:MyWorker"
+    with pytest.raises(InputError) as caught:
+        load_connector(target)
+    assert str(caught.value) == (f"connector {target!r}: cannot import {path}: ModuleNotFoundError: "
+                                 f"No module named 'tensorrt_llm'{HINT}")
+
+
+def test_a_module_importing_a_tensorrt_llm_submodule_without_compat_is_told_to_add_it(tmp_path, no_trtllm,
+                                                                                      monkeypatch):
+    _trtllm_connector(tmp_path, "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "myconn_trt", raising=False)
+    with pytest.raises(InputError) as caught:
+        load_connector("myconn_trt:MyScheduler:MyWorker")
+    assert str(caught.value) == ("connector 'myconn_trt:MyScheduler:MyWorker': cannot import myconn_trt: "
+                                 f"ModuleNotFoundError: No module named 'tensorrt_llm'{HINT}")
+
+
+def test_with_compat_given_a_module_it_lacks_gets_no_hint(tmp_path, no_trtllm):
+    path = _trtllm_connector(tmp_path, "tensorrt_llm.not_provided")
+    target = f"{path}:MyScheduler:MyWorker"
+    with pytest.raises(InputError) as caught:
+        load_connector(target, "trtllm")
+    assert str(caught.value) == (f"connector {target!r}: cannot import {path}: ModuleNotFoundError: "
+                                 "No module named 'tensorrt_llm.not_provided'; 'tensorrt_llm' is not a package")
+
+
+def test_another_missing_module_gets_no_hint(tmp_path):
+    path = tmp_path / "needs_vllm.py"
+    path.write_text("import vllm_not_installed\n")
+    with pytest.raises(InputError) as caught:
+        load_connector(f"{path}:S:W")
+    assert str(caught.value).endswith("ModuleNotFoundError: No module named 'vllm_not_installed'")
+
+
+@pytest.mark.parametrize("command", [
+    ["validate", "{target}"],                                     # the message comes from preflight's child
+    ["bench", "--suite", "store", "--connector", "{target}", "--quick", "--output", "{out}"],
+    ["trace", "run", SHIPPED, "--connector", "{target}"],
+    ["trace", "sweep", SHIPPED, "--connector", "{target}", "--tokens-per-block", "16"],
+], ids=["validate", "bench-store", "trace-run", "trace-sweep"])
+def test_every_command_taking_a_connector_says_to_add_compat(command, tmp_path, no_trtllm):
+    path = _trtllm_connector(tmp_path)
+    target = f"{path}:MyScheduler:MyWorker"
+    args = [a.format(target=target, out=tmp_path / "out") for a in command]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"kvtool: error: connector {target!r}: cannot import {path}: "
+                                          f"ModuleNotFoundError: No module named 'tensorrt_llm'{HINT}"]
