@@ -102,3 +102,83 @@ def test_every_command_taking_a_connector_says_to_add_compat(command, tmp_path, 
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [f"kvtool: error: connector {target!r}: cannot import {path}: "
                                           f"ModuleNotFoundError: No module named 'tensorrt_llm'{HINT}"]
+
+
+# ---- 2. an abstract method left out: the connector's class is named, not kvtool's line ------------
+ABSTRACT = f'''import sys
+sys.path.insert(0, {str(REPO / "examples")!r})
+from dict_connector import DictConnectorScheduler, DictConnectorWorker
+from kvtool.connector import KvCacheConnectorScheduler, KvCacheConnectorWorker
+
+
+class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def request_finished(self, request, cache_block_ids):
+        return False
+
+
+def kept(cls):
+    return cls
+
+
+@kept
+class HalfWorker(KvCacheConnectorWorker):
+    def start_load_kv(self, stream):
+        pass
+'''
+
+
+def _line_of(text: str) -> int:
+    return ABSTRACT.splitlines().index(text) + 1
+
+
+@pytest.fixture
+def abstract_file(tmp_path) -> Path:
+    path = tmp_path / "abstract_conn.py"
+    path.write_text(ABSTRACT)
+    return path
+
+
+def _refusal(path: Path, target: str, cls: str, methods: str, line: int) -> str:
+    return (f"kvtool: error: connector {target!r} could not be constructed: TypeError: Can't instantiate "
+            f"abstract class {cls} with {methods} ({path}:{line})")
+
+
+@pytest.mark.parametrize("command", [["validate", "{target}"], ["trace", "run", SHIPPED, "--connector", "{target}"]],
+                         ids=["validate-preflight", "engine"])
+def test_an_abstract_scheduler_names_its_class_statement(command, abstract_file):
+    target = f"{abstract_file}:PersistentKvCacheConnectorLeader:DictConnectorWorker"
+    result = runner.invoke(app, [a.format(target=target) for a in command])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [_refusal(abstract_file, target, "PersistentKvCacheConnectorLeader",
+                                                   "abstract method update_state_after_alloc",
+                                                   _line_of("class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):"))]
+
+
+@pytest.mark.parametrize("command", [["validate", "{target}"], ["trace", "run", SHIPPED, "--connector", "{target}"]],
+                         ids=["validate-preflight", "engine"])
+def test_an_abstract_worker_names_its_class_statement_past_its_decorator(command, abstract_file):
+    target = f"{abstract_file}:DictConnectorScheduler:HalfWorker"
+    result = runner.invoke(app, [a.format(target=target) for a in command])
+    assert result.exit_code == 2, result.output
+    methods = "abstract methods get_finished, register_kv_caches, save_kv_layer, wait_for_layer_load, wait_for_save"
+    assert result.stderr.splitlines() == [_refusal(abstract_file, target, "HalfWorker", methods,
+                                                   _line_of("class HalfWorker(KvCacheConnectorWorker):"))]
+
+
+def test_other_construction_errors_are_described_as_before():
+    from kvtool.connector.raised import describe_construction_error
+
+    class Plain:
+        def __init__(self, llm_args):
+            raise TypeError("bad llm_args")
+    try:
+        Plain(None)
+    except TypeError as exc:
+        described = describe_construction_error(exc, Plain)
+    assert described == f"TypeError: bad llm_args ({__file__}:{Plain.__init__.__code__.co_firstlineno + 1})"

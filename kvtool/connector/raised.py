@@ -9,10 +9,13 @@ first frame of the connector's code: outside the kvtool package and outside inst
 innermost frame (an error of kvtool itself). The hook guards use it (the runtime's
 `ConnectorRuntime.call`, the follower ranks' `RankExecutor._call`), and `with_wrapped_location`
 adds the place to an error kvtool raised around a connector's (a constructor's, a registration's).
+A class Python refuses to instantiate (an abstract method left out) raises with no frame of the
+connector's code at all: `describe_construction_error` names the class's `class` statement then.
 """
 
 from __future__ import annotations
 
+import inspect
 import sysconfig
 import traceback
 from pathlib import Path
@@ -78,6 +81,28 @@ def describe_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = location(exc)
     return f"{text} ({where})" if where else text
+
+
+def describe_construction_error(exc: BaseException, cls: type) -> str:
+    """`describe_error(exc)` for `exc` raised while constructing `cls`, except where Python refused
+    to instantiate an abstract `cls` (no frame of the connector's code raised): then the place named
+    is `cls`'s `class` statement, `file:line`, when its source can be found."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    refused = isinstance(exc, TypeError) and getattr(cls, "__abstractmethods__", None) and \
+        not any(is_connector_code(f) for f in frames)
+    where = class_location(cls) if refused else None
+    return f"{type(exc).__name__}: {exc} ({where})" if where else describe_error(exc)
+
+
+def class_location(cls: type) -> str | None:
+    """`file:line` of `cls`'s `class` statement (past its decorators); None without its source."""
+    try:
+        lines, first = inspect.getsourcelines(cls)
+        file = inspect.getsourcefile(cls)
+    except (OSError, TypeError):
+        return None
+    offset = next((i for i, line in enumerate(lines) if line.lstrip().startswith("class ")), 0)
+    return f"{file}:{first + offset}" if file else None
 
 
 def is_connector_code(frame: traceback.FrameSummary) -> bool:

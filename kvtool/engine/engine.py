@@ -16,7 +16,7 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.connector.raised import describe_error
+from kvtool.connector.raised import describe_construction_error, describe_error
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
@@ -174,16 +174,18 @@ class Engine:
             require_grouped_hooks(spec.scheduler_class, len(self.manager.layer_groups))
         except ConnectorError as exc:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
+        building = spec.scheduler_class
         try:
-            scheduler = spec.scheduler_class(self.llm_args(spec, options, 0))
-            workers = []
+            scheduler = building(self.llm_args(spec, options, 0))
+            building, workers = spec.worker_class, []
             for rank in range(self._num_local_ranks):
                 with acting_as(rank):
-                    workers.append(spec.worker_class(self.llm_args(spec, options, rank)))
+                    workers.append(building(self.llm_args(spec, options, rank)))
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
-            raise ConstructionError(f"connector {spec.name!r} could not be constructed: {describe_error(exc)}") from None
+            raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
+                                    f"{describe_construction_error(exc, building)}") from None
         rank_workers = [self._registered(spec, rank, worker) for rank, worker in enumerate(workers)]
         self.driver.workers = rank_workers
         runtime = ConnectorRuntime(scheduler, workers, self.config.num_ranks)
