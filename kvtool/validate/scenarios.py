@@ -184,12 +184,47 @@ def _squeeze_requests(ctx: Context) -> list[Req]:
 
 
 def _exercised(r, request_id: int, what: str, happened: bool) -> list[str]:
+    """One evidence line: `exercised: WHAT (...)` or `not exercised: WHAT (why; ...)`, the
+    parentheses holding request `request_id`'s path (`_path_of`); none when the run failed."""
     if r.error:
         return []
-    s = r.state(request_id)
-    return [f"{what}: {'yes' if happened else 'NOT created (the connector offered nothing?)'}; "
-            f"request {request_id}: asked {s.asked}, deferred {s.num_deferrals}x, {s.num_external} tokens delivered; "
-            f"cancels {[c for c in r.runtime.cancels if c[0] == request_id]}"]
+    if happened:
+        return [f"exercised: {what} ({_path_of(r, request_id)})"]
+    why = _why_not(r, request_id)
+    return [f"not exercised: {what} ({why + '; ' if why else ''}{_path_of(r, request_id)})"]
+
+
+def _ask_of(r, request_id: int) -> Ask | None:
+    return next((e for e in r.events.of(Ask) if e.request_id == request_id), None)
+
+
+def _why_not(r, request_id: int) -> str:
+    """Why request `request_id` got no tokens from the connector, when it got none; else "" (its
+    path says what else differed)."""
+    ask, state = _ask_of(r, request_id), r.state(request_id)
+    if ask is None:
+        return "its ask failed" if state.asked else "the connector was never asked for it"
+    if ask.num_offered_tokens == 0:
+        return "the connector offered nothing" + (" past the local match" if ask.num_computed_tokens else "")
+    return "its offer was cancelled" if state.num_external == 0 else ""
+
+
+def _path_of(r, request_id: int) -> str:
+    """`request N: asked with M tokens matched locally[, deferred Kx], D tokens delivered[, tokens
+    [a, b), ... cancelled]`: what its ask, deferrals, delivery and `cancel_load` calls made of it."""
+    ask, state = _ask_of(r, request_id), r.state(request_id)
+    if ask is None:
+        return f"request {request_id}: {'asked, no answer' if state.asked else 'never asked'}"
+    offered, delivered = ask.num_offered_tokens, state.num_external
+    words = [f"request {request_id}: asked with {ask.num_computed_tokens} tokens matched locally"]
+    if state.num_deferrals:
+        words.append(f"deferred {state.num_deferrals}x")
+    words.append(f"{delivered} tokens delivered" if delivered == offered else
+                 f"{delivered} of {offered} offered tokens delivered")
+    cancels = [f"[{start}, {end})" for rid, start, end in r.runtime.cancels if rid == request_id]
+    if cancels:
+        words.append(f"tokens {', '.join(cancels)} cancelled")
+    return ", ".join(words)
 
 
 def deferral(ctx: Context) -> list[CheckResult]:
@@ -275,13 +310,18 @@ def local_prefix(ctx: Context) -> list[CheckResult]:
             Req(2, b[:2 * T] + tokens(112, T), arrival=1.0), Req(3, b2[:3 * T + 1], arrival=1.0),
             Req(4, b[:2 * T] + tokens(113, 2 * T), arrival=2.0), Req(5, b, arrival=2.0), Req(6, b2, arrival=2.0)]
     r = run(ctx, reqs, local_reuse=True, on_iteration=_evict_local_cache_after(0.0))
-    asked = {e.request_id: e for e in r.events.of(Ask)}
-    happened = not r.error and all(asked.get(i) and asked[i].num_computed_tokens > 0 and r.state(i).num_external
-                                   for i in (5, 6))
     out = [judge_integrity("local-prefix", ctx, [(r, reqs)]), judge_warm_hit("local-prefix", ctx, r, [2, 3, 5, 6])]
-    out[0].evidence += _exercised(r, 5, "asked with a local match on a block boundary, more delivered", happened) + \
-        _exercised(r, 6, "asked with a local match inside a block, more delivered", happened)
+    for request_id, where in ((5, "on a block boundary"), (6, "inside a block")):
+        out[0].evidence += _exercised(r, request_id, f"a local match {where}, more delivered",
+                                      _delivered_past_a_local_match(r, request_id))
     return out + _common("local-prefix", ctx, r)
+
+
+def _delivered_past_a_local_match(r, request_id: int) -> bool:
+    """Whether request `request_id` was asked with a local match and delivered tokens past it
+    (each sub-case judged by its own request: one declined does not hide the other)."""
+    ask = None if r.error else _ask_of(r, request_id)
+    return ask is not None and ask.num_computed_tokens > 0 and r.state(request_id).num_external > 0
 
 
 def moved_blocks(ctx: Context) -> list[CheckResult]:
