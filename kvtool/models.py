@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvtool.errors import InputError
+from kvtool.errors import InputError, did_you_mean
 from kvtool.types import LayerId, Role
 
 
@@ -81,7 +81,8 @@ class ModelSpec:
     dtype: DType
     layers: tuple[LayerSpec, ...]
     origin: str = "preset"
-    """Where the spec and its name come from: "preset", or the config file and the key named after."""
+    """Where the spec and its name come from: "preset"; for a config file, "the KEY of PATH" (the
+    name is that key's value), or the file's path, which is then the name too."""
     tp_size: int = 1
     tp_rank: int = 0
     """The tensor-parallel shard this spec describes (see `shard_model`)."""
@@ -174,9 +175,15 @@ def load_model(name_or_path: str, dtype: str | None = None) -> ModelSpec:
     elif Path(name_or_path).suffix == ".json" or Path(name_or_path).exists():
         spec = model_from_hf_config(Path(name_or_path))
     else:
-        raise InputError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
-                         "and not a config.json path")
+        raise InputError(f"unknown model {name_or_path!r}{_closest_preset(name_or_path)}: not a preset "
+                         f"({', '.join(PRESETS)}) and not a config.json path")
     return spec.with_dtype(dtype_named(dtype)) if dtype else spec
+
+
+def _closest_preset(name: str) -> str:
+    """" (did you mean 'PRESET'?)" for a mistyped preset name (`llama3-8b`, `Llama-3.1-8B`: case
+    aside, as presets are lower case), or ""."""
+    return did_you_mean(name.lower(), PRESETS)
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:
@@ -196,7 +203,7 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     except InputError as exc:
         raise InputError(f"model config {path}: {exc}") from None
     key = next((k for k in ("_name_or_path", "model_type") if raw.get(k)), None)
-    return replace(spec, origin=f"{path}, named after its {key}" if key else f"{path}, named after the file")
+    return replace(spec, origin=f"the {key} of {path}" if key else str(path))
 
 
 def _spec_from_hf_dict(raw: dict[str, Any], default_name: str) -> ModelSpec:

@@ -118,11 +118,11 @@ def test_a_config_file_model_is_named_after_its_own_keys_and_says_so(tmp_path):
     named = _config(tmp_path / "a" / "to", model_type="mistral")
     result = runner.invoke(app, ["inspect-layout", "--model", str(named), "--format", "json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["model"] == "mistral"
-    assert f"model 'mistral' from {named}, named after its model_type" in result.stderr
+    assert f"kvtool: model 'mistral' (the model_type of {named})" in result.stderr
     anonymous = _config(tmp_path / "b" / "to")
     result = runner.invoke(app, ["inspect-layout", "--model", str(anonymous), "--format", "json"])
     assert json.loads(result.stdout)["model"] == str(anonymous)          # not "to"
-    assert "named after the file" in result.stderr
+    assert "kvtool: model" not in result.stderr                            # the name is the path: nothing to add
 
 
 # ---- outputs checked before the work --------------------------------------------------------

@@ -196,3 +196,51 @@ def test_local_prefix_says_which_sub_case_was_exercised_and_why_the_other_was_no
         "locally, 23 tokens delivered, tokens [31, 32) cancelled)",
         "not exercised: a local match inside a block, more delivered (the connector offered nothing past the "
         "local match; request 6: asked with 13 tokens matched locally, 0 tokens delivered)"]
+
+
+# ---- 4. model names ------------------------------------------------------------------------------
+PRESET_LIST = ("tiny, tiny-vswa, llama-3.1-8b, llama-3.1-70b, qwen3-8b, mistral-7b, gemma-3-27b, gpt-oss-20b, "
+               "deepseek-v3")
+
+
+@pytest.mark.parametrize("typed, meant", [("llama3-8b", "llama-3.1-8b"), ("Llama-3.1-8B", "llama-3.1-8b"),
+                                          ("Qwen3-8B", "qwen3-8b"), ("gemma3-27b", "gemma-3-27b")])
+def test_a_mistyped_model_gets_a_suggestion(typed, meant):
+    with pytest.raises(InputError) as caught:
+        load_model(typed)
+    assert str(caught.value) == (f"unknown model {typed!r} (did you mean {meant!r}?): not a preset ({PRESET_LIST}) "
+                                 "and not a config.json path")
+
+
+def test_a_model_nothing_like_a_preset_gets_no_suggestion():
+    with pytest.raises(InputError) as caught:
+        load_model("zzz")
+    assert str(caught.value) == f"unknown model 'zzz': not a preset ({PRESET_LIST}) and not a config.json path"
+
+
+@pytest.mark.parametrize("command", [["inspect-layout"], ["validate", "host"], ["trace", "run", SHIPPED],
+                                     ["bench", "--quick"]])
+def test_every_command_suggests_the_model(command):
+    result = runner.invoke(app, [*command, "--model", "llama3-8b"])
+    assert result.exit_code == 2
+    assert "unknown model 'llama3-8b' (did you mean 'llama-3.1-8b'?): not a preset" in result.stderr
+
+
+def _config(path: Path, **extra) -> Path:
+    path.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "hidden_size": 256, **extra}))
+    return path
+
+
+def test_a_config_file_named_by_its_key_says_which_key_in_one_plain_line(tmp_path):
+    path = _config(tmp_path / "config.json", model_type="mistral")
+    result = runner.invoke(app, ["inspect-layout", "--model", str(path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"kvtool: model 'mistral' (the model_type of {path})"]
+
+
+def test_a_config_file_named_after_itself_prints_no_model_line(tmp_path):
+    path = _config(tmp_path / "okcfg.json")
+    result = runner.invoke(app, ["inspect-layout", "--model", str(path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"] == str(path) and result.stderr == ""

@@ -197,9 +197,10 @@ def print_connector_help(spec: ConnectorSpec) -> None:
 
 
 def note_model_origin(spec: ModelSpec) -> None:
-    """Say on stderr which name a model read from a config file got, and from what."""
-    if spec.origin != "preset":
-        print(f"kvtool: model {spec.name!r} from {spec.origin}", file=sys.stderr)
+    """Say on stderr which name a model read from a config file got, and from what: `kvtool: model
+    'mistral' (the model_type of PATH)`; nothing for a preset, or a file whose path is the name."""
+    if spec.origin not in ("preset", spec.name):
+        print(f"kvtool: model {spec.name!r} ({spec.origin})", file=sys.stderr)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
