@@ -244,3 +244,28 @@ def test_a_config_file_named_after_itself_prints_no_model_line(tmp_path):
     result = runner.invoke(app, ["inspect-layout", "--model", str(path), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["model"] == str(path) and result.stderr == ""
+
+
+# ---- 5. the stream the worker hooks get ----------------------------------------------------------
+@pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"])
+def test_the_worker_hooks_stream_is_typed_as_a_cuda_stream_or_a_host_stream(hook):
+    import torch
+
+    from kvtool.connector import HostStream
+    hints = typing.get_type_hints(getattr(KvCacheConnectorWorker, hook), {"torch": torch, "HostStream": HostStream})
+    assert hints["stream"] == torch.cuda.Stream | HostStream
+
+
+def test_the_worker_docstring_says_what_stream_a_cpu_and_a_gpu_give():
+    doc = " ".join(KvCacheConnectorWorker.__doc__.split())
+    assert "`stream`, in every hook that takes one, is never None: with the KV pages on a GPU it is the forward " \
+           "pass's `torch.cuda.Stream`" in doc
+    assert "with the pages in host memory (a CPU run) it is a `HostStream`" in doc
+
+
+def test_a_cpu_run_hands_the_hooks_the_documented_host_stream():
+    import torch
+
+    from kvtool.connector import HostStream
+    stream = forward_stream(torch.device("cpu"))
+    assert type(stream) is HostStream and stream.query() and stream.record_event("e") == "e"

@@ -189,6 +189,27 @@ class KvCacheConnectorScheduler(ABC):
         """Called once, after every worker registered its KV cache. Default: nothing."""
 
 
+class HostStream:
+    """What the worker hooks get as `stream` where the KV pages are in host memory (a CPU run): the
+    calls a connector makes on a CUDA stream, as no-ops, since work on the CPU is done when the call
+    returns. Where the pages are on a GPU, the hooks get a `torch.cuda.Stream` instead."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def query(self) -> bool:
+        return True
+
+
 class KvCacheConnectorWorker(ABC):
     """Worker side, one per rank. In an iteration that schedules requests the runtime calls
     `start_load_kv`; when the batch still holds requests once those loading asynchronously left
@@ -200,6 +221,12 @@ class KvCacheConnectorWorker(ABC):
     The metadata built for the pass is `self._metadata`. Loads for a pass must have landed when
     `wait_for_layer_load` returns for that layer (synchronous loads) or before the worker reports
     the request in `get_finished` (asynchronous loads).
+
+    `stream`, in every hook that takes one, is never None: with the KV pages on a GPU it is the
+    forward pass's `torch.cuda.Stream` (the engine's current stream); with the pages in host memory
+    (a CPU run) it is a `HostStream`, whose `synchronize`, `wait_stream`, `wait_event`,
+    `record_event` and `query` do nothing. A connector that must tell them apart tests
+    `isinstance(stream, torch.cuda.Stream)`.
     """
 
     supports_attention_dp: bool = False
@@ -248,19 +275,19 @@ class KvCacheConnectorWorker(ABC):
         return None
 
     @abstractmethod
-    def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
+    def start_load_kv(self, stream: torch.cuda.Stream | HostStream) -> None:
         """Begin the loads the metadata asks for."""
 
     @abstractmethod
-    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         """Return once layer `layer_idx`'s loads for this pass have landed."""
 
     @abstractmethod
-    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         """Layer `layer_idx` was written: a layer-by-layer save may start."""
 
     @abstractmethod
-    def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         """Return once the synchronous saves of this pass no longer need the pages."""
 
     @abstractmethod

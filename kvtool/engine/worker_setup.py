@@ -8,30 +8,10 @@ import contextlib
 
 import torch
 
-from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.api import HostStream, KvCacheConnectorWorker
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.manager.manager import KvCacheManager
-
-
-class HostStream:
-    """What connectors get as `stream` on a CPU: the calls they make on a CUDA stream, as no-ops
-    (work on the CPU is done when the call returns)."""
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event
-
-    def query(self) -> bool:
-        return True
 
 
 def made_current(stream):
