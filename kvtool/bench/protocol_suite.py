@@ -34,7 +34,6 @@ from kvtool.bench.protocol_engine import (QUICK, Measured, Recorder, Workload, b
 from kvtool.bench.timing import time_repeats
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.store_namespace import store_namespace
-from kvtool.report.bench_report import REFERENCE_MARK
 
 __all__ = ["QUICK", "Workload", "run_protocol_suite", "reference_connector", "reference_label", "connector_label"]
 
@@ -87,6 +86,10 @@ def reference_connector(device: str) -> tuple[ConnectorSpec, dict[str, str]]:
     from kvtool.connectors.registry import BUILTIN_CONNECTORS
     from kvtool.transfer.registry import best_backend
     return BUILTIN_CONNECTORS["host"], {"backend": best_backend(torch.device(device))}
+
+
+REFERENCE_MARK = "(kvtool reference"
+"""In a store run's `connector` column: the rows of kvtool's own connector, run as a yardstick."""
 
 
 def reference_label(reference: tuple[ConnectorSpec, dict[str, str]]) -> str:

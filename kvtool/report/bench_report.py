@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 from rich.table import Table
 
+from kvtool.bench.protocol_suite import REFERENCE_MARK
 from kvtool.errors import InputError
 from kvtool.report.bench_plot import plot
 from kvtool.report.run_folder import device_info, write_meta
@@ -105,10 +106,6 @@ def bench_notes(rows: list[dict], device_kind: str, skipped_backends: list[str])
         notes.append(f"{len(fast)} rows (marked !) beat their peak: the peak varied by up to {spread:.0%} between "
                      "repeats; rerun on an idle machine or with more --repeats")
     return notes
-
-
-REFERENCE_MARK = "(kvtool reference"
-"""In a store run's `connector` column: the rows of kvtool's own connector, run as a yardstick."""
 
 
 @dataclass(frozen=True)
