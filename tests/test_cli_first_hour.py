@@ -394,3 +394,19 @@ def test_an_option_the_chosen_suite_would_ignore_is_refused(args, message, tmp_p
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [f"kvtool: error: {message}"]
     assert not (tmp_path / "run").exists()
+
+
+# ---- 12. a bytes-fidelity replay whose decode steps will take long says so first -------------------
+def test_a_long_decode_check_is_announced_with_its_size_and_the_ways_out(tmp_path):
+    from kvtool.cli.trace_setup import ReplayOptions, build_replay, decode_check_note
+    long = small_workload(tmp_path, [{"request_id": i, "prompt": [7] * 20_000, "max_new_tokens": 2_000}
+                                     for i in range(2)])
+    replay = build_replay(ReplayOptions(long, model="tiny", connector="host", fidelity="bytes"))
+    # 2 requests x 2000 steps x (20000 + 1000) positions, 512 bytes a position on tiny
+    assert decode_check_note(replay) == (
+        "bytes fidelity checks every KV byte a pass reads: this workload's decode steps read 8.4e+07 positions "
+        "(40.05 GiB), about 4 minutes at the 175 MB/s a 2-core machine checks; --prefill-only leaves decode out, "
+        "--fidelity blocks moves no bytes")
+    assert decode_check_note(build_replay(ReplayOptions(long, model="tiny", fidelity="blocks"))) is None
+    assert decode_check_note(build_replay(ReplayOptions(long, model="tiny", prefill_only=True))) is None
+    assert decode_check_note(build_replay(ReplayOptions(Path(SHIPPED), model="tiny"))) is None

@@ -18,7 +18,8 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Conn
                                progress_bar)
 from kvtool.cli.trace_instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
-from kvtool.cli.trace_setup import (Replay, ReplayOptions, build_replay, check_before_replay, note_store_folder)
+from kvtool.cli.trace_setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
+                                    note_store_folder)
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
@@ -88,8 +89,9 @@ def trace_run(
     folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     console = Console(stderr=True)
-    if replay.load_rate_note:
-        console.print(f"kvtool: {replay.load_rate_note}", highlight=False, markup=False, soft_wrap=True)
+    for note in (replay.load_rate_note, decode_check_note(replay)):
+        if note:
+            console.print(f"kvtool: {note}", highlight=False, markup=False, soft_wrap=True)
     recorder = TimelineRecorder() if timeline is not None else None
     result = _replay(replay, console, [recorder] if recorder else [])
     base = _replay(replace(replay, connector=None, options={}), console, []) if baseline else None

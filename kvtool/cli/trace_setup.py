@@ -26,7 +26,7 @@ from kvtool.manager.manager import compute_layout, default_device, plan_num_slot
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.manager.storage import require_memory
 from kvtool.report.bench_report import bench_rate
-from kvtool.units import parse_size
+from kvtool.units import format_size, parse_size
 from kvtool.workloads.source import RequestSize, Workload, open_workload
 
 DEFAULT_NUM_SLOTS = 1024
@@ -172,6 +172,35 @@ def check_before_replay(replay: Replay) -> None:
     machine, the cache holds the workload's largest request."""
     check_pools_fit_memory(replay)
     check_cache_holds(replay, workload_sizes(replay.workload))
+
+
+DECODE_CHECK_BYTES_PER_S = 175e6
+"""KV bytes a second the fake engine checks on decode steps, measured on this repository's 2-core
+CI machine (tiny, the first 12 requests of the shipped Mooncake slice: 89 M positions read by
+decode steps, 45.6 GB checked, 260 s; the same requests with --prefill-only took 3 s)."""
+DECODE_NOTE_SECONDS = 120
+
+
+def decode_check_note(replay: Replay) -> str | None:
+    """A line saying what a bytes-fidelity replay's decode steps will cost when that is more than
+    a couple of minutes: every decode step of a request checks every position it attends to, its
+    whole context, so long prompts with long answers grow as prompt x answer."""
+    if replay.config.fidelity != "bytes":
+        return None
+    positions = sum(s.max_new_tokens * (s.prompt_len + s.max_new_tokens / 2)
+                    for s in replay.workload.request_sizes())
+    per_token = block_bytes(replay.config.manager) // replay.config.manager.tokens_per_block
+    seconds = positions * per_token / DECODE_CHECK_BYTES_PER_S
+    if seconds < DECODE_NOTE_SECONDS:
+        return None
+    return (f"bytes fidelity checks every KV byte a pass reads: this workload's decode steps read {positions:.3g} "
+            f"positions ({format_size(int(positions * per_token))}), about {_duration(seconds)} at the "
+            f"{DECODE_CHECK_BYTES_PER_S / 1e6:.0f} MB/s a 2-core machine checks; --prefill-only leaves decode out, "
+            "--fidelity blocks moves no bytes")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else f"{seconds / 60:.0f} minutes"
 
 
 def workload_sizes(workload: Workload) -> dict[int, RequestSize]:
