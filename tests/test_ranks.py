@@ -82,6 +82,21 @@ def test_a_rank_that_dies_ends_the_run_naming_it_and_its_hook():
     assert "rank 1 ended (exit code 7) during start_load_kv" in result.output and "Traceback" not in result.output
 
 
+def test_a_follower_that_cannot_be_built_is_one_line_naming_it_its_stage_and_the_connectors_line():
+    """In a process of its own: a follower's traceback would go to the terminal, past CliRunner."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "kvtool", "trace", "run", str(WORKLOAD), "--num-ranks", "2",
+                           "--connector", "tests.helpers.rank_connectors:HostConnectorScheduler:UnbuildableOnRank1"],
+                          capture_output=True, text=True, timeout=120)
+    line = next(i for i, text in enumerate(Path("tests/helpers/rank_connectors.py").read_text().splitlines(), 1)
+                if "rank 1 has no store" in text)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "kvtool: error: rank 1 ended (exit code 1) during constructing the worker: ValueError: rank 1 has no store "
+        f"({Path('tests/helpers/rank_connectors.py').resolve()}:{line})")
+
+
 def test_a_hook_that_raises_on_one_rank_fails_its_requests_on_all():
     result = replay("tests.helpers.rank_connectors:HostConnectorScheduler:RaisesOnRank1", 2, 2)
     summary = result.summary

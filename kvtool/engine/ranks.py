@@ -26,7 +26,7 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
 from kvtool.connector.rank_context import set_process_rank
-from kvtool.connector.raised import describe_error, format_error
+from kvtool.connector.raised import describe_construction_error, describe_error, format_error
 from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
 from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
 from kvtool.errors import ConnectorError
@@ -34,7 +34,8 @@ from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 from kvtool.models import shard_model
 
-HOOK_NAME_BYTES = 64
+HOOK_NAME_BYTES = 1024
+"""A follower's shared note: the hook it is in, or why its setup failed (said by rank 0)."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,11 @@ def follow(rank: int, setup: RankSetup, hook_name) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     _init_group(rank, setup)
-    executor = RankExecutor(rank, setup, hook_name)
+    try:
+        executor = RankExecutor(rank, setup, hook_name)
+    except Exception as exc:  # noqa: BLE001 - rank 0 says why in one line; no traceback on the terminal
+        _note_setup_failure(hook_name, setup, exc)
+        os._exit(1)
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -214,6 +219,16 @@ def follow(rank: int, setup: RankSetup, hook_name) -> None:
         dist.all_gather_object([None] * setup.num_ranks, report)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _note_setup_failure(hook_name, setup: RankSetup, exc: BaseException) -> None:
+    """Append why the rank could not be built to its shared hook note, which rank 0 reads when it
+    finds the rank gone (`Followers._gone`)."""
+    stage = hook_name.value.decode(errors="replace")
+    worker_class = setup.spec.worker_class if setup.spec is not None else None
+    reason = (describe_construction_error(exc, worker_class) if stage == "constructing the worker" and worker_class
+              else describe_error(exc))
+    hook_name.value = f"{stage or 'setup'}: {reason}".encode()[:HOOK_NAME_BYTES - 1]
 
 
 class RankExecutor:

@@ -29,6 +29,15 @@ class RaisesOnRank1(HostConnectorWorker):
         super().start_load_kv(stream)
 
 
+class UnbuildableOnRank1(HostConnectorWorker):
+    """Rank 1's worker cannot be constructed (its store is unreachable from there)."""
+
+    def __init__(self, llm_args):
+        if llm_args.rank == 1:
+            raise ValueError("rank 1 has no store")
+        super().__init__(llm_args)
+
+
 class ReadsRank0Files(DiskConnectorWorker):
     """Every rank reads the file the scheduler named (rank 0's shard): rank 1 loads rank 0's heads."""
 
