@@ -438,17 +438,19 @@ def hook_raises(ctx: Context) -> list[CheckResult]:
     runs = []
     for fail in (False, True):   # the baseline sees the same sentinel at the same point, without the failure
         injected: list[int] = []
+        admitted: set[int] = set()
         sentinel: list = []
         with own_store("failing" if fail else "baseline"):   # a disk store must start cold in both
-            runs.append(run(ctx, reqs, setup=lambda e, i=injected, f=fail: _inject(e, i, f),
+            runs.append(run(ctx, reqs, setup=lambda e, i=injected, a=admitted, f=fail: _inject(e, i, a, f),
                             on_iteration=lambda e, i=injected, s=sentinel: _watch_released_pages(e, i, s)))
     baseline, r = runs
-    return [_judge_survival(ctx, r, baseline, reqs, injected), judge_integrity("hook-raises", ctx, [(baseline, reqs)])] \
-        + judge_answers("hook-raises", ctx, r)
+    return [_judge_survival(ctx, r, baseline, reqs, injected, admitted),
+            judge_integrity("hook-raises", ctx, [(baseline, reqs)])] + judge_answers("hook-raises", ctx, r)
 
 
-def _inject(engine: Engine, injected: list[int], fail: bool) -> None:
-    """Raise once from `wait_for_layer_load` (when `fail`; else only note where it would have)."""
+def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool) -> None:
+    """Raise once from `wait_for_layer_load` (when `fail`; else only note where it would have);
+    `admitted` gets the requests admitted by then (the others came after the failure)."""
     for worker in engine.connector.workers:
         original = worker.wait_for_layer_load
 
@@ -458,6 +460,7 @@ def _inject(engine: Engine, injected: list[int], fail: bool) -> None:
             warm_runs = engine.states[1].kv is not None and engine.states[1].phase is not Phase.WAITING
             if not injected and (loading or warm_runs):
                 injected.append(engine.iteration)
+                admitted.update(rid for rid, s in engine.states.items() if s.phase is not Phase.WAITING)
                 if fail:
                     raise RuntimeError("kvtool validate: injected failure in wait_for_layer_load")
             return original(layer_idx, stream)
@@ -496,7 +499,8 @@ def _take_free_slots(engine: Engine):
     return (lambda: engine.fake.verify_cache(SENTINEL_ID, fill, pages, free * tpb), cache.close, 3)
 
 
-def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int]) -> CheckResult:
+def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int],
+                    admitted: set[int]) -> CheckResult:
     if r.error:
         return result("hook-raises", ctx, "survives-hook-failure", False, [f"the run stopped: {r.error}"])
     evidence = [] if injected else [knock_on(r, "no failure could be injected")]
@@ -512,6 +516,9 @@ def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[i
                  and baseline.state(rid).request.generated_token_ids == expected[rid]]
     evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.states.items() if s.is_live]
     failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
+    evidence += [f"request {rid} was admitted after the failure and failed only when it happened ({r.state(rid).error}):"
+                 " did the connector offer blocks of the failed pass, whose saves never landed?"
+                 for rid in failed if rid not in admitted and baseline.state(rid).phase is not Phase.FAILED]
     introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
     if callable(introspect):
         kept = sorted(set(introspect().get("tracked_request_ids", [])) & set(failed))

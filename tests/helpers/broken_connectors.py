@@ -186,6 +186,24 @@ class IndexesUnlandedSaves(HostConnectorScheduler):
         pass
 
 
+# survives-hook-failure (unlanded saves, load raises): the same stale index over a store that, like a
+# dict, refuses an entry never written: a later request on that prompt fails instead of loading garbage
+class RefusesUnwrittenWorker(HostConnectorWorker):
+    def __init__(self, llm_args):
+        super().__init__(llm_args)
+        self._written: set = set()
+
+    def save(self, transfers, layer_id=None):
+        super().save(transfers, layer_id)
+        self._written.update(t.location for t in transfers)
+
+    def load(self, transfers, layer_id=None):
+        missing = [t.location for t in transfers if t.location not in self._written]
+        if missing:
+            raise KeyError(f"store entry {missing[0]} was never written")
+        super().load(transfers, layer_id)
+
+
 # answers-in-contract: answers (0, True) for prompts shorter than a block
 class ZeroAsync(HostConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -325,6 +343,7 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "finished-ids": ("AsyncScheduler", "RepeatsFinishedWorker"),
     "survives-hook-failure": ("HostConnectorScheduler", "StaleAfterFailureWorker"),
     "survives-hook-failure (unlanded saves)": ("IndexesUnlandedSaves", "Worker"),
+    "survives-hook-failure (unlanded saves, load raises)": ("IndexesUnlandedSaves", "RefusesUnwrittenWorker"),
     "answers-in-contract": ("ZeroAsync", "Worker"),
     "salt-isolation": ("SaltBlind", "Worker"),
     "registration": ("HostConnectorScheduler", "LayoutRejecter"),
