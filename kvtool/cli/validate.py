@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, note_model_origin,
-                               pages_device, parse_options, print_connector_help, suggest)
+                               pages_device, parse_options, print_connector_help, suggest, warn)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
@@ -26,7 +26,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
-from kvtool.validate.runner import run_all
+from kvtool.validate.runner import max_jobs, run_all
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
@@ -54,6 +54,13 @@ def validate(
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
     compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
+    jobs: Annotated[str, typer.Option(metavar="N|auto", help="Scenario processes at once (1: one after another); "
+                                      "results come in the same order either way, and with --remote the "
+                                      "remote-* scenarios run alone. At most one per CPU, a scenario taking "
+                                      "--num-ranks of them (auto: that many; more is lowered to it). They "
+                                      "share the machine, and --timeout, --load-timeout and --save-timeout "
+                                      "are wall-clock: on a loaded machine many at once can fail a slow but "
+                                      "correct connector.")] = "1",
     load_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous load "
                                                 "may stay in flight before load-completes fails it.")] = 5.0,
     save_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous save "
@@ -97,6 +104,7 @@ def validate(
         raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
     if num_ranks < 1 or tp < 1 or tp not in (1, num_ranks):
         raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} --tp {tp}")
+    jobs_at_once = _jobs(jobs, num_ranks)
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
     if json_out is not None:
@@ -123,7 +131,8 @@ def validate(
                         strict, save_timeout=save_timeout) for m in models]
     console = Console(stderr=True)
     results = run_all(contexts, scenario or list(SCENARIOS), timeout,
-                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False))
+                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False),
+                      jobs=jobs_at_once)
     _print_results(results, target, models, format, all_rows)
     if junit:
         write_file(junit, junit_xml(results, target))
@@ -134,13 +143,32 @@ def validate(
         write_file(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
         write_file(folder / "junit.xml", junit_xml(results, target))
         written = _write_tracebacks(folder, results)
-        write_meta(folder, "validate", target=target)
+        write_meta(folder, "validate", target=target, jobs=jobs_at_once)
         if written:
             console.print(f"tracebacks of {written} failures: {folder / TRACEBACKS}", highlight=False, markup=False)
     failed = [r for r in results if r.failed]
     if failed:
         raise fail(summary_line(results), ExitCode.CHECK_FAILED)
     Console(stderr=True).print(summary_line(results), highlight=False, markup=False)
+
+
+def _jobs(value: str, num_ranks: int) -> int:
+    """--jobs as a count: `auto` or a positive integer, lowered (with a warning) to `max_jobs`, so
+    that no scenario process waits for a CPU; InputError for anything else."""
+    cap = max_jobs(num_ranks)
+    if value.strip().lower() == "auto":
+        return cap
+    try:
+        jobs = int(value)
+    except ValueError:
+        jobs = 0
+    if jobs <= 0:
+        raise InputError(f"--jobs must be a positive integer or auto, got {value!r}")
+    if jobs > cap:
+        per = f" ({num_ranks} processes a scenario with --num-ranks {num_ranks})" if num_ranks > 1 else ""
+        warn(f"--jobs {jobs}: this machine's CPUs run {cap} scenario{'s' * (cap != 1)} at once{per}; "
+             f"running {cap}")
+    return min(jobs, cap)
 
 
 def _check_remote(url: str) -> None:

@@ -57,6 +57,9 @@ class Scenario:
     name: str
     purpose: str
     run: Callable[[Context], list[CheckResult]]
+    disrupts_remote: bool = False
+    """It empties, pauses or disconnects the `--remote` server: given one, it runs with no other
+    scenario in flight (`runner.next_task`), since every scenario's store lives on that server."""
 
 
 @dataclass(frozen=True)

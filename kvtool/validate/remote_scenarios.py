@@ -95,10 +95,11 @@ def connections_dropped(ctx: Context) -> list[CheckResult]:
 
 REMOTE_SCENARIOS = (
     Scenario("remote-lost-after-ask", "--remote: the server loses every block right after each offer",
-             lost_after_ask),
+             lost_after_ask, disrupts_remote=True),
     Scenario("remote-restarted-empty", "--remote: every third iteration the server is emptied and its "
-                                       "connections closed", restarted_empty),
-    Scenario("remote-stalled", "--remote: the server stops answering for 1.5 s right after each offer", stalled),
+                                       "connections closed", restarted_empty, disrupts_remote=True),
+    Scenario("remote-stalled", "--remote: the server stops answering for 1.5 s right after each offer", stalled,
+             disrupts_remote=True),
     Scenario("remote-connections-dropped", "--remote: every client connection is closed each iteration",
-             connections_dropped),
+             connections_dropped, disrupts_remote=True),
 )

@@ -1,5 +1,6 @@
 """Running scenarios: each in its own process (see `processes`), in a fresh working directory,
-under a timeout, so a connector that hangs or crashes is reported instead of waited on."""
+under a timeout, so a connector that hangs or crashes is reported instead of waited on; one after
+another, or several at once (`run_all`'s `jobs`), reported in the same order either way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import pickle
 import tempfile
 import time
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -63,32 +66,53 @@ def _setup(ctx: Context) -> list[CheckResult]:
                         [error] if error else ["the layout was accepted"])]
 
 
+class ScenarioProcess:
+    """`run_scenario` in a child process, started by the constructor; `result()` collects it. The
+    timeout counts from the moment the process has started."""
+
+    def __init__(self, name: str, ctx: Context, timeout: float, start_method: str | None = None) -> None:
+        self.name, self.ctx, self.timeout = name, ctx, timeout
+        mp = scenario_processes(start_method)
+        self.receive, send = mp.Pipe(duplex=False)
+        # not a daemon: a scenario with several ranks starts its follower processes
+        self.child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=False)
+        self.started = time.perf_counter()
+        self.child.start()
+        # Closed at once, before any other child is forked: the child's end must be the only one, so that
+        # its death reads as end-of-file here rather than as a timeout.
+        send.close()
+        self.deadline = time.perf_counter() + timeout
+
+    def result(self) -> list[CheckResult]:
+        """Wait for the child's results until the deadline; a timeout or a dead child is an ERROR result."""
+        results = None
+        if self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
+            try:
+                results = self.receive.recv()
+            except EOFError:
+                results = None
+        self.receive.close()
+        self.child.join(1.0)
+        self.stop()
+        if results is not None:
+            return results
+        seconds = round(time.perf_counter() - self.started, 3)
+        why = (f"did not finish within {self.timeout:g} s (a connector hook hung?)"
+               if self.child.exitcode in (None, -9) else
+               f"the scenario's process died (exit code {self.child.exitcode})")
+        return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
+
+    def stop(self) -> None:
+        """Kill the child if it still runs."""
+        if self.child.is_alive():
+            self.child.kill()
+            self.child.join()
+
+
 def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | None = None) -> list[CheckResult]:
     """`run_scenario` in a child process; a timeout or a dead child is an ERROR result.
     `start_method` defaults to forkserver where CUDA exists, fork elsewhere."""
-    mp = scenario_processes(start_method)
-    receive, send = mp.Pipe(duplex=False)
-    # not a daemon: a scenario with several ranks starts its follower processes
-    child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=False)
-    started = time.perf_counter()
-    child.start()
-    send.close()
-    results = None
-    if receive.poll(timeout):
-        try:
-            results = receive.recv()
-        except EOFError:
-            results = None
-    child.join(1.0)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    if results is not None:
-        return results
-    seconds = round(time.perf_counter() - started, 3)
-    why = (f"did not finish within {timeout:g} s (a connector hook hung?)" if child.exitcode in (None, -9)
-           else f"the scenario's process died (exit code {child.exitcode})")
-    return [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
+    return ScenarioProcess(name, ctx, timeout, start_method).result()
 
 
 def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
@@ -103,16 +127,151 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
         os._exit(0)
 
 
-def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
-            on_result: Callable[[list[CheckResult]], None] | None = None) -> list[CheckResult]:
-    """Registration first for each model; a model whose layout the connector refuses runs nothing else."""
-    everything: list[CheckResult] = []
-    for ctx in contexts:
+@dataclass(frozen=True)
+class Task:
+    """One scenario (or the registration, `SETUP`) of one model."""
+
+    index: int
+    """Its place in the serial order: where its results are reported."""
+    model: int
+    """Its context's place in `run_all`'s contexts."""
+    name: str
+    alone: bool = False
+    """It runs with no other task in flight (a scenario that disrupts the `--remote` server)."""
+
+
+def plan(contexts: Sequence[Context], names: list[str]) -> list[Task]:
+    """Every task in the serial order: each model's registration, then its scenarios in `names`' order,
+    model after model."""
+    tasks: list[Task] = []
+    for model, ctx in enumerate(contexts):
         for name in [SETUP] + names:
-            results = run_isolated(name, ctx, timeout) if isolated else run_scenario(name, ctx)
-            everything += results
+            alone = name != SETUP and SCENARIOS[name].disrupts_remote and ctx.remote is not None
+            tasks.append(Task(len(tasks), model, name, alone))
+    return tasks
+
+
+def next_task(pending: Sequence[Task], running: Collection[Task], registered: Collection[int]) -> Task | None:
+    """The first of `pending` that may start beside `running`, or None. A model's scenarios wait for
+    its registration to pass (`registered`: those models); a task that must run alone starts only
+    when nothing runs, and nothing starts beside it. With nothing ever running beside the next task
+    (one job), this is the serial order."""
+    if any(task.alone for task in running):
+        return None
+    for task in pending:
+        if (task.name == SETUP or task.model in registered) and not (task.alone and running):
+            return task
+    return None
+
+
+class Schedule:
+    """The bookkeeping of a run of `tasks` (no processes): which may start, and their results in the
+    serial order as soon as every earlier task's are in."""
+
+    def __init__(self, tasks: list[Task]) -> None:
+        self.pending = list(tasks)
+        self.running: set[Task] = set()
+        self.registered: set[int] = set()
+        self._results: dict[int, list[CheckResult] | None] = {}   # None: dropped, nothing to report
+        self._reported = 0
+        self._size = len(tasks)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.running
+
+    def take(self) -> Task | None:
+        """The next task to start (`next_task`), now counted as running."""
+        task = next_task(self.pending, self.running, self.registered)
+        if task is not None:
+            self.pending.remove(task)
+            self.running.add(task)
+        return task
+
+    def finish(self, task: Task, results: list[CheckResult]) -> list[list[CheckResult]]:
+        """Record `task`'s results; a failed registration drops its model's other tasks. Returns the
+        result lists that became reportable, in the serial order."""
+        self.running.discard(task)
+        self._results[task.index] = results
+        if task.name == SETUP and any(r.failed for r in results):
+            for dropped in [t for t in self.pending if t.model == task.model]:
+                self.pending.remove(dropped)
+                self._results[dropped.index] = None
+        elif task.name == SETUP:
+            self.registered.add(task.model)
+        return self._reportable()
+
+    def _reportable(self) -> list[list[CheckResult]]:
+        ready = []
+        while self._reported < self._size and self._reported in self._results:
+            ready.append(self._results[self._reported])
+            self._reported += 1
+        return [results for results in ready if results is not None]
+
+
+def max_jobs(num_ranks: int = 1) -> int:
+    """How many scenarios may run at once on this machine: one process per CPU it may use, a
+    scenario being `num_ranks` processes (at least 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // num_ranks)
+
+
+def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
+            on_result: Callable[[list[CheckResult]], None] | None = None, jobs: int = 1) -> list[CheckResult]:
+    """Registration first for each model; a model whose layout the connector refuses runs nothing else.
+    Results, and the calls of `on_result`, come in the serial order (`plan`) whatever `jobs` is.
+
+    `jobs` > 1 (isolated only) runs up to that many scenario processes at once, each exactly as
+    `run_isolated` runs one, and so as isolated as a serial one: its own process (fork or fork-server
+    child: its own connector objects, module state and environment), its own temporary working
+    folder (a disk store there) and its own store namespace (`run_scenario`), its own timeout counted
+    from its own start, its own results (tracebacks travel in them; files are written afterwards, by
+    the caller). Follower ranks (`--num-ranks`) rendezvous on a port the OS gave the scenario
+    (`ranks.free_port`; it is released and bound again a moment later, so two scenarios starting
+    ranks in that moment could, rarely, draw the same one). With `--remote`, the scenarios that
+    disrupt that server run alone (`next_task`). What they share is the machine (CPUs, memory, a
+    GPU: wall-clock limits such as `--timeout` and `--load-timeout` feel the contention) and the
+    terminal (what connectors print may interleave)."""
+    contexts = list(contexts)
+    if jobs > 1 and not isolated:
+        raise ValueError("scenarios run in this process run one at a time (jobs=1)")
+    schedule = Schedule(plan(contexts, names))
+    everything: list[CheckResult] = []
+
+    def report(ready: list[list[CheckResult]]) -> None:
+        for results in ready:
+            everything.extend(results)
             if on_result:
                 on_result(results)
-            if name == SETUP and any(r.failed for r in results):
-                break
+
+    if isolated:
+        _run_processes(schedule, contexts, timeout, jobs, report)
+    else:
+        while (task := schedule.take()) is not None:
+            report(schedule.finish(task, run_scenario(task.name, contexts[task.model])))
     return everything
+
+
+def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, jobs: int,
+                   report: Callable[[list[list[CheckResult]]], None]) -> None:
+    """Keep up to `jobs` scenario processes running until the schedule is done. Every process is
+    started from this thread (no fork while another thread holds a lock); any still running when
+    this ends early (an interrupt, say) is killed."""
+    flight: dict[Task, ScenarioProcess] = {}
+    try:
+        while not schedule.done:
+            while len(flight) < jobs and (task := schedule.take()) is not None:
+                flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
+            for task in _answered(flight):
+                report(schedule.finish(task, flight.pop(task).result()))
+    finally:
+        for process in flight.values():
+            process.stop()
+
+
+def _answered(flight: dict[Task, ScenarioProcess]) -> list[Task]:
+    """Wait until a process in flight sent its results, ended or ran past its deadline; those tasks."""
+    soonest = min(process.deadline for process in flight.values())
+    readable = wait([process.receive for process in flight.values()], max(0.0, soonest - time.perf_counter()))
+    now = time.perf_counter()
+    return [task for task, process in flight.items() if process.receive in readable or process.deadline <= now]
