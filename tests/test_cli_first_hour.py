@@ -194,7 +194,8 @@ def test_another_commands_run_folder_is_refused_and_kept(tmp_path):
     folder = tmp_path / "run"
     assert runner.invoke(app, ["trace", "run", SHIPPED, "--output", str(folder), "--format", "json"]).exit_code == 0
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    for command in (["inspect-layout", "--model", "tiny"], ["bench", "--suite", "manager"]):
+    for command in (["inspect-layout", "--model", "tiny"], ["bench", "--suite", "manager"],
+                    ["validate", "host", "--scenario", "cold-warm"]):
         result = runner.invoke(app, [*command, "--output", str(folder)])
         assert result.exit_code == 2
         assert result.stderr.splitlines() == [f"kvtool: error: --output {folder} holds a kvtool trace run; a "

@@ -114,7 +114,7 @@ def validate(
         check_writable_file(junit, "--junit")
     if remote is not None:
         _check_remote(remote)
-    folder = prepare_run_folder(output) if output is not None else None
+    folder = prepare_run_folder(output, "validate") if output is not None else None
     install_compat(compat)
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
