@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool.bench.compute_load import MatmulLoad, Product, overlap, split
+from kvtool.bench.compute_load import ComputeLoadError, MatmulLoad, Product, during, overlap
 from kvtool.cli import app
 from tests.test_bench_protocol import CONNECTOR, REFERENCE
 
@@ -47,15 +47,13 @@ def test_overlap_is_the_covered_fraction():
     assert overlap(product, [(0.0, 100.0)]) == 1.0
 
 
-def test_split_keeps_products_inside_the_window_by_their_overlap():
+def test_during_keeps_products_inside_the_window_at_least_half_covered():
     products = [Product(0.0, 1.0), Product(1.0, 2.0), Product(2.0, 3.0), Product(3.0, 4.0), Product(4.0, 5.0),
                 Product(5.0, 6.0)]
-    spans = [(1.4, 2.0), (3.0, 3.2), (4.0, 4.9)]
-    parts = split(products, spans, window=(1.0, 5.5))
-    # [0, 1] starts before the window, [5, 6] ends after it; [1, 2] is 0.6 covered, [3, 4] 0.2 (neither
-    # during nor outside), [4, 5] 0.9; [2, 3] untouched.
-    assert parts.during == [Product(1.0, 2.0), Product(4.0, 5.0)]
-    assert parts.outside == [Product(2.0, 3.0)]
+    spans = [(0.0, 0.9), (1.4, 2.0), (3.0, 3.2), (4.0, 4.9), (5.0, 6.0)]
+    # [0, 1] starts before the window and [5, 6] ends after it, though both are covered; [1, 2] is
+    # 0.6 covered, [4, 5] 0.9; [3, 4] only 0.2 and [2, 3] not at all
+    assert during(products, spans, window=(0.5, 5.5)) == [Product(1.0, 2.0), Product(4.0, 5.0)]
 
 
 def test_the_cpu_load_records_back_to_back_products_until_stopped():
@@ -73,8 +71,10 @@ def test_a_failing_product_is_raised_by_stop():
     load = MatmulLoad(torch.device("cpu"))
     load.b = torch.ones(3, 5)                          # shapes that cannot be multiplied
     load.start()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ComputeLoadError, match="the products beside the connector failed: RuntimeError"):
         load.stop()
+    load.start()
+    assert load.stop(quiet=True) == []                 # the caller is failing already: its error wins
 
 
 @pytest.fixture
@@ -120,3 +120,19 @@ def test_wrong_bytes_saved_beside_products_fail_the_run(slow_file, tmp_path_fact
     assert [r["verified"] for r in _compute(out)] == [False, True]
     assert ("dict_connector.py:Sched:CorruptingSaveWorker, 16 tokens per block, saved beside products: not "
             "verified: ") in result.stderr
+
+
+def test_a_failure_beside_the_saves_keeps_the_rows_measured_before_it(slow_file, tmp_path_factory, monkeypatch):
+    import kvtool.bench.compute_load as compute_load
+
+    def broken(self):
+        raise ComputeLoadError("the products beside the connector failed: RuntimeError: out of memory")
+    monkeypatch.setattr(compute_load.MatmulLoad, "start", broken)
+    out = tmp_path_factory.mktemp("r") / "run"
+    result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--with-compute",
+                                 "--connector", f"{slow_file}:Sched:Worker", "--output", str(out)])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == ("kvtool: error: with compute: the products beside the connector "
+                                              "failed: RuntimeError: out of memory")
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["rows"]) == 4 and "compute" not in results

@@ -5,11 +5,17 @@ time. The engine drives the connector on its own thread; `MatmulLoad` runs produ
 a thread of its own and records when each one ran, so that each product can be set against the
 intervals in which the connector was saving (the engine's hooks, timed on the host's clock).
 
-On a GPU: bf16 products on a stream of their own, timed by CUDA events; a few stay queued so the
-GPU never waits for the thread (which shares the interpreter with the engine), and the events are
-put on the host's clock through one anchor event taken at a synchronised instant (error: the
-latency of one synchronisation, tens of µs). On a CPU: fp32 products run by the thread itself
-(PyTorch releases the interpreter inside them), timed by the host's clock.
+On a GPU, one *product* is `GPU_BATCH` bf16 matrix products between two CUDA events on a stream of
+the load's own. The thread shares the interpreter with the engine, and the interpreter can hold it
+for milliseconds (its switch interval is 5 ms), so:
+- about 20 ms of products stay queued, so the GPU does not wait for the thread;
+- a product whose begin event ran before its last launch returned is dropped: the stream may have
+  idled inside it while the thread waited for the interpreter, which is not the GPU's time;
+- the events are put on the host's clock by one anchor event recorded on the caller's thread before
+  the load starts (the stream idle), between two host readings less than `ANCHOR_BRACKET_S` apart.
+On a CPU, fp32 products run on the thread itself and are timed by the host's clock; they also wait
+for the interpreter while the engine's Python runs, so a CPU run exercises the path and shows the
+interpreter's share, not what a GPU would feel.
 """
 
 from __future__ import annotations
@@ -21,11 +27,20 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtool.errors import KvToolError
+
 GPU_MATMUL = 4096
-"""A product of 137 GFLOP: about 0.2 ms on an H200, short against a block's save, still filling every SM."""
+"""137 GFLOP a product: about 0.2 ms on an H200, still filling every SM."""
+GPU_BATCH = 4
+"""Products between two events: about 0.8 ms, short against most saves, few interpreter hand-offs."""
+GPU_QUEUE_DEPTH = 24
+"""Batches queued ahead: about 20 ms, past the interpreter's 5 ms switch interval."""
 CPU_MATMUL = 256
-GPU_QUEUE_DEPTH = 8
-"""Products queued ahead: 8 x 0.2 ms outlasts the interpreter's 5 ms switch interval."""
+ANCHOR_BRACKET_S = 50e-6
+
+
+class ComputeLoadError(KvToolError):
+    """The products beside the connector failed (not the connector)."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +60,13 @@ class MatmulLoad:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        size = GPU_MATMUL if device.type == "cuda" else CPU_MATMUL
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.size = size
-        self.a = torch.randn(size, size, device=device, dtype=dtype)
-        self.b = torch.randn(size, size, device=device, dtype=dtype)
+        cuda = device.type == "cuda"
+        self.size = GPU_MATMUL if cuda else CPU_MATMUL
+        self.batch = GPU_BATCH if cuda else 1
+        dtype = torch.bfloat16 if cuda else torch.float32
+        self.a = torch.randn(self.size, self.size, device=device, dtype=dtype)
+        self.b = torch.randn(self.size, self.size, device=device, dtype=dtype)
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._products: list[Product] = []
@@ -57,28 +74,32 @@ class MatmulLoad:
 
     @property
     def flops(self) -> float:
-        """Floating-point operations of one product."""
-        return 2.0 * self.size ** 3
+        """Floating-point operations of one product (`batch` matrix products)."""
+        return 2.0 * self.size ** 3 * self.batch
 
     def describe(self) -> str:
-        """E.g. `bf16 4096³ on cuda`: the products' type, size and device."""
+        """E.g. `bf16 4096³ x4 on cuda`: the products' type, size, batch and device."""
         kind = "bf16" if self.device.type == "cuda" else "fp32"
-        return f"{kind} {self.size}³ on {self.device.type}"
+        return f"{kind} {self.size}³{f' x{self.batch}' if self.batch > 1 else ''} on {self.device.type}"
 
     def start(self) -> None:
+        """Start the products (on a GPU, after anchoring its clock on the caller's thread)."""
         self._stop.clear()
         self._products, self._error = [], None
-        self._thread = threading.Thread(target=self._run, name="kvtool-matmul-load", daemon=True)
+        anchor = _anchor(self._stream) if self._stream is not None else None
+        self._thread = threading.Thread(target=self._run, args=(anchor,), name="kvtool-matmul-load", daemon=True)
         self._thread.start()
 
-    def stop(self) -> list[Product]:
-        """Stop after the products in flight; their intervals. Re-raises what the loop raised."""
+    def stop(self, quiet: bool = False) -> list[Product]:
+        """Stop after the products in flight; their intervals. ComputeLoadError for what the loop
+        raised, unless `quiet` (the caller is already failing for another reason)."""
         assert self._thread is not None, "stop() without start()"
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if self._error is not None:
-            raise self._error
+        if self._error is not None and not quiet:
+            raise ComputeLoadError(f"the products beside the connector failed: {type(self._error).__name__}: "
+                                   f"{self._error}") from self._error
         return self._products
 
     def run_for(self, seconds: float) -> list[Product]:
@@ -87,9 +108,9 @@ class MatmulLoad:
         time.sleep(seconds)
         return self.stop()
 
-    def _run(self) -> None:
+    def _run(self, anchor) -> None:
         try:
-            self._products = self._gpu_loop() if self.device.type == "cuda" else self._cpu_loop()
+            self._products = self._gpu_loop(*anchor) if anchor is not None else self._cpu_loop()
         except BaseException as exc:  # noqa: BLE001 - handed to stop() on the caller's thread
             self._error = exc
 
@@ -101,31 +122,43 @@ class MatmulLoad:
             products.append(Product(start, time.perf_counter()))
         return products
 
-    def _gpu_loop(self) -> list[Product]:
-        stream = torch.cuda.Stream(device=self.device)
-        anchor, anchor_host = _anchor(stream)
-        events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        with torch.cuda.stream(stream):
+    def _gpu_loop(self, anchor: torch.cuda.Event, anchor_host: float) -> list[Product]:
+        """(begin, end, host time after the batch's last launch) per batch, on the host clock;
+        batches whose begin ran before that time are dropped (module docstring)."""
+        batches: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+        with torch.cuda.stream(self._stream):
             while not self._stop.is_set():
-                if len(events) >= GPU_QUEUE_DEPTH:
-                    events[-GPU_QUEUE_DEPTH][1].synchronize()
+                if len(batches) >= GPU_QUEUE_DEPTH:
+                    batches[-GPU_QUEUE_DEPTH][1].synchronize()
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
-                torch.mm(self.a, self.b)
+                for _ in range(self.batch):
+                    torch.mm(self.a, self.b)
                 end.record()
-                events.append((begin, end))
-        stream.synchronize()
-        return [Product(anchor_host + anchor.elapsed_time(b) / 1e3, anchor_host + anchor.elapsed_time(e) / 1e3)
-                for b, e in events]
+                batches.append((begin, end, time.perf_counter()))
+        self._stream.synchronize()
+
+        def host(event: torch.cuda.Event) -> float:
+            return anchor_host + anchor.elapsed_time(event) / 1e3
+        return [Product(host(b), host(e)) for b, e, launched in batches if host(b) >= launched]
 
 
-def _anchor(stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, float]:
-    """An event on `stream` and the host instant it completed (the stream idle before it)."""
+def _anchor(stream: torch.cuda.Stream, tries: int = 20) -> tuple[torch.cuda.Event, float]:
+    """An event recorded on the idle `stream`, and the host instant it ran: the middle of the
+    tightest bracket of host readings around its record and completion (error: half of it)."""
     stream.synchronize()
-    anchor = torch.cuda.Event(enable_timing=True)
-    anchor.record(stream)
-    anchor.synchronize()
-    return anchor, time.perf_counter()
+    best: tuple[float, torch.cuda.Event, float] | None = None
+    for _ in range(tries):
+        anchor = torch.cuda.Event(enable_timing=True)
+        before = time.perf_counter()
+        anchor.record(stream)
+        anchor.synchronize()
+        after = time.perf_counter()
+        if best is None or after - before < best[0]:
+            best = (after - before, anchor, (before + after) / 2)
+        if after - before < ANCHOR_BRACKET_S:
+            break
+    return best[1], best[2]
 
 
 def overlap(product: Product, spans: list[tuple[float, float]]) -> float:
@@ -134,22 +167,9 @@ def overlap(product: Product, spans: list[tuple[float, float]]) -> float:
     return covered / product.seconds if product.seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Split:
-    """A loaded run's products by what ran beside them."""
-
-    during: list[Product]
-    """At least half their time inside the spans (the connector moving bytes)."""
-    outside: list[Product]
-    """Inside the window, none of their time inside the spans (the engine's own work only)."""
-
-
-def split(products: list[Product], spans: list[tuple[float, float]], window: tuple[float, float]) -> Split:
-    """Products inside `window` by their overlap with `spans`; the partly covered rest is left out."""
-    inside = [p for p in products if p.start >= window[0] and p.end <= window[1]]
-    during = [p for p in inside if overlap(p, spans) >= 0.5]
-    outside = [p for p in inside if overlap(p, spans) == 0.0]
-    return Split(during, outside)
+def during(products: list[Product], spans: list[tuple[float, float]], window: tuple[float, float]) -> list[Product]:
+    """The products inside `window` with at least half their time inside `spans`."""
+    return [p for p in products if window[0] <= p.start and p.end <= window[1] and overlap(p, spans) >= 0.5]
 
 
 def median_seconds(products: list[Product]) -> float | None:

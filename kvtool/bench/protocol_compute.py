@@ -1,16 +1,19 @@
 """`--suite store --with-compute`: what a connector's saves cost a prefill computing beside them.
 
-Per block size, a fresh engine (as in `protocol_suite`) runs the cold round while `MatmulLoad`
-runs products back to back, then a warm round with nothing beside it, which proves the bytes saved
-under load. The products run alone for a moment before and after the cold round (their median is
-`matmul_ms_alone`). Of the products inside the cold round:
-- `during saves`: at least half their interval inside the connector's save intervals (the union
-  of every request's, as `protocol_engine` times them);
-- `engine only`: none of it inside them: the fake engine's own work (writing and checking KV
-  bytes), which a real engine would not add; reported so that its share can be told apart.
-`slowdown_during_saves` = their median product time / the alone median - 1. The save's own GB/s
-under load is set against a cold round of a fresh engine with nothing beside it, run just before
-(so both pay the same warm-up: a first engine in a process pays for touching fresh memory).
+Per block size, on fresh engines (as in `protocol_suite`) with the same kind of prompts:
+1. a cold round with nothing beside it: the connector's save GB/s alone;
+2. a cold round with no connector while `MatmulLoad` runs products back to back: `ms engine`, the
+   products beside the fake engine's own work (writing and checking KV bytes), which a real
+   engine would not add;
+3. the connector's cold round with the products beside it, then a warm round with nothing beside
+   it, which proves the bytes saved under load. `ms saving`: the products that ran at least half
+   inside the connector's saving spans: per pass, from its first save hook's entry to its last's
+   exit (copies a hook queued run between hooks), and each asynchronous save from `SaveStarted` to
+   `SaveFinished`. These spans hold engine work too (a pass's later layers), so compare `ms
+   saving` with `ms engine`, not only with `ms alone`.
+The products also run alone for a moment before and after round 3 (`ms alone`, their median).
+`slowdown_during_saves` = `ms saving` / `ms alone` - 1, `engine_slowdown` = `ms engine` / `ms alone`
+- 1; `save_ratio_with_compute` = round 3's save GB/s over round 1's.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvtool.bench.compute_load import MatmulLoad, Product, median_seconds, split
+from kvtool.bench.compute_load import MatmulLoad, Product, during, median_seconds
 from kvtool.bench.protocol_engine import (Recorder, Workload, build_engine, check_bytes, four_digits, measure_round,
                                           one_line_errors, run_round, union)
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
 from kvtool.connector.store_namespace import store_namespace
 
 ALONE_SECONDS = 0.3
@@ -62,6 +66,7 @@ class _Loaded:
 
     products: list[Product]
     alone: list[Product]
+    engine_only: list[Product]
     window: tuple[float, float]
     save_spans: list[tuple[float, float]]
     save_gbps: float
@@ -91,26 +96,58 @@ def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], 
 def _loaded_round(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
                   workload: Workload, device: str, load: MatmulLoad) -> _Loaded:
     unloaded = _cold_save_gbps(spec, options, label, model, tpb, workload, device)
+    engine_only = _engine_only_products(model, tpb, workload, device, load)
     engine = build_engine(spec, options, model, tpb, workload, device)
     try:
         recorder = Recorder(engine)
         recorder.attach()
         prompts = _prompts(workload, tpb)
         alone = load.run_for(ALONE_SECONDS)
-        load.start()
-        started = time.perf_counter()
-        try:
-            cold = run_round(engine, label, prompts, first_id=0)
-        finally:
-            ended = time.perf_counter()
-            products = load.stop()
+        cold, products, window = _beside(load, lambda: run_round(engine, label, prompts, first_id=0))
         alone += load.run_for(ALONE_SECONDS)
         warm = run_round(engine, label, prompts, first_id=len(prompts))
-        spans = union([span for i in cold.ids for span in recorder.intervals("save", i)])
-        return _Loaded(products, alone, (started, ended), spans, _save_gbps(engine, recorder, cold, tpb), unloaded,
-                       check_bytes(engine, cold, warm))
+        return _Loaded(products, alone, engine_only, window, _saving_spans(recorder, cold.ids),
+                       _save_gbps(engine, recorder, cold, tpb), unloaded, check_bytes(engine, cold, warm))
     finally:
         engine.close()
+
+
+def _beside(load: MatmulLoad, work):
+    """`work()`'s result, the products that ran beside it, and its (start, end) on the host clock;
+    what `work` raised wins over what the products raised."""
+    load.start()
+    started = time.perf_counter()
+    try:
+        result = work()
+    except BaseException:
+        load.stop(quiet=True)
+        raise
+    ended = time.perf_counter()
+    return result, load.stop(), (started, ended)
+
+
+def _engine_only_products(model: str, tpb: int, workload: Workload, device: str, load: MatmulLoad) -> list[Product]:
+    """Products beside a cold round of an engine with no connector (what its own work costs them)."""
+    engine = build_engine(None, {}, model, tpb, workload, device)
+    try:
+        for request_id, prompt in enumerate(_prompts(workload, tpb)):
+            engine.add_request(Request(request_id, prompt, max_new_tokens=1))
+        _, products, window = _beside(load, engine.run)
+        return [p for p in products if p.start >= window[0] and p.end <= window[1]]
+    finally:
+        engine.close()
+
+
+def _saving_spans(recorder: Recorder, ids: list[int]) -> list[tuple[float, float]]:
+    """When the connector may have had saves in flight (module docstring), as disjoint spans."""
+    by_pass: dict[int, tuple[float, float]] = {}
+    for kind, iteration, start, end in recorder.hooks:
+        if kind == "save":
+            low, high = by_pass.get(iteration, (start, end))
+            by_pass[iteration] = (min(low, start), max(high, end))
+    asynchronous = [(recorder.save_start[i], recorder.async_end.get(("save", i), recorder.save_start[i]))
+                    for i in ids if i in recorder.save_start]
+    return union(list(by_pass.values()) + asynchronous)
 
 
 def _cold_save_gbps(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
@@ -137,12 +174,12 @@ def _prompts(workload: Workload, tpb: int) -> list[list[int]]:
 
 
 def _row(label: str, model: str, tpb: int, load: MatmulLoad, loaded: _Loaded) -> ComputeRow:
-    parts = split(loaded.products, loaded.save_spans, loaded.window)
-    alone = median_seconds(loaded.alone)
-    during, outside = median_seconds(parts.during), median_seconds(parts.outside)
+    saving = during(loaded.products, loaded.save_spans, loaded.window)
+    beside_saves, alone, engine_only = (median_seconds(p) for p in (saving, loaded.alone, loaded.engine_only))
     ratio = four_digits(loaded.save_gbps / loaded.unloaded_save_gbps) if loaded.unloaded_save_gbps else None
-    return ComputeRow(label, model, tpb, load.describe(), _ms(alone), _ms(during), _ms(outside),
-                      _slowdown(during, alone), _slowdown(outside, alone), len(parts.during),
+    return ComputeRow(label, model, tpb, load.describe(), _ms(alone), _ms(beside_saves), _ms(engine_only),
+                      _slowdown(beside_saves, alone), _slowdown(engine_only, alone),
+                      len(saving),
                       four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio, loaded.issue is None)
 
 

@@ -125,7 +125,7 @@ class Measured:
     seconds: float
     latencies: list[float]
 
-def build_engine(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, workload: Workload,
+def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
     """One request per pass, no local prefix reuse (the warm round must ask the connector), pages
     poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for every

@@ -24,7 +24,7 @@ from kvtool.cli.common import (ExitCode, clean_errors, connector_options, fail, 
                                print_connector_help, progress_bar)
 from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
-from kvtool.errors import InputError
+from kvtool.errors import InputError, KvToolError
 from kvtool.models import load_model
 from kvtool.report.bench_report import bench_notes, default_output_dir, rows_table, write_run
 from kvtool.report.run_folder import prepare_run_folder
@@ -152,7 +152,7 @@ def bench(
     extra = {"compute": _compute_rows(transfer, cases, backends, console)} if with_compute else {}
     device = write_run(out_dir, rows, extra, "transfer")
     _print(rows, format, f"kvtool bench · {device.get('name')} · GB/s (median of {num_repeats})")
-    if extra:
+    if extra.get("compute"):
         _print(extra["compute"], format, "with a bf16 matmul running")
     if format is Format.table:
         skipped = [b for b in backend_names() if b not in available]
@@ -229,13 +229,17 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
         rows = [r.as_dict() for r in rows]
         extra = {}
         if with_compute:
-            extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload, device)
-            problems += more
+            try:
+                extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload,
+                                                                device)
+                problems += more
+            except KvToolError as exc:         # the rows measured so far are written all the same
+                problems.append(f"with compute: {exc}")
     write_run(out_dir, rows, extra, "store")
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
-    if extra:
+    if extra.get("compute"):
         _print(extra["compute"], format, f"saves beside {extra['compute'][0]['products']}: each product's time "
                                          "alone, during the connector's saves, and beside the engine's own work")
     Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)

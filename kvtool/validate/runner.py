@@ -263,7 +263,9 @@ def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, 
             while len(flight) < jobs and (task := schedule.take()) is not None:
                 flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
             for task in _answered(flight):
-                report(schedule.finish(task, flight.pop(task).result()))
+                results = flight[task].result()      # still in `flight` until answered: an interrupt kills it
+                del flight[task]
+                report(schedule.finish(task, results))
     finally:
         for process in flight.values():
             process.stop()

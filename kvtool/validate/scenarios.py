@@ -23,7 +23,7 @@ from dataclasses import replace
 from kvtool.engine.engine import Engine
 from kvtool.engine.events import Ask
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.request_state import Phase
+from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model, shard_model
 from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
@@ -499,6 +499,11 @@ def _take_free_slots(engine: Engine):
     return (lambda: engine.fake.verify_cache(SENTINEL_ID, fill, pages, free * tpb), cache.close, 3)
 
 
+CONNECTOR_RAISED = frozenset({FailureReason.ASK_RAISED, FailureReason.ALLOC_HOOK_RAISED,
+                              FailureReason.CONNECTOR_FAILED_IN_PASS})
+"""Failures a connector's own code raised (not a wall-clock limit a busy machine can reach)."""
+
+
 def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int],
                     admitted: set[int]) -> CheckResult:
     if r.error:
@@ -518,7 +523,8 @@ def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[i
     failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
     evidence += [f"request {rid} was admitted after the failure and failed only when it happened ({r.state(rid).error}):"
                  " did the connector offer blocks of the failed pass, whose saves never landed?"
-                 for rid in failed if rid not in admitted and baseline.state(rid).phase is not Phase.FAILED]
+                 for rid in failed if rid not in admitted and r.state(rid).failure in CONNECTOR_RAISED
+                 and baseline.state(rid).phase is not Phase.FAILED]
     introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
     if callable(introspect):
         kept = sorted(set(introspect().get("tracked_request_ids", [])) & set(failed))
