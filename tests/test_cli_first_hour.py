@@ -411,3 +411,37 @@ def test_a_long_decode_check_is_announced_with_its_size_and_the_ways_out(tmp_pat
     assert decode_check_note(build_replay(ReplayOptions(long, model="tiny", fidelity="blocks"))) is None
     assert decode_check_note(build_replay(ReplayOptions(long, model="tiny", prefill_only=True))) is None
     assert decode_check_note(build_replay(ReplayOptions(Path(SHIPPED), model="tiny"))) is None
+
+
+# ---- 13. a sweep's host tier larger than the machine: said before any replay ----------------------
+def _at_most_one_gib(monkeypatch):
+    import importlib
+    from kvtool.errors import OutOfMemoryError
+    trace_sweep = importlib.import_module("kvtool.cli.trace_sweep")    # the package's name is the command
+
+    def require_memory(num_bytes, device):
+        if num_bytes > 1 << 30:
+            raise OutOfMemoryError(f"{num_bytes} bytes needed, more than this machine's memory (1 GiB): lower x")
+    monkeypatch.setattr(trace_sweep, "require_memory", require_memory)
+    return trace_sweep
+
+
+def test_a_sweep_capacity_whose_host_tier_cannot_fit_is_refused_naming_the_ones_that_do(tmp_path, monkeypatch):
+    _at_most_one_gib(monkeypatch)
+    result = runner.invoke(app, ["trace", "sweep", str(small_workload(tmp_path)), "--model", "tiny",
+                                 "--capacity", "1e5,1e7", "--jobs", "1"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "kvtool: error: the host tier at 1e7 tokens does not fit: 5120000000 bytes needed, more than this machine's "
+        "memory (1 GiB): give --capacity up to 1e5, or sweep --fidelity blocks (the index tier, no bytes)"]
+
+
+def test_default_capacities_that_cannot_fit_are_left_out_and_said(tmp_path, monkeypatch):
+    sweep = _at_most_one_gib(monkeypatch)
+    monkeypatch.setattr(sweep, "DEFAULT_CAPACITIES", "1e4,1e7")
+    result = runner.invoke(app, ["trace", "sweep", str(small_workload(tmp_path)), "--model", "tiny", "--jobs", "1",
+                                 "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert [r["capacity_tokens"] for r in json.loads(result.stdout)] == [10_000]
+    assert result.stderr.splitlines() == ["kvtool: the default capacity 1e7 is left out at 32 tokens per block: the "
+                                          "host tier would not fit this machine's memory (--capacity chooses)"]

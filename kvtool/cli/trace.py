@@ -130,6 +130,8 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
     check_before_replay(replay)
     folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
+    if replay.load_rate_note:
+        Console(stderr=True).print(f"kvtool: {replay.load_rate_note}", highlight=False, markup=False, soft_wrap=True)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:
         rows = run_instances(plan, lambda finished: update(completed=finished))

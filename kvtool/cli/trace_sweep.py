@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import pandas as pd
+import torch
 import typer
 from rich.console import Console
 
@@ -34,10 +35,12 @@ from kvtool.connector.options import declared_options
 from kvtool.connectors.index import parse_token_count
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import run_trace
-from kvtool.errors import InputError
+from kvtool.errors import InputError, OutOfMemoryError
+from kvtool.manager.storage import require_memory
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_table, write_sweep_folder
 from kvtool.report.trace_report import ttft_stats
+from kvtool.units import parse_size
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
 SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes"}
@@ -98,11 +101,27 @@ def trace_sweep(
     fidelity = fidelity or build_replay(options).config.fidelity
     point_options = [point_replay_options(options, fidelity, p) for p in points]
     sizes = workload_sizes(build_replay(options).workload)
-    for each in point_options:
+    notes: dict[str, None] = {}
+    kept = []
+    for point, each in zip(points, point_options):
         replay = build_replay(each)   # every InputError now, before any replay
         check_pools_fit_memory(replay)
         check_cache_holds(replay, sizes)
+        try:
+            check_tier_fits_memory(point, each, points)
+        except OutOfMemoryError:
+            if capacity is not None:
+                raise
+            notes.setdefault(f"the default capacity {_tokens(point.capacity_tokens)} is left out at "
+                             f"{point.tokens_per_block} tokens per block: the {tier} tier would not fit this "
+                             "machine's memory (--capacity chooses)")
+            continue
+        kept.append((point, each))
+        notes.setdefault(replay.load_rate_note or "")
+    points, point_options = [p for p, _ in kept], [o for _, o in kept]
     folder = prepare_run_folder(output, "trace") if output is not None else None
+    for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points
+        Console(stderr=True).print(f"kvtool: {note}", highlight=False, markup=False, soft_wrap=True)
     rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:
@@ -137,6 +156,30 @@ def _whole_number(text: str) -> int:
     if not text.lstrip("-").isdigit():
         raise ValueError(f"not a whole number: {text!r}")
     return int(text)
+
+
+def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: list[SweepPoint]) -> None:
+    """OutOfMemoryError before any replay when a point's host-memory tier (allocated whole when the
+    connector starts) is larger than this machine's memory, naming the capacities that fit."""
+    size = next((parse_size(o.partition("=")[2]) for o in options.connector_opt if o.startswith("capacity=")), None)
+    if point.capacity_tokens is None or size is None or SIZED_TIERS.get(options.connector) != "bytes":
+        return
+    try:
+        require_memory(size, torch.device("cpu"))
+    except OutOfMemoryError as exc:
+        why = str(exc).partition(": lower ")[0]
+        fits = [p.capacity_tokens for p in points if p.capacity_tokens is not None
+                and p.capacity_tokens < point.capacity_tokens]
+        advice = f"--capacity up to {_tokens(max(fits))}" if fits else "a smaller --capacity"
+        raise OutOfMemoryError(f"the {options.connector} tier at {_tokens(point.capacity_tokens)} tokens does not "
+                               f"fit: {why}: give {advice}, or sweep --fidelity blocks (the index tier, no bytes)"
+                               ) from None
+
+
+def _tokens(count: int) -> str:
+    """1e8 for 100000000, 12345 as it is."""
+    mantissa, _, exponent = f"{count:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if float(f"{count:.0e}") == count else str(count)
 
 
 def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoint) -> ReplayOptions:
