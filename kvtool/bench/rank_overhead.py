@@ -17,7 +17,8 @@ from pathlib import Path
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.engine.ranks import Followers, PassOrder, RankSetup, free_port
+from kvtool.engine.pass_driver import PassPlan
+from kvtool.engine.ranks import Followers, PassOrder, RankSetup
 from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
@@ -51,8 +52,8 @@ def replay(num_ranks: int, processes: bool, tokens_per_block: int = 32) -> dict:
 def empty_round_trip_us(num_ranks: int, repeats: int = 200) -> float:
     """µs for one iteration's collectives with nothing in the order: the floor of the cost."""
     config = KvCacheManagerConfig(load_model("tiny"), 32, num_slots=64, device="cpu")
-    followers = Followers(RankSetup(config, (64,), 1, num_ranks, 0, None, (), free_port(), 60.0, "cpu"))
-    order = PassOrder(0, None, [], [], [], [], [], [], True)
+    followers = Followers(RankSetup(config, (64,), 1, num_ranks, 0, None, (), 0, 60.0, "cpu"))
+    order = PassOrder(0, None, [], [], [], PassPlan(starts=True, forwards=True))
     try:
         for _ in range(5):
             followers.broadcast(order)

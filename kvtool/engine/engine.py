@@ -26,7 +26,7 @@ from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem
 from kvtool.engine.no_bytes import NoBytesModel
 from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
 from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
-from kvtool.engine.ranks import (FinishedOrder, Followers, PassOrder, RankReport, RankSetup, free_port,
+from kvtool.engine.ranks import (FinishedOrder, Followers, PassOrder, RankReport, RankSetup,
                                  rank_manager_config)
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -156,7 +156,7 @@ class Engine:
             return None
         self.manager.page_log = []
         return Followers(RankSetup(config.manager, tuple(self.manager.num_slots), config.tp_size, config.num_ranks,
-                                   config.seed, spec, tuple(options.items()), free_port(), config.rank_timeout_s,
+                                   config.seed, spec, tuple(options.items()), 0, config.rank_timeout_s,
                                    self.manager.device.type))
 
     def close(self) -> None:

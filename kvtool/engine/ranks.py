@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import socket
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,6 +50,7 @@ class RankSetup:
     spec: ConnectorSpec | None
     options: tuple[tuple[str, str], ...]
     port: int
+    """Rank 0's rendezvous port: 0 until `Followers` binds one (the OS picks it)."""
     timeout_s: float
     device: str = "cpu"
     """Where rank 0's pools are ("cpu" or "cuda"): the followers' too, and the backend (gloo, NCCL)."""
@@ -120,12 +120,15 @@ class Followers:
         self._closed = False
         mp = multiprocessing.get_context("spawn")
         self._hooks = [mp.Array("c", HOOK_NAME_BYTES) for _ in range(setup.num_ranks)]
-        self._processes = [mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
-                           for rank in range(1, setup.num_ranks)]
-        for process in self._processes:
-            process.start()
+        self._processes = []
         try:
-            _init_group(0, setup)
+            store = _rendezvous_store(setup)
+            setup = self.setup = replace(setup, port=store.port)
+            self._processes = [mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
+                               for rank in range(1, setup.num_ranks)]
+            for process in self._processes:
+                process.start()
+            _init_group(0, setup, store)
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
             self.close(force=True)
             raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
@@ -183,19 +186,25 @@ class Followers:
             dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store(setup: RankSetup):
+    """Rank 0's rendezvous server, bound to a port the OS picks and held from then on: a port
+    picked, released and bound later could be taken meanwhile (validate --jobs runs several
+    multi-rank scenarios at once)."""
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, setup.num_ranks, is_master=True,
+                         timeout=datetime.timedelta(seconds=setup.timeout_s), wait_for_workers=False)
 
 
-def _init_group(rank: int, setup: RankSetup) -> None:
+def _init_group(rank: int, setup: RankSetup, store=None) -> None:
+    """Join the group: rank 0 through its own `store`, the followers at `setup.port`."""
     import torch.distributed as dist
     backend = "nccl" if setup.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())   # one GPU per rank
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{setup.port}", rank=rank,
-                            world_size=setup.num_ranks, timeout=datetime.timedelta(seconds=setup.timeout_s))
+    timeout = datetime.timedelta(seconds=setup.timeout_s)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", setup.port, setup.num_ranks, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=setup.num_ranks, timeout=timeout)
 
 
 # ---- a follower ------------------------------------------------------------------------------

@@ -226,9 +226,8 @@ def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isola
     child: its own connector objects, module state and environment), its own temporary working
     folder (a disk store there) and its own store namespace (`run_scenario`), its own timeout counted
     from its own start, its own results (tracebacks travel in them; files are written afterwards, by
-    the caller). Follower ranks (`--num-ranks`) rendezvous on a port the OS gave the scenario
-    (`ranks.free_port`; it is released and bound again a moment later, so two scenarios starting
-    ranks in that moment could, rarely, draw the same one). With `--remote`, the scenarios that
+    the caller). Follower ranks (`--num-ranks`) rendezvous on a port the OS gave the scenario's rank 0
+    and that it holds from then on (`ranks._rendezvous_store`). With `--remote`, the scenarios that
     disrupt that server run alone (`next_task`). What they share is the machine (CPUs, memory, a
     GPU: wall-clock limits such as `--timeout` and `--load-timeout` feel the contention) and the
     terminal (what connectors print may interleave)."""
