@@ -107,8 +107,8 @@ class ForgetfulSched(Sched):
 '''
 
 QUICK_BLOCKS = QUICK.prompts * QUICK.blocks
-COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "gbps", "p50_us",
-           "p99_us", "raw_gbps", "ratio", "vs_reference", "verified"]
+COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "rounds", "gbps",
+           "spread", "p50_us", "p99_us", "raw_gbps", "ratio", "vs_reference", "verified"]
 REFERENCE = "host (kvtool reference, backend torch)"
 
 
@@ -262,3 +262,14 @@ def test_a_connector_writing_into_its_working_folder_leaves_nothing_behind(tmp_p
     assert done.returncode == 0, done.stderr
     assert all(r["verified"] and r["blocks"] == QUICK_BLOCKS for r in _rows(tmp_path / "run"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_rounds_give_a_median_and_its_spread(connector_file, tmp_path):
+    out = tmp_path / "run"
+    done = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--repeats", "3", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = _all_rows(out)
+    assert [(r["rounds"], r["blocks"], r["verified"]) for r in rows] == [(3, QUICK_BLOCKS, True)] * 4
+    assert all(r["spread"] is not None and r["spread"] >= 0 for r in rows)
+    quick = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--output", str(tmp_path / "one"))
+    assert [(r["rounds"], r["spread"]) for r in _all_rows(tmp_path / "one")] == [(1, None)] * 4

@@ -49,7 +49,12 @@ class ProtocolRow:
     tokens_per_block: int
     block_bytes: int
     blocks: int
+    """Per round."""
+    rounds: int
     gbps: float
+    """The median of the rounds'."""
+    spread: float | None
+    """(max - min) / median of the rounds' GB/s; None for one round."""
     p50_us: float
     p99_us: float
     raw_gbps: float
@@ -63,17 +68,17 @@ class ProtocolRow:
 
 def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
                        workload: Workload, repeats: int, device: str = "cpu",
-                       reference: tuple[ConnectorSpec, dict[str, str]] | None = None
+                       reference: tuple[ConnectorSpec, dict[str, str]] | None = None, rounds: int = 1
                        ) -> tuple[list[ProtocolRow], list[str]]:
     """A save and a load row per block size (then the same for `reference`, the run's yardstick),
-    and one line per failed check (bytes not verified, nothing served in the warm round).
-    ConnectorError when a connector hook raised or the run stopped; InputError when the connector
-    cannot be constructed or registered."""
-    rows, problems = _connector_rows(spec, options, model, tokens_per_block, workload, repeats, device)
+    each over `rounds` fresh engines, and one line per failed check (bytes not verified, nothing
+    served in a warm round). `repeats`: of the raw copy. ConnectorError when a connector hook
+    raised or the run stopped; InputError when the connector cannot be constructed or registered."""
+    rows, problems = _connector_rows(spec, options, model, tokens_per_block, workload, repeats, device, rounds)
     if reference is None:
         return rows, problems
     ref_rows, ref_problems = _connector_rows(reference[0], reference[1], model, tokens_per_block, workload, repeats,
-                                             device, reference_label(reference))
+                                             device, rounds, reference_label(reference))
     yardstick = {(r.direction, r.tokens_per_block): r.gbps for r in ref_rows}
     for row in rows + ref_rows:
         base = yardstick.get((row.direction, row.tokens_per_block))
@@ -98,25 +103,27 @@ def reference_label(reference: tuple[ConnectorSpec, dict[str, str]]) -> str:
 
 
 def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
-                    workload: Workload, repeats: int, device: str,
+                    workload: Workload, repeats: int, device: str, rounds: int,
                     label: str | None = None) -> tuple[list[ProtocolRow], list[str]]:
     rows, problems = [], []
     label = label or connector_label(spec.name)
     with store_namespace(label="bench"):      # a shared-server store starts cold and keeps to itself
         for tpb in tokens_per_block:
-            with one_line_errors(label):
-                result = _run_block_size(spec, options, label, model, tpb, workload, device)
-            gc.collect()                      # the engine and the connector's store go before the raw copy
-            raw: dict[tuple[str, int], float] = {}
-            for direction, measured in (("save", result.save), ("load", result.load)):
-                nbytes = max(measured.blocks, 1) * result.block_bytes
-                raw.setdefault((direction, nbytes), _raw_gbps(nbytes, repeats, device, direction))
-                rows.append(_row(label, direction, model, tpb, result.block_bytes, measured,
-                                 raw[(direction, nbytes)], result.issue is None))
+            results = []
+            for _ in range(rounds):
+                with one_line_errors(label):
+                    results.append(_run_block_size(spec, options, label, model, tpb, workload, device))
+                gc.collect()                  # the engine and the connector's store go before the next
+            issue = next((r.issue for r in results if r.issue is not None), None)
+            for direction in ("save", "load"):
+                measured = [getattr(r, direction) for r in results]
+                nbytes = max(measured[0].blocks, 1) * results[0].block_bytes
+                rows.append(_row(label, direction, model, tpb, results[0].block_bytes, measured,
+                                 _raw_gbps(nbytes, repeats, device, direction), issue is None))
             where = f"{label}, {tpb} tokens per block"
-            if result.issue is not None:
-                problems.append(f"{where}: not verified: {result.issue}")
-            if result.load.blocks == 0:
+            if issue is not None:
+                problems.append(f"{where}: not verified: {issue}")
+            if any(r.load.blocks == 0 for r in results):
                 problems.append(f"{where}: the connector served nothing in the warm round")
     return rows, problems
 
@@ -180,10 +187,14 @@ def _raw_gbps(nbytes: int, repeats: int, device: str, direction: str = "save") -
     return nbytes / seconds / 1e9
 
 
-def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: Measured, raw_gbps: float,
-         verified: bool) -> ProtocolRow:
-    gbps = measured.blocks * block_bytes / measured.seconds / 1e9 if measured.seconds > 0 else 0.0
-    p50, p99 = (np.percentile(np.array(measured.latencies) * 1e6, q) if measured.latencies else 0.0 for q in (50, 99))
-    return ProtocolRow(label, direction, model, tpb, block_bytes, measured.blocks, four_digits(gbps),
-                       round(float(p50), 1), round(float(p99), 1), four_digits(raw_gbps), four_digits(gbps / raw_gbps),
-                       None, verified)
+def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: list[Measured],
+         raw_gbps: float, verified: bool) -> ProtocolRow:
+    """One direction over the rounds: the median GB/s and its spread, latencies over every request."""
+    rates = [m.blocks * block_bytes / m.seconds / 1e9 if m.seconds > 0 else 0.0 for m in measured]
+    gbps = float(np.median(rates))
+    spread = four_digits((max(rates) - min(rates)) / gbps) if len(rates) > 1 and gbps > 0 else None
+    latencies = np.array([s for m in measured for s in m.latencies]) * 1e6
+    p50, p99 = (float(np.percentile(latencies, q)) if latencies.size else 0.0 for q in (50, 99))
+    return ProtocolRow(label, direction, model, tpb, block_bytes, measured[0].blocks, len(measured),
+                       four_digits(gbps), spread, round(p50, 1), round(p99, 1), four_digits(raw_gbps),
+                       four_digits(gbps / raw_gbps), None, verified)

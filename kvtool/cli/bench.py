@@ -73,7 +73,9 @@ def bench(
                                                        "on a GPU, 16MiB on a CPU or with --quick].")] = None,
     repeats: Annotated[Optional[int], typer.Option(metavar="N", help="Timed repeats per case, median reported [default: "
                                                    f"{GPU_DEFAULT['repeats']} on a GPU, {CPU_DEFAULT['repeats']} on a CPU, "
-                                                   f"{QUICK['repeats']} with --quick].")] = None,
+                                                   f"{QUICK['repeats']} with --quick]; a connector through the "
+                                                   "engine: rounds per block size, each a fresh engine [default: 3, "
+                                                   "1 with --quick].")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A small sweep, for a smoke test.")] = False,
     format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
@@ -225,7 +227,8 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
     reference = protocol_suite.reference_connector(device)
     with scratch_working_folder():
         rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
-                                                           repeats or (3 if quick else 5), device, reference)
+                                                           repeats or (3 if quick else 5), device, reference,
+                                                           rounds=repeats or (1 if quick else 3))
         rows = [r.as_dict() for r in rows]
         extra = {}
         if with_compute:

@@ -44,7 +44,7 @@ def write_run(directory: Path, rows: list[dict], extra: dict[str, list[dict]], s
 _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "model": "model",
           "tokens_per_block": "tpb", "chunk_bytes": "chunk", "batch_bytes": "batch", "gbps": "GB/s",
           "p50_us": "p50 µs", "p99_us": "p99 µs", "peak_gbps": "peak GB/s", "peak_spread": "±peak",
-          "ratio": "ratio", "verified": "ok",
+          "ratio": "ratio", "verified": "ok", "spread": "±GB/s",
           # --suite store --with-compute
           "matmul_ms_alone": "ms alone", "matmul_ms_during_saves": "ms saving", "matmul_ms_engine_only": "ms engine",
           "slowdown_during_saves": "slowdown saving", "engine_slowdown": "slowdown engine",
