@@ -91,6 +91,14 @@ def test_a_load_of_poison_says_what_the_page_was_before_its_bytes():
         integrity.evidence[0], integrity.evidence
 
 
+def test_a_wrong_byte_says_where_its_position_came_from():
+    """The warm request's bytes came through the connector: the evidence says which delivery."""
+    results = validate_tiny(HostConnectorScheduler, SavesBeforeTheForward, ["cold-warm"])
+    first = only(results, "cold-warm", "integrity").evidence[0]
+    assert "; this position was loaded by the connector (tokens [0, " in first, first
+    assert ") delivered in iteration " in first and first.endswith("its load wrote wrong bytes, or its store held them")
+
+
 # ---- 2. the connector's file and line -----------------------------------------------------------
 def test_an_index_error_raised_inside_kvtool_names_the_connectors_line():
     results = validate_tiny(HostConnectorScheduler, LoadsThroughMinusOne, ["cold-warm"])

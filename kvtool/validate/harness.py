@@ -231,7 +231,7 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
             evidence.append(f"the run stopped: {r.error}")
             continue
         engine = r.engine
-        evidence += [i.describe() for i in engine.fake.issues[:5]]
+        evidence += [f"{i.describe()}{source_of(r, i.request_id, i.position)}" for i in engine.fake.issues[:5]]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
         evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r) + offers_from_elsewhere(r)
@@ -241,6 +241,20 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
                 evidence.append(f"request {rid}: generated {state.request.generated_token_ids} but a run without "
                                 f"the connector generates {expected[rid]}")
     return result(scenario, ctx, "integrity", not evidence, evidence)
+
+
+def source_of(r: Run, request_id: int, position: int) -> str:
+    """Where the bytes at `position` of `request_id` came from, said after an integrity issue: the
+    connector's load (which delivery), the local cache, or this request's own computation."""
+    for e in r.events.of(Deliver):
+        first = e.num_local_hit
+        if e.request_id == request_id and e.num_external and first <= position < first + e.num_external:
+            return (f"; this position was loaded by the connector (tokens [{first}, {first + e.num_external}) "
+                    f"delivered in iteration {e.iteration}): its load wrote wrong bytes, or its store held them")
+    state = r.states.get(request_id)
+    if state is not None and position < state.num_local_hit:
+        return "; this position came from the local cache (pages shared with an earlier request)"
+    return "; this position was computed by the request itself: something overwrote its page afterwards"
 
 
 def late_deliveries_gone_wrong(r: Run) -> list[str]:
