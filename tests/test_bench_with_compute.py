@@ -123,11 +123,17 @@ def test_wrong_bytes_saved_beside_products_fail_the_run(slow_file, tmp_path_fact
 
 
 def test_a_failure_beside_the_saves_keeps_the_rows_measured_before_it(slow_file, tmp_path_factory, monkeypatch):
+    """The products fail on the reference's round: the connector's compute row, measured before,
+    is written with every store row."""
     import kvtool.bench.compute_load as compute_load
+    start, calls = compute_load.MatmulLoad.start, []
 
-    def broken(self):
-        raise ComputeLoadError("the products beside the connector failed: RuntimeError: out of memory")
-    monkeypatch.setattr(compute_load.MatmulLoad, "start", broken)
+    def fails_on_the_fifth(self):                       # four starts measure one connector's block size
+        calls.append(1)
+        if len(calls) == 5:
+            raise ComputeLoadError("the products beside the connector failed: RuntimeError: out of memory")
+        start(self)
+    monkeypatch.setattr(compute_load.MatmulLoad, "start", fails_on_the_fifth)
     out = tmp_path_factory.mktemp("r") / "run"
     result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--with-compute",
                                  "--connector", f"{slow_file}:Sched:Worker", "--output", str(out)])
@@ -135,4 +141,5 @@ def test_a_failure_beside_the_saves_keeps_the_rows_measured_before_it(slow_file,
     assert result.stderr.splitlines()[-1] == ("kvtool: error: with compute: the products beside the connector "
                                               "failed: RuntimeError: out of memory")
     results = json.loads((out / "results.json").read_text())
-    assert len(results["rows"]) == 4 and "compute" not in results
+    assert len(results["rows"]) == 4
+    assert [r["connector"] for r in results["compute"]] == ["dict_connector.py:Sched:Worker"]

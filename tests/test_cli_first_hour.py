@@ -445,3 +445,16 @@ def test_default_capacities_that_cannot_fit_are_left_out_and_said(tmp_path, monk
     assert [r["capacity_tokens"] for r in json.loads(result.stdout)] == [10_000]
     assert result.stderr.splitlines() == ["kvtool: the default capacity 1e7 is left out at 32 tokens per block: the "
                                           "host tier would not fit this machine's memory (--capacity chooses)"]
+
+
+def test_fewer_sweep_replays_run_at_once_when_their_host_tiers_would_not_fit_together(capsys):
+    import importlib
+    import os
+    from kvtool.cli.trace_setup import ReplayOptions
+    sweep = importlib.import_module("kvtool.cli.trace_sweep")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    tiers = [ReplayOptions(Path("w"), connector="host", connector_opt=(f"capacity={int(memory * 0.4)}",))] * 4
+    assert sweep._jobs_that_fit(tiers, 4) == 2
+    assert "2 replays at once instead of 4" in capsys.readouterr().err
+    assert sweep._jobs_that_fit(tiers[:1], 4) == 4                        # one point: nothing to lower
+    assert sweep._jobs_that_fit([ReplayOptions(Path("w"), connector="index")] * 4, 4) == 4

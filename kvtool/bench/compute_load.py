@@ -86,7 +86,11 @@ class MatmulLoad:
         """Start the products (on a GPU, after anchoring its clock on the caller's thread)."""
         self._stop.clear()
         self._products, self._error = [], None
-        anchor = _anchor(self._stream) if self._stream is not None else None
+        try:
+            anchor = _anchor(self._stream) if self._stream is not None else None
+        except Exception as exc:  # noqa: BLE001 - the products' failure, not the connector's
+            raise ComputeLoadError(f"the products beside the connector could not start: {type(exc).__name__}: "
+                                   f"{exc}") from exc
         self._thread = threading.Thread(target=self._run, args=(anchor,), name="kvtool-matmul-load", daemon=True)
         self._thread.start()
 

@@ -2,9 +2,9 @@
 
 Per block size, on fresh engines (as in `protocol_suite`) with the same kind of prompts:
 1. a cold round with nothing beside it: the connector's save GB/s alone;
-2. a cold round with no connector while `MatmulLoad` runs products back to back: `ms engine`, the
-   products beside the fake engine's own work (writing and checking KV bytes), which a real
-   engine would not add;
+2. a cold round with a connector that does nothing while `MatmulLoad` runs products back to back:
+   `ms engine`, the products inside its saving spans (below), beside the fake engine's own work
+   only (writing and checking KV bytes), which a real engine would not add;
 3. the connector's cold round with the products beside it, then a warm round with nothing beside
    it, which proves the bytes saved under load. `ms saving`: the products that ran at least half
    inside the connector's saving spans: per pass, from its first save hook's entry to its last's
@@ -29,7 +29,7 @@ from kvtool.bench.compute_load import MatmulLoad, Product, during, median_second
 from kvtool.bench.protocol_engine import (Recorder, Workload, build_engine, check_bytes, four_digits, measure_round,
                                           one_line_errors, run_round, union)
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.connector.request import Request
+from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.store_namespace import store_namespace
 
 ALONE_SECONDS = 0.3
@@ -75,12 +75,14 @@ class _Loaded:
 
 
 def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], model: str,
-                      tokens_per_block: list[int], workload: Workload, device: str
-                      ) -> tuple[list[ComputeRow], list[str]]:
-    """A row per (target, block size) for `targets` as (spec, options, label), and one line per
-    check that failed (bytes saved under load not verified). ConnectorError when a hook raised."""
+                      tokens_per_block: list[int], workload: Workload, device: str,
+                      rows: list[ComputeRow]) -> list[str]:
+    """Append to `rows` a row per (target, block size) for `targets` as (spec, options, label), as
+    each is measured (what an error stops keeps those before it); one line per check that failed
+    (bytes saved under load not verified). ConnectorError when a hook raised, ComputeLoadError when
+    the products failed."""
     load = MatmulLoad(torch.device(device))
-    rows, problems = [], []
+    problems = []
     for spec, options, label in targets:
         with store_namespace(label="bench-compute"):
             for tpb in tokens_per_block:
@@ -90,7 +92,7 @@ def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], 
                 if loaded.issue is not None:
                     problems.append(f"{label}, {tpb} tokens per block, saved beside products: not verified: "
                                     f"{loaded.issue}")
-    return rows, problems
+    return problems
 
 
 def _loaded_round(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
@@ -126,16 +128,58 @@ def _beside(load: MatmulLoad, work):
     return result, load.stop(), (started, ended)
 
 
-def _engine_only_products(model: str, tpb: int, workload: Workload, device: str, load: MatmulLoad) -> list[Product]:
-    """Products beside a cold round of an engine with no connector (what its own work costs them)."""
-    engine = build_engine(None, {}, model, tpb, workload, device)
+def _engine_only_products(model: str, tpb: int, workload: Workload, device: str, load: MatmulLoad
+                          ) -> list[Product]:
+    """Products beside a cold round whose connector does nothing, judged against the same saving
+    spans (its hooks are timed as any connector's): what the engine's own work in those spans
+    costs them."""
+    engine = build_engine(IDLE_CONNECTOR, {}, model, tpb, workload, device)
     try:
-        for request_id, prompt in enumerate(_prompts(workload, tpb)):
-            engine.add_request(Request(request_id, prompt, max_new_tokens=1))
-        _, products, window = _beside(load, engine.run)
-        return [p for p in products if p.start >= window[0] and p.end <= window[1]]
+        recorder = Recorder(engine)
+        recorder.attach()
+        cold, products, window = _beside(load, lambda: run_round(engine, "no-op", _prompts(workload, tpb), 0))
+        return during(products, _saving_spans(recorder, cold.ids), window)
     finally:
         engine.close()
+
+
+class _IdleScheduler(KvCacheConnectorScheduler):
+    """Offers nothing and saves nothing: the hooks run, empty."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output) -> None:
+        return None
+
+    def request_finished(self, request, cache_block_ids) -> bool:
+        return False
+
+
+class _IdleWorker(KvCacheConnectorWorker):
+    def register_kv_caches(self, kv_cache_tensor) -> None:
+        pass
+
+    def start_load_kv(self, stream) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_idx: int, stream) -> None:
+        pass
+
+    def save_kv_layer(self, layer_idx: int, stream) -> None:
+        pass
+
+    def wait_for_save(self, stream) -> None:
+        pass
+
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids) -> tuple[list[int], list[int]]:
+        return [], []
+
+
+IDLE_CONNECTOR = ConnectorSpec("no-op", _IdleScheduler, _IdleWorker, __name__)
 
 
 def _saving_spans(recorder: Recorder, ids: list[int]) -> list[tuple[float, float]]:

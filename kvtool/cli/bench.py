@@ -232,12 +232,14 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
         rows = [r.as_dict() for r in rows]
         extra = {}
         if with_compute:
+            compute_rows: list = []
             try:
-                extra["compute"], more = _protocol_compute_rows(spec, options, reference, model, sizes, workload,
-                                                                device)
-                problems += more
+                problems += _protocol_compute_rows(spec, options, reference, model, sizes, workload, device,
+                                                   compute_rows)
             except KvToolError as exc:         # the rows measured so far are written all the same
                 problems.append(f"with compute: {exc}")
+            if compute_rows:
+                extra["compute"] = [r.as_dict() for r in compute_rows]
     write_run(out_dir, rows, extra, "store")
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
@@ -251,12 +253,11 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
 
 
 def _protocol_compute_rows(spec, options: dict[str, str], reference, model: str, sizes: list[int], workload,
-                           device: str) -> tuple[list[dict], list[str]]:
-    """The loaded cold rounds of the connector and of the reference, against their unloaded saves."""
+                           device: str, rows: list) -> list[str]:
+    """The loaded cold rounds of the connector and of the reference, appended to `rows` as measured."""
     targets = [(spec, options, protocol_suite.connector_label(spec.name)),
                (reference[0], reference[1], protocol_suite.reference_label(reference))]
-    compute_rows, problems = protocol_compute.run_compute_suite(targets, model, sizes, workload, device)
-    return [r.as_dict() for r in compute_rows], problems
+    return protocol_compute.run_compute_suite(targets, model, sizes, workload, device, rows)
 
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:

@@ -122,7 +122,8 @@ def trace_sweep(
     folder = prepare_run_folder(output, "trace") if output is not None else None
     for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points
         Console(stderr=True).print(f"kvtool: {note}", highlight=False, markup=False, soft_wrap=True)
-    rows = _run_all(points, point_options, jobs or os.cpu_count() or 1, Console(stderr=True))
+    rows = _run_all(points, point_options, _jobs_that_fit(point_options, jobs or os.cpu_count() or 1),
+                    Console(stderr=True))
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:
         Console().print(sweep_table(frame))
@@ -158,11 +159,32 @@ def _whole_number(text: str) -> int:
     return int(text)
 
 
+def _tier_bytes(options: ReplayOptions) -> int:
+    """The host-memory tier a point allocates whole (its `capacity=` in bytes); 0 for the others."""
+    if SIZED_TIERS.get(options.connector) != "bytes":
+        return 0
+    return next((parse_size(o.partition("=")[2]) for o in options.connector_opt if o.startswith("capacity=")), 0)
+
+
+def _jobs_that_fit(point_options: list[ReplayOptions], jobs: int) -> int:
+    """`jobs`, lowered (and said) so that the largest host tiers running at once fit this machine's
+    memory together."""
+    largest = sorted((_tier_bytes(o) for o in point_options), reverse=True)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fit = jobs
+    while fit > 1 and sum(largest[:fit]) > memory:
+        fit -= 1
+    if fit < min(jobs, len(point_options)):
+        Console(stderr=True).print(f"kvtool: {fit} replays at once instead of {jobs}: the host tiers of more would "
+                                   "not fit this machine's memory together", highlight=False, soft_wrap=True)
+    return fit
+
+
 def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: list[SweepPoint]) -> None:
     """OutOfMemoryError before any replay when a point's host-memory tier (allocated whole when the
     connector starts) is larger than this machine's memory, naming the capacities that fit."""
-    size = next((parse_size(o.partition("=")[2]) for o in options.connector_opt if o.startswith("capacity=")), None)
-    if point.capacity_tokens is None or size is None or SIZED_TIERS.get(options.connector) != "bytes":
+    size = _tier_bytes(options)
+    if point.capacity_tokens is None or not size:
         return
     try:
         require_memory(size, torch.device("cpu"))

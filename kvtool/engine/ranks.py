@@ -124,10 +124,10 @@ class Followers:
         try:
             store = _rendezvous_store(setup)
             setup = self.setup = replace(setup, port=store.port)
-            self._processes = [mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
-                               for rank in range(1, setup.num_ranks)]
-            for process in self._processes:
+            for rank in range(1, setup.num_ranks):
+                process = mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
                 process.start()
+                self._processes.append(process)      # only started ones: close() joins them
             _init_group(0, setup, store)
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
             self.close(force=True)

@@ -244,17 +244,21 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
 
 
 def source_of(r: Run, request_id: int, position: int) -> str:
-    """Where the bytes at `position` of `request_id` came from, said after an integrity issue: the
-    connector's load (which delivery), the local cache, or this request's own computation."""
-    for e in r.events.of(Deliver):
-        first = e.num_local_hit
-        if e.request_id == request_id and e.num_external and first <= position < first + e.num_external:
-            return (f"; this position was loaded by the connector (tokens [{first}, {first + e.num_external}) "
-                    f"delivered in iteration {e.iteration}): its load wrote wrong bytes, or its store held them")
-    state = r.states.get(request_id)
-    if state is not None and position < state.num_local_hit:
-        return "; this position came from the local cache (pages shared with an earlier request)"
-    return "; this position was computed by the request itself: something overwrote its page afterwards"
+    """Where the bytes at `position` of `request_id` came from in its last attempt, said after an
+    integrity issue: the connector's load (which delivery), the local cache, or the request's own
+    computation; nothing for a request never admitted."""
+    deliveries = [e for e in r.events.of(Deliver) if e.request_id == request_id]
+    if not deliveries:
+        return ""
+    last = deliveries[-1]        # a paused request is asked again: its pages are those of its last attempt
+    first, end = last.num_local_hit, last.num_local_hit + last.num_external
+    replayed = f" (attempt {len(deliveries)})" if len(deliveries) > 1 else ""
+    if first <= position < end:
+        return (f"; this position was loaded by the connector (tokens [{first}, {end}) delivered in iteration "
+                f"{last.iteration}{replayed}): its load wrote wrong bytes, or its store held them")
+    if position < first:
+        return f"; this position came from the local cache{replayed} (pages shared with an earlier request)"
+    return f"; this position was computed by the request itself{replayed}: something overwrote its page afterwards"
 
 
 def late_deliveries_gone_wrong(r: Run) -> list[str]:

@@ -500,7 +500,7 @@ def _take_free_slots(engine: Engine):
 
 
 CONNECTOR_RAISED = frozenset({FailureReason.ASK_RAISED, FailureReason.ALLOC_HOOK_RAISED,
-                              FailureReason.CONNECTOR_FAILED_IN_PASS})
+                              FailureReason.FINISHED_HOOK_RAISED, FailureReason.CONNECTOR_FAILED_IN_PASS})
 """Failures a connector's own code raised (not a wall-clock limit a busy machine can reach)."""
 
 
