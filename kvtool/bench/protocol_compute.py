@@ -18,11 +18,9 @@ The products also run alone for a moment before and after round 3 (`ms alone`, t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from kvtool.bench.compute_load import MatmulLoad, Product, during, median_seconds
@@ -103,7 +101,7 @@ def _loaded_round(spec: ConnectorSpec, options: dict[str, str], label: str, mode
     try:
         recorder = Recorder(engine)
         recorder.attach()
-        prompts = _prompts(workload, tpb)
+        prompts = workload.fresh_prompts(tpb)
         alone = load.run_for(ALONE_SECONDS)
         cold, products, window = _beside(load, lambda: run_round(engine, label, prompts, first_id=0))
         alone += load.run_for(ALONE_SECONDS)
@@ -137,7 +135,7 @@ def _engine_only_products(model: str, tpb: int, workload: Workload, device: str,
     try:
         recorder = Recorder(engine)
         recorder.attach()
-        cold, products, window = _beside(load, lambda: run_round(engine, "no-op", _prompts(workload, tpb), 0))
+        cold, products, window = _beside(load, lambda: run_round(engine, "no-op", workload.fresh_prompts(tpb), 0))
         return during(products, _saving_spans(recorder, cold.ids), window)
     finally:
         engine.close()
@@ -201,7 +199,7 @@ def _cold_save_gbps(spec: ConnectorSpec, options: dict[str, str], label: str, mo
     try:
         recorder = Recorder(engine)
         recorder.attach()
-        return _save_gbps(engine, recorder, run_round(engine, label, _prompts(workload, tpb), first_id=0), tpb)
+        return _save_gbps(engine, recorder, run_round(engine, label, workload.fresh_prompts(tpb), first_id=0), tpb)
     finally:
         engine.close()
 
@@ -210,11 +208,6 @@ def _save_gbps(engine, recorder: Recorder, cold, tpb: int) -> float:
     saves = measure_round(recorder, cold, "save", tpb)
     nbytes = saves.blocks * engine.manager.layout.bytes_per_block
     return nbytes / saves.seconds / 1e9 if saves.seconds > 0 else 0.0
-
-
-def _prompts(workload: Workload, tpb: int) -> list[list[int]]:
-    """Fresh random prompts: a store that outlives the engine (files, a server) starts cold."""
-    return workload.token_lists(tpb, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
 
 
 def _row(label: str, model: str, tpb: int, load: MatmulLoad, loaded: _Loaded) -> ComputeRow:

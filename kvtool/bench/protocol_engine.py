@@ -43,7 +43,10 @@ class Workload:
     prompts: int = 8
     blocks: int = 4
 
-    def token_lists(self, tokens_per_block: int, rng: np.random.Generator) -> list[list[int]]:
+    def fresh_prompts(self, tokens_per_block: int) -> list[list[int]]:
+        """Random prompts, never drawn before: a store that outlives its engine (files, a server)
+        finds none of them, so every round starts cold."""
+        rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         length = self.blocks * tokens_per_block + max(1, tokens_per_block // 2)
         return [rng.integers(0, VOCAB_SIZE, length).tolist() for _ in range(self.prompts)]
 

@@ -22,7 +22,6 @@ request generated the cold request's tokens (the fake engine samples from a chec
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -151,7 +150,7 @@ def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, mo
     try:
         recorder = Recorder(engine)
         recorder.attach()
-        prompts = workload.token_lists(tpb, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
+        prompts = workload.fresh_prompts(tpb)
         cold = run_round(engine, label, prompts, first_id=0)
         warm = run_round(engine, label, prompts, first_id=len(prompts))
         return _BlockSize(engine.manager.layout.bytes_per_block, measure_round(recorder, cold, "save", tpb),
