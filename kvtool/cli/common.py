@@ -213,6 +213,11 @@ def warn(message: str) -> None:
     print(f"kvtool: warning: {message}", file=sys.stderr)
 
 
+def say(message: str) -> None:
+    """One line on stderr about what this run does (not a warning, not an error)."""
+    print(f"kvtool: {message}", file=sys.stderr)
+
+
 def parse_options(pairs: list[str]) -> dict[str, str]:
     options = {}
     for pair in pairs:

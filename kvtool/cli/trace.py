@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
                                OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
-                               progress_bar)
+                               progress_bar, say)
 from kvtool.cli.trace_instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.cli.trace_setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
@@ -89,9 +89,8 @@ def trace_run(
     folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     console = Console(stderr=True)
-    for note in (replay.load_rate_note, decode_check_note(replay)):
-        if note:
-            console.print(f"kvtool: {note}", highlight=False, markup=False, soft_wrap=True)
+    for note in filter(None, (replay.load_rate_note, decode_check_note(replay))):
+        say(note)
     recorder = TimelineRecorder() if timeline is not None else None
     result = _replay(replay, console, [recorder] if recorder else [])
     base = _replay(replace(replay, connector=None, options={}), console, []) if baseline else None
@@ -131,7 +130,7 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
     folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     if replay.load_rate_note:
-        Console(stderr=True).print(f"kvtool: {replay.load_rate_note}", highlight=False, markup=False, soft_wrap=True)
+        say(replay.load_rate_note)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:
         rows = run_instances(plan, lambda finished: update(completed=finished))

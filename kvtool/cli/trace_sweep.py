@@ -27,7 +27,7 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               fail, frame_text, print_connector_help, progress_bar)
+                               fail, frame_text, print_connector_help, progress_bar, say)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.cli.trace_setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
                                     check_pools_fit_memory, workload_sizes)
@@ -36,7 +36,7 @@ from kvtool.connectors.index import parse_token_count
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import run_trace
 from kvtool.errors import InputError, OutOfMemoryError
-from kvtool.manager.storage import require_memory
+from kvtool.manager.storage import host_memory_bytes, require_memory
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_table, write_sweep_folder
 from kvtool.report.trace_report import ttft_stats
@@ -121,7 +121,7 @@ def trace_sweep(
     points, point_options = [p for p, _ in kept], [o for _, o in kept]
     folder = prepare_run_folder(output, "trace") if output is not None else None
     for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points
-        Console(stderr=True).print(f"kvtool: {note}", highlight=False, markup=False, soft_wrap=True)
+        say(note)
     rows = _run_all(points, point_options, _jobs_that_fit(point_options, jobs or os.cpu_count() or 1),
                     Console(stderr=True))
     frame = pd.DataFrame(rows)
@@ -170,13 +170,13 @@ def _jobs_that_fit(point_options: list[ReplayOptions], jobs: int) -> int:
     """`jobs`, lowered (and said) so that the largest host tiers running at once fit this machine's
     memory together."""
     largest = sorted((_tier_bytes(o) for o in point_options), reverse=True)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = host_memory_bytes()
     fit = jobs
     while fit > 1 and sum(largest[:fit]) > memory:
         fit -= 1
     if fit < min(jobs, len(point_options)):
-        Console(stderr=True).print(f"kvtool: {fit} replays at once instead of {jobs}: the host tiers of more would "
-                                   "not fit this machine's memory together", highlight=False, soft_wrap=True)
+        say(f"{fit} replays at once instead of {jobs}: the host tiers of more would not fit this machine's memory "
+            "together")
     return fit
 
 

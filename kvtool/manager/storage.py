@@ -103,6 +103,11 @@ def allocated_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]
     return Pools(bases, tensors)
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def require_memory(num_bytes: int, device: torch.device) -> None:
     """OutOfMemoryError when `num_bytes` exceed what `device` has (free GPU memory, or physical
     host memory): a clear error instead of an allocator traceback, or a machine driven into swap."""
@@ -110,7 +115,7 @@ def require_memory(num_bytes: int, device: torch.device) -> None:
         available = torch.cuda.mem_get_info(device)[0]
         where = f"free memory on {device}"
     else:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = host_memory_bytes()
         where = "this machine's memory"
     if num_bytes > available:
         raise OutOfMemoryError(f"{format_size(num_bytes)} needed, more than {where} ({format_size(available)}): "
