@@ -24,7 +24,7 @@ from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.manager import compute_layout, default_device, plan_num_slots
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
-from kvtool.manager.storage import require_memory
+from kvtool.manager.storage import memory_shortfall
 from kvtool.report.bench_report import bench_rate
 from kvtool.units import format_size, parse_size
 from kvtool.workloads.source import RequestSize, Workload, open_workload
@@ -274,11 +274,9 @@ def check_pools_fit_memory(replay: Replay) -> None:
     manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
     layout = compute_layout(manager)
     device = torch.device(manager.device) if manager.device else default_device()
-    try:
-        require_memory(sum(pg.slot_bytes * pg.num_slots for pg in layout.pool_groups), device)
-    except OutOfMemoryError as exc:
-        why = str(exc).partition(": lower ")[0]   # the manager's hint names options of other commands
-        raise OutOfMemoryError(f"the KV pools do not fit: {why}: lower --gpu-memory or --num-slots") from None
+    shortfall = memory_shortfall(sum(pg.slot_bytes * pg.num_slots for pg in layout.pool_groups), device)
+    if shortfall:
+        raise OutOfMemoryError(f"the KV pools do not fit: {shortfall}: lower --gpu-memory or --num-slots")
 
 
 def note_store_folder(replay: Replay) -> None:

@@ -36,7 +36,7 @@ from kvtool.connectors.index import parse_token_count
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.trace import run_trace
 from kvtool.errors import InputError, OutOfMemoryError
-from kvtool.manager.storage import host_memory_bytes, require_memory
+from kvtool.manager.storage import host_memory_bytes, memory_shortfall
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_table, write_sweep_folder
 from kvtool.report.trace_report import ttft_stats
@@ -186,16 +186,13 @@ def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: li
     size = _tier_bytes(options)
     if point.capacity_tokens is None or not size:
         return
-    try:
-        require_memory(size, torch.device("cpu"))
-    except OutOfMemoryError as exc:
-        why = str(exc).partition(": lower ")[0]
+    shortfall = memory_shortfall(size, torch.device("cpu"))
+    if shortfall:
         fits = [p.capacity_tokens for p in points if p.capacity_tokens is not None
                 and p.capacity_tokens < point.capacity_tokens]
         advice = f"--capacity up to {_tokens(max(fits))}" if fits else "a smaller --capacity"
         raise OutOfMemoryError(f"the {options.connector} tier at {_tokens(point.capacity_tokens)} tokens does not "
-                               f"fit: {why}: give {advice}, or sweep --fidelity blocks (the index tier, no bytes)"
-                               ) from None
+                               f"fit: {shortfall}: give {advice}, or sweep --fidelity blocks (the index tier, no bytes)")
 
 
 def _tokens(count: int) -> str:

@@ -108,18 +108,26 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def require_memory(num_bytes: int, device: torch.device) -> None:
-    """OutOfMemoryError when `num_bytes` exceed what `device` has (free GPU memory, or physical
-    host memory): a clear error instead of an allocator traceback, or a machine driven into swap."""
+def memory_shortfall(num_bytes: int, device: torch.device) -> str | None:
+    """`X needed, more than WHERE (Y)` when `num_bytes` exceed what `device` has (free GPU memory,
+    or physical host memory); None when they fit. Callers add the options that would help."""
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
         where = f"free memory on {device}"
     else:
         available = host_memory_bytes()
         where = "this machine's memory"
-    if num_bytes > available:
-        raise OutOfMemoryError(f"{format_size(num_bytes)} needed, more than {where} ({format_size(available)}): "
-                               "lower --gpu-memory, --num-slots, --batch-bytes or the tokens per block")
+    if num_bytes <= available:
+        return None
+    return f"{format_size(num_bytes)} needed, more than {where} ({format_size(available)})"
+
+
+def require_memory(num_bytes: int, device: torch.device) -> None:
+    """OutOfMemoryError when `num_bytes` exceed what `device` has: a clear error instead of an
+    allocator traceback, or a machine driven into swap."""
+    shortfall = memory_shortfall(num_bytes, device)
+    if shortfall:
+        raise OutOfMemoryError(f"{shortfall}: lower --gpu-memory, --num-slots, --batch-bytes or the tokens per block")
 
 
 def build_layout(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[PoolGroupSpec, ...],
