@@ -362,13 +362,13 @@ def test_bandwidth_from_cannot_go_with_no_cost_model(tmp_path):
 
 
 def test_bandwidth_from_skips_the_reference_rows(tmp_path):
-    from kvtool.report.bench_report import bench_gbps
+    from kvtool.report.bench_report import bench_rate
     rows = [{"connector": "mine.py:S:W", "direction": "load", "model": "tiny", "tokens_per_block": 16, "gbps": 1.5},
             {"connector": "host (kvtool reference, backend torch)", "direction": "load", "model": "tiny",
              "tokens_per_block": 16, "gbps": 9.0}]
     (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
-    assert bench_gbps(tmp_path, "load", 16, "tiny") == 1.5
-    assert bench_gbps(tmp_path, "load", 32, "tiny") == 1.5
+    assert bench_rate(tmp_path, "load", 16, "tiny").gbps == 1.5
+    assert bench_rate(tmp_path, "load", 32, "tiny").gbps == 1.5
 
 
 # ---- 11. bench: a connector named without --suite is the store suite; strays are refused -----------

@@ -136,11 +136,6 @@ class BenchRate:
                 "tokens_per_block": self.tokens_per_block, "gbps": self.gbps}
 
 
-def bench_gbps(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> float:
-    """`bench_rate(...).gbps`."""
-    return bench_rate(directory, direction, tokens_per_block, model).gbps
-
-
 def bench_rate(directory: Path, direction: str, tokens_per_block: int, model: str | None = None) -> BenchRate:
     """The best GB/s a `kvtool bench` run measured in `direction` at `tokens_per_block` (the
     closest block size it ran when that one is missing), on `model`'s rows when it ran that

@@ -51,10 +51,10 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
     bench folder would delete the results a replay is about to read)."""
     if directory.exists() and not directory.is_dir():
         raise InputError(f"--output {directory} is a file; give a folder (it will hold meta.json and the results)")
-    earlier = _earlier_command(directory)
-    if command is not None and earlier is not None and earlier != command:
-        raise InputError(f"--output {directory} holds a kvtool {earlier} run; a {command} run would replace it: "
-                         "give another folder (or remove that one)")
+    earlier = _earlier_run(directory)
+    if command is not None and earlier is not None and command_of(earlier["suite"]) != command:
+        raise InputError(f"--output {directory} holds a kvtool {command_of(earlier['suite'])} run; a {command} run "
+                         "would replace it: give another folder (or remove that one)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".kvtool-write-test"
@@ -62,7 +62,7 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
         probe.unlink()
     except OSError as exc:
         raise InputError(f"cannot write to {directory}: {exc.strerror or exc}") from None
-    removed = _remove_earlier_run(directory)
+    removed = _remove_earlier_run(directory, earlier) if earlier is not None else []
     if removed:
         shown = ", ".join(removed[:4]) + (", ..." if len(removed) > 4 else "")
         print(f"kvtool: --output {directory} held an earlier run: removed its {len(removed)} files ({shown})",
@@ -71,25 +71,19 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
     return directory
 
 
-def _earlier_command(directory: Path) -> str | None:
-    """The command of the run whose meta.json is in `directory`; None when there is none."""
+def _earlier_run(directory: Path) -> dict[str, Any] | None:
+    """The meta.json of the kvtool run in `directory`; None when there is none or it is not
+    kvtool's (no suite, command and date)."""
     try:
         meta = json.loads((directory / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    suite = meta.get("suite") if isinstance(meta, dict) else None
-    return command_of(suite) if isinstance(suite, str) else None
+    kvtool_s = isinstance(meta, dict) and {"suite", "command", "date"} <= set(meta) and isinstance(meta["suite"], str)
+    return meta if kvtool_s else None
 
 
-def _remove_earlier_run(directory: Path) -> list[str]:
-    """The files the run whose meta.json is in `directory` wrote, removed (their names); nothing
-    when there is no meta.json or it is not kvtool's."""
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(meta, dict) or not {"suite", "command", "date"} <= set(meta):
-        return []
+def _remove_earlier_run(directory: Path, meta: dict[str, Any]) -> list[str]:
+    """The files the run of `meta` (its meta.json in `directory`) wrote, removed (their names)."""
     listed = meta.get("files")
     names = [n for n in (listed if isinstance(listed, list) else sorted(OUTPUT_NAMES))
              if isinstance(n, str) and n != "meta.json" and _is_inside(n)]
