@@ -35,6 +35,7 @@ class CorruptingSaveWorker(Worker):
 '''
 COMPUTE_COLUMNS = ["connector", "model", "tokens_per_block", "products", "matmul_ms_alone", "matmul_ms_during_saves",
                    "matmul_ms_engine_only", "slowdown_during_saves", "engine_slowdown", "products_during_saves",
+                   "products_dropped",
                    "save_gbps_with_compute", "save_gbps", "save_ratio_with_compute", "verified"]
 
 
@@ -101,6 +102,7 @@ def test_saves_beside_products_get_a_row_per_connector(slow_file, tmp_path_facto
     slow = rows[0]
     # four requests, each saving for at least SAVE_PAUSE_S: products run inside those saves
     assert slow["products_during_saves"] >= 4
+    assert [r["products_dropped"] for r in rows] == [0, 0]      # only GPU batches can have idled
     assert slow["matmul_ms_alone"] > 0 and slow["matmul_ms_during_saves"] > 0
     assert slow["slowdown_during_saves"] == pytest.approx(slow["matmul_ms_during_saves"] / slow["matmul_ms_alone"] - 1,
                                                           abs=0.002)

@@ -71,6 +71,9 @@ class MatmulLoad:
         self._thread: threading.Thread | None = None
         self._products: list[Product] = []
         self._error: BaseException | None = None
+        self.dropped = 0
+        """GPU batches the last load dropped (module docstring): reported, so a row built on few
+        products says so."""
 
     @property
     def flops(self) -> float:
@@ -85,7 +88,7 @@ class MatmulLoad:
     def start(self) -> None:
         """Start the products (on a GPU, after anchoring its clock on the caller's thread)."""
         self._stop.clear()
-        self._products, self._error = [], None
+        self._products, self._error, self.dropped = [], None, 0
         try:
             anchor = _anchor(self._stream) if self._stream is not None else None
         except Exception as exc:  # noqa: BLE001 - the products' failure, not the connector's
@@ -144,7 +147,9 @@ class MatmulLoad:
 
         def host(event: torch.cuda.Event) -> float:
             return anchor_host + anchor.elapsed_time(event) / 1e3
-        return [Product(host(b), host(e)) for b, e, launched in batches if host(b) >= launched]
+        kept = [Product(host(b), host(e)) for b, e, launched in batches if host(b) >= launched]
+        self.dropped = len(batches) - len(kept)
+        return kept
 
 
 def _anchor(stream: torch.cuda.Stream, tries: int = 20) -> tuple[torch.cuda.Event, float]:

@@ -48,6 +48,9 @@ class ComputeRow:
     """None when no product ran at least half inside a save (saves shorter than a product)."""
     engine_slowdown: float | None
     products_during_saves: int
+    products_dropped: int
+    """GPU batches of the loaded round left out because their stream may have idled waiting for the
+    interpreter (`compute_load`): many against `products_during_saves` means a thin sample."""
     save_gbps_with_compute: float
     save_gbps: float
     """The same connector's save in a cold round with nothing beside it, just before."""
@@ -63,6 +66,7 @@ class _Loaded:
     """One block size's loaded cold round: product intervals, the round's window, the save spans."""
 
     products: list[Product]
+    dropped: int
     alone: list[Product]
     engine_only: list[Product]
     window: tuple[float, float]
@@ -104,9 +108,10 @@ def _loaded_round(spec: ConnectorSpec, options: dict[str, str], label: str, mode
         prompts = workload.fresh_prompts(tpb)
         alone = load.run_for(ALONE_SECONDS)
         cold, products, window = _beside(load, lambda: run_round(engine, label, prompts, first_id=0))
+        dropped = load.dropped
         alone += load.run_for(ALONE_SECONDS)
         warm = run_round(engine, label, prompts, first_id=len(prompts))
-        return _Loaded(products, alone, engine_only, window, _saving_spans(recorder, cold.ids),
+        return _Loaded(products, dropped, alone, engine_only, window, _saving_spans(recorder, cold.ids),
                        _save_gbps(engine, recorder, cold, tpb), unloaded, check_bytes(engine, cold, warm))
     finally:
         engine.close()
@@ -216,7 +221,7 @@ def _row(label: str, model: str, tpb: int, load: MatmulLoad, loaded: _Loaded) ->
     ratio = four_digits(loaded.save_gbps / loaded.unloaded_save_gbps) if loaded.unloaded_save_gbps else None
     return ComputeRow(label, model, tpb, load.describe(), _ms(alone), _ms(beside_saves), _ms(engine_only),
                       _slowdown(beside_saves, alone), _slowdown(engine_only, alone),
-                      len(saving),
+                      len(saving), loaded.dropped,
                       four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio, loaded.issue is None)
 
 

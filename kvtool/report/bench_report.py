@@ -48,7 +48,8 @@ _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "mode
           # --suite store --with-compute
           "matmul_ms_alone": "ms alone", "matmul_ms_during_saves": "ms saving", "matmul_ms_engine_only": "ms engine",
           "slowdown_during_saves": "slowdown saving", "engine_slowdown": "slowdown engine",
-          "products_during_saves": "n saving", "save_gbps_with_compute": "save GB/s loaded",
+          "products_during_saves": "n saving", "products_dropped": "n dropped",
+          "save_gbps_with_compute": "save GB/s loaded",
           "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone"}
 LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
           "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
