@@ -272,4 +272,5 @@ def test_rounds_give_a_median_and_its_spread(connector_file, tmp_path):
     assert [(r["rounds"], r["blocks"], r["verified"]) for r in rows] == [(3, QUICK_BLOCKS, True)] * 4
     assert all(r["spread"] is not None and r["spread"] >= 0 for r in rows)
     quick = _bench("--connector", f"{connector_file}:Sched:Worker", "--quick", "--output", str(tmp_path / "one"))
+    assert quick.returncode == 0, quick.stderr
     assert [(r["rounds"], r["spread"]) for r in _all_rows(tmp_path / "one")] == [(1, None)] * 4

@@ -288,7 +288,7 @@ def test_the_sizes_it_suggests_are_the_smallest_that_work(tmp_path):
     workload = str(small_workload(tmp_path))
     result = runner.invoke(app, ["trace", "run", workload, "--num-slots", "2"])
     slots, memory = re.search(r"--num-slots (\d+) or --gpu-memory (\S+)$", result.stderr.strip()).groups()
-    for args, code in (([f"--num-slots", slots], 0), (["--num-slots", str(int(slots) - 1)], 2),
+    for args, code in ((["--num-slots", slots], 0), (["--num-slots", str(int(slots) - 1)], 2),
                        (["--gpu-memory", memory], 0), (["--gpu-memory", str(int(parse_size(memory) * 0.99))], 2)):
         assert runner.invoke(app, ["trace", "run", workload, *args, "--format", "json"]).exit_code == code, args
 

@@ -69,7 +69,6 @@ def test_serving_nothing_is_a_miss_unless_strict(tmp_path):
     assert {(r.model, r.verdict.value) for r in results if r.check == "warm-hit"} == {("tiny", "miss"),
                                                                                      ("tiny-vswa", "miss")}
     assert not [r for r in results if r.failed]
-    out = tmp_path / "v.json"
     relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--output", str(tmp_path / "run")])
     assert relaxed.exit_code == 0, relaxed.output
     assert "6 checks: 4 passed, 2 missed" in relaxed.stderr
