@@ -97,6 +97,22 @@ def test_a_follower_that_cannot_be_built_is_one_line_naming_it_its_stage_and_the
         f"({Path('tests/helpers/rank_connectors.py').resolve()}:{line})")
 
 
+def test_a_follower_that_cannot_import_the_connector_ends_the_run_at_once_in_one_line():
+    """The follower dies before it reaches the rendezvous: rank 0 says so as soon as it is gone,
+    instead of waiting out the group's 60 s timeout (the subprocess limit is below it)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "kvtool", "trace", "run", str(WORKLOAD), "--num-ranks", "2",
+                           "--connector", "tests.helpers.main_process_only:Scheduler:Worker"],
+                          capture_output=True, text=True, timeout=45)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    helper = Path("tests/helpers/main_process_only.py").resolve()
+    line = next(i for i, text in enumerate(helper.read_text().splitlines(), 1) if "raise ImportError" in text)
+    assert done.stderr.splitlines()[-1] == ("kvtool: error: rank 1 ended (exit code 1) during importing the "
+                                            "connector: ImportError: main_process_only refuses a child process "
+                                            f"({helper}:{line})"), done.stderr
+
+
 def test_a_hook_that_raises_on_one_rank_fails_its_requests_on_all():
     result = replay("tests.helpers.rank_connectors:HostConnectorScheduler:RaisesOnRank1", 2, 2)
     summary = result.summary

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -124,14 +126,31 @@ class Followers:
         try:
             store = _rendezvous_store(setup)
             setup = self.setup = replace(setup, port=store.port)
+            pickled = pickle.dumps(setup)           # unpickled inside `follow`, where a failure is caught
             for rank in range(1, setup.num_ranks):
-                process = mp.Process(target=follow, args=(rank, setup, self._hooks[rank]), daemon=True)
+                process = mp.Process(target=follow, args=(rank, pickled, self._hooks[rank]), daemon=True)
                 process.start()
                 self._processes.append(process)      # only started ones: close() joins them
+            self._await_followers(store)
             _init_group(0, setup, store)
+        except RankGroupError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
             self.close(force=True)
             raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
+
+    def _await_followers(self, store) -> None:
+        """Return once every follower has reached the rendezvous; RankGroupError as soon as one has
+        ended instead (the process group itself would wait the whole timeout for it)."""
+        keys = [_joined_key(rank) for rank in range(1, self.setup.num_ranks)]
+        deadline = time.monotonic() + self.setup.timeout_s
+        while not store.check(keys):
+            if any(not process.is_alive() for process in self._processes):
+                raise self._gone()
+            if time.monotonic() > deadline:
+                self.close(force=True)
+                raise RankGroupError(f"a rank did not start within {self.setup.timeout_s:g} s")
+            time.sleep(0.02)
 
     def broadcast(self, order: PassOrder | FinishedOrder) -> None:
         """Send `order` to every follower (rank 0 then runs its own pass, and `gather`s).
@@ -204,16 +223,27 @@ def _init_group(rank: int, setup: RankSetup, store=None) -> None:
     timeout = datetime.timedelta(seconds=setup.timeout_s)
     if store is None:
         store = dist.TCPStore("127.0.0.1", setup.port, setup.num_ranks, is_master=False, timeout=timeout)
+        store.set(_joined_key(rank), "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=setup.num_ranks, timeout=timeout)
 
 
+def _joined_key(rank: int) -> str:
+    return f"kvtool/rank-joined/{rank}"
+
+
 # ---- a follower ------------------------------------------------------------------------------
-def follow(rank: int, setup: RankSetup, hook_name) -> None:
-    """A follower's whole life: build the rank, then run every order rank 0 broadcasts."""
+def follow(rank: int, pickled_setup: bytes, hook_name) -> None:
+    """A follower's whole life: build the rank, then run every order rank 0 broadcasts. The setup
+    comes pickled so that a connector this process cannot import is said by rank 0 in one line."""
     import torch.distributed as dist
     torch.set_num_threads(1)
-    _init_group(rank, setup)
+    setup = None
     try:
+        hook_name.value = b"importing the connector"
+        setup = pickle.loads(pickled_setup)
+        hook_name.value = b"joining rank 0"
+        _init_group(rank, setup)
+        hook_name.value = b"building its pools"
         executor = RankExecutor(rank, setup, hook_name)
     except Exception as exc:  # noqa: BLE001 - rank 0 says why in one line; no traceback on the terminal
         _note_setup_failure(hook_name, setup, exc)
@@ -230,11 +260,11 @@ def follow(rank: int, setup: RankSetup, hook_name) -> None:
     os._exit(0)
 
 
-def _note_setup_failure(hook_name, setup: RankSetup, exc: BaseException) -> None:
+def _note_setup_failure(hook_name, setup: RankSetup | None, exc: BaseException) -> None:
     """Append why the rank could not be built to its shared hook note, which rank 0 reads when it
     finds the rank gone (`Followers._gone`)."""
     stage = hook_name.value.decode(errors="replace")
-    worker_class = setup.spec.worker_class if setup.spec is not None else None
+    worker_class = setup.spec.worker_class if setup is not None and setup.spec is not None else None
     reason = (describe_construction_error(exc, worker_class) if stage == "constructing the worker" and worker_class
               else describe_error(exc))
     hook_name.value = f"{stage or 'setup'}: {reason}".encode()[:HOOK_NAME_BYTES - 1]
