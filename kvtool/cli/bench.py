@@ -245,8 +245,10 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
     if extra.get("compute"):
-        _print(extra["compute"], format, f"saves beside {extra['compute'][0]['products']}: each product's time "
-                                         "alone, during the connector's saves, and beside the engine's own work")
+        compute = extra["compute"]
+        nothing_dropped = {"products_dropped"} if not any(r["products_dropped"] for r in compute) else set()
+        _print(compute, format, f"saves beside {compute[0]['products']}: each product's time alone, during the "
+                                "connector's saves, and beside the engine's own work", {"products"} | nothing_dropped)
     Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if problems:
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
@@ -290,7 +292,8 @@ def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) ->
     return rows
 
 
-def _print(rows: list[dict], format: Format, title: str) -> None:
+def _print(rows: list[dict], format: Format, title: str, table_omits: set[str] = frozenset()) -> None:
+    """`rows` as json, csv (every key) or a table (without `table_omits`, said in the title)."""
     if format is Format.json:
         print(json.dumps(rows, indent=2))
     elif format is Format.csv:
@@ -298,4 +301,5 @@ def _print(rows: list[dict], format: Format, title: str) -> None:
         pd.DataFrame(rows).to_csv(buffer, index=False)
         print(buffer.getvalue(), end="")
     else:
-        Console(width=max(150, Console().width)).print(rows_table(rows, title))
+        shown = [{k: v for k, v in row.items() if k not in table_omits} for row in rows]
+        Console(width=max(150, Console().width)).print(rows_table(shown, title))
