@@ -1,6 +1,7 @@
 """The fake engine catches what a single-byte fill cannot: wrong slot, swapped layer or role, shifts."""
 
 import numpy as np
+import torch
 import pytest
 
 from kvtool.engine.fake_engine import FakeEngine, PassItem
@@ -119,3 +120,85 @@ def test_a_page_poisoned_on_hand_out_and_on_release_reads_back_as_which():
     released = FakeEngine(manager.layout, manager.layer_groups)
     released.verify_cache(1, tokens, pages, 8)                # a read after the release
     assert "found a released page (dededededededede)" in released.issues[0].describe()
+
+
+# ---- whose bytes a wrong head holds (byte_origin) ----------------------------------------------
+def _heads(manager, page):
+    """One page as [buffer (layer, role), position in block, head, byte]."""
+    region = manager.layout.group(0).regions[0]
+    tpb = manager.layout.tokens_per_block
+    view = region.as_tensor().view(region.num_slots, len(region.buffers), tpb, 2, -1)
+    return view[page]
+
+
+def _found_at(fake, position, layer=0, role="key", head=0):
+    return next(i.found for i in fake.issues
+                if (i.position, i.layer_id, i.role, i.head) == (position, layer, role, head))
+
+
+def test_unmix64_undoes_the_fingerprint_mixer():
+    from hypothesis import given, strategies as st
+    from kvtool.engine.byte_origin import unmix64
+    from kvtool.engine.fingerprint import mix64
+
+    @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=50))
+    def roundtrip(values):
+        x = np.array(values, dtype=np.uint64)
+        assert (unmix64(mix64(x)) == x).all() and (mix64(unmix64(x)) == x).all()
+    roundtrip()
+
+
+def test_a_block_in_the_wrong_slot_says_whose_position_it_holds(setup):
+    manager, cache, fake = setup
+    pages = cache.get_page_indices(0)
+    _heads(manager, pages[1])[:] = _heads(manager, pages[2]).clone()     # block 2 where block 1 belongs
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert _found_at(fake, 4).startswith("the bytes of position 8 (")
+    assert _found_at(fake, 7, layer=1, role="value", head=1).startswith("the bytes of position 11 (")
+
+
+def test_swapped_layers_roles_and_heads_are_named(setup):
+    manager, cache, fake = setup
+    page = _heads(manager, cache.get_page_indices(0)[0])
+    original = page.clone()
+    page[0], page[2] = original[2], original[0]           # layer 0's keys <-> layer 1's keys
+    page[5] = original[4]                                 # layer 2's values hold its keys
+    page[6, :, 0], page[6, :, 1] = original[6, :, 1], original[6, :, 0]   # layer 3's key heads swapped
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert _found_at(fake, 0).startswith("the bytes of layer 1 (")
+    assert _found_at(fake, 2, layer=1).startswith("the bytes of layer 0 (")
+    assert _found_at(fake, 3, layer=2, role="value", head=1).startswith("the bytes of the key (")
+    assert _found_at(fake, 1, layer=3, head=0).startswith("the bytes of head 1 (")
+
+
+def test_another_requests_block_names_the_request_even_after_it_is_forgotten(setup):
+    manager, cache, fake = setup
+    other = manager.create_kv_cache(2, [])
+    other.resume()
+    other.resize(8)
+    tokens = list(range(900, 908))
+    item = PassItem(2, tokens, other.page_indices_by_group(), 0, 8, True)
+    for layer in fake.layer_ids:
+        fake.forward_layer(layer, [item])
+    fake.forget(2)                                       # finished: a connector may still serve its blocks
+    _heads(manager, cache.get_page_indices(0)[1])[:] = _heads(manager, other.get_page_indices(0)[1]).clone()
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert _found_at(fake, 5, layer=2).startswith("the bytes of request 2, position 5 (")
+
+
+def test_bytes_shifted_inside_a_head_and_a_head_wrong_after_its_first_word_are_said(setup):
+    manager, cache, fake = setup
+    page = _heads(manager, cache.get_page_indices(0)[2])
+    page[0, 0, 0] = page[0, 0, 0].roll(-16)             # position 8, layer 0 key head 0: 16 bytes early
+    page[1, 1, 1, 9] ^= 0xFF                           # position 9, layer 0 value head 1: byte 9 wrong
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert _found_at(fake, 8).startswith("its own bytes, shifted by 16 bytes (")
+    assert _found_at(fake, 9, role="value", head=1).startswith("its own first bytes, wrong from byte 9 of the head (")
+
+
+def test_bytes_no_known_coordinate_wrote_are_shown_as_bytes(setup):
+    manager, cache, fake = setup
+    page = _heads(manager, cache.get_page_indices(0)[1])
+    page[0, 0, 0, :8] = torch.tensor(list(range(1, 9)), dtype=torch.uint8)
+    fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
+    assert _found_at(fake, 4) == "0102030405060708"

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvtool.blocks import num_blocks
+from kvtool.engine.byte_origin import Coordinate, Origins
 from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
@@ -29,13 +30,25 @@ _UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was ha
                      RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
 
 
-def found_bytes(head: torch.Tensor) -> str:
-    """What one head's bytes read back as: what they mean first, when every byte is one of the
-    manager's poisons or zero, then the first 8 bytes in hex."""
-    shown = bytes(head[:8].cpu().tolist()).hex()
+HEAD_SEARCH_FACTOR = 4
+"""Heads traced (`byte_origin`) beyond a shard's own: up to this many times its last, so a rank holding
+another rank's heads is named."""
+
+
+def found_bytes(head: torch.Tensor, expected: torch.Tensor | None = None, origins: Origins | None = None,
+                where: Coordinate | None = None) -> str:
+    """What one head's bytes read back as, then its first 8 bytes in hex: what they mean when every
+    byte is one of the manager's poisons or zero; else, given `origins`, whose bytes they are
+    (`Origins.describe`); else where they first differ from `expected`, when the first word is right."""
+    first8 = bytes(head[:8].cpu().tolist())
     first = int(head[0]) if head.numel() else None
     meaning = _UNIFORM_MEANINGS.get(first) if first is not None and bool((head == first).all()) else None
-    return f"{meaning} ({shown})" if meaning else shown
+    if meaning is None and expected is not None and bytes(expected[:8].cpu().tolist()) == first8:
+        wrong = int(torch.nonzero(head != expected)[0, 0]) if bool((head != expected).any()) else len(head)
+        meaning = f"its own first bytes, wrong from byte {wrong} of the head"
+    elif meaning is None and origins is not None and where is not None and len(first8) == 8:
+        meaning = origins.describe(int(np.frombuffer(first8, dtype=np.uint64)[0]), where)
+    return f"{meaning} ({first8.hex()})" if meaning else first8.hex()
 
 
 @dataclass(frozen=True)
@@ -115,9 +128,12 @@ class FakeEngine:
                     self._buffers.setdefault(buffer.layer_id, []).append(
                         _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes, spec.first_head))
         self.layer_ids = sorted(self._buffers)
+        last_head = max(lb.first_head + lb.num_heads for buffers in self._buffers.values() for lb in buffers)
+        self._origins = Origins(self._hashes, self.layer_ids, last_head * HEAD_SEARCH_FACTOR)
 
     # ---- public ------------------------------------------------------------------------------
     def forget(self, request_id: int) -> None:
+        self._origins.forget(request_id)
         self._hashes.pop(request_id, None)
 
     def rewind(self, request_id: int, length: int) -> None:
@@ -273,9 +289,11 @@ class FakeEngine:
             if len(self.issues) >= MAX_RECORDED_ISSUES:
                 break
             p = int(positions[row])
+            where = Coordinate(request_id, p, layer_id, lb.buffer.role, lb.first_head + head)
             self.issues.append(IntegrityIssue(
                 request_id, group.layer_group_id, p // tpb, layer_id, lb.buffer.role.value, p, lb.first_head + head,
-                bytes(expected[row, head, :8].cpu().tolist()).hex(), found_bytes(found[row, head])))
+                bytes(expected[row, head, :8].cpu().tolist()).hex(),
+                found_bytes(found[row, head], expected[row, head], self._origins, where)))
 
     def _issue(self, request_id: int, group: LayerGroupSpec, ordinal: int, layer_id: int, role: str,
                position: int, head: int, what: str) -> None:
