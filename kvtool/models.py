@@ -103,6 +103,11 @@ class ModelSpec:
         return tokens_per_block * buffer.bytes_per_token(self.dtype)
 
 
+def heads_across_ranks(model: ModelSpec) -> int:
+    """The most heads a buffer of the whole model has (every tensor-parallel rank's, for a shard)."""
+    return max(b.num_heads * (1 if b.latent else model.tp_size) for layer in model.layers for b in layer.buffers)
+
+
 def shard_model(model: ModelSpec, tp_size: int, tp_rank: int) -> ModelSpec:
     """What tensor-parallel rank `tp_rank` of `tp_size` holds: each KV buffer's heads split evenly
     (rank r gets heads [r * h / N, (r + 1) * h / N)), an MLA latent whole on every rank.

@@ -2,10 +2,12 @@
 
 import numpy as np
 import torch
+from hypothesis import given, strategies as st
 import pytest
 
 from kvtool.engine.fake_engine import FakeEngine, PassItem
-from kvtool.engine.fingerprint import expected_bytes, PrefixHashes
+from kvtool.engine.byte_origin import Coordinate, Origins
+from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, mix64, unmix64
 from kvtool.group_pages import GroupPages
 from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import BAD_PAGE_INDEX, Role
@@ -136,16 +138,51 @@ def _found_at(fake, position, layer=0, role="key", head=0):
                 if (i.position, i.layer_id, i.role, i.head) == (position, layer, role, head))
 
 
-def test_unmix64_undoes_the_fingerprint_mixer():
-    from hypothesis import given, strategies as st
-    from kvtool.engine.byte_origin import unmix64
-    from kvtool.engine.fingerprint import mix64
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=50))
+def test_unmix64_undoes_the_fingerprint_mixer(values):
+    x = np.array(values, dtype=np.uint64)
+    assert (unmix64(mix64(x)) == x).all() and (mix64(unmix64(x)) == x).all()
 
-    @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=50))
-    def roundtrip(values):
-        x = np.array(values, dtype=np.uint64)
-        assert (unmix64(mix64(x)) == x).all() and (mix64(unmix64(x)) == x).all()
-    roundtrip()
+
+def _first_word(hashes: PrefixHashes, position: int, layer: int, role: Role, head: int, num_heads: int) -> int:
+    raw = expected_bytes(hashes.array()[position:position + 1], layer, role, num_heads, 16)
+    return int(raw[0, head, :8].view(np.uint64)[0])
+
+
+def test_a_shard_traces_another_ranks_heads():
+    """Rank 0 of --tp 8 holds heads 0-3 of 32 and traces all 32 (`models.heads_across_ranks`)."""
+    hashes = PrefixHashes()
+    hashes.extend_to(list(range(10, 20)))
+    origins = Origins({3: hashes}, [0, 1], num_heads=32)
+    word = _first_word(hashes, 6, 1, Role.VALUE, 27, 32)
+    assert origins.describe(word, Coordinate(3, 6, 1, Role.VALUE, 2)) == "the bytes of head 27"
+
+
+def test_a_rewound_request_is_traced_by_its_tokens_now_not_its_drafts():
+    hashes = PrefixHashes()
+    hashes.extend_to([1, 2, 3, 4, 5, 6])
+    origins = Origins({7: hashes}, [0], num_heads=2)
+    draft = _first_word(hashes, 5, 0, Role.KEY, 0, 2)
+    assert origins.describe(draft, Coordinate(7, 3, 0, Role.KEY, 0)) == "the bytes of position 5"
+    hashes.truncate(4)
+    hashes.extend_to([1, 2, 3, 4, 50, 60])              # the drafts were rejected; other tokens came
+    assert origins.describe(draft, Coordinate(7, 3, 0, Role.KEY, 0)) is None     # not "position 5" any more
+    now = _first_word(hashes, 5, 0, Role.KEY, 1, 2)
+    assert origins.describe(now, Coordinate(7, 5, 0, Role.KEY, 0)) == "the bytes of head 1"
+
+
+def test_finished_requests_are_remembered_but_padding_dummies_are_not():
+    live = {}
+    origins = Origins(live, [0], num_heads=1)
+    for request_id, first in ((4, 100), (-1001, 0)):
+        live[request_id] = PrefixHashes()
+        live[request_id].extend_to([first, 1, 2])
+    words = {rid: _first_word(live[rid], 2, 0, Role.KEY, 0, 1) for rid in live}
+    for request_id in list(live):
+        origins.forget(request_id)
+        del live[request_id]
+    assert origins.describe(words[4], Coordinate(9, 2, 0, Role.KEY, 0)) == "the bytes of request 4, position 2"
+    assert origins.describe(words[-1001], Coordinate(9, 2, 0, Role.KEY, 0)) is None
 
 
 def test_a_block_in_the_wrong_slot_says_whose_position_it_holds(setup):

@@ -192,6 +192,14 @@ def test_a_rank_that_hangs_is_named_with_its_hook_after_the_timeout():
                   load_connector("tests.helpers.rank_connectors:HostConnectorScheduler:HangsOnRank1"), {})
 
 
+def test_a_follower_that_hangs_before_joining_is_named_with_its_stage_after_the_timeout():
+    config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=64, device="cpu"),
+                          num_ranks=2, ranks_as_processes=True, rank_timeout_s=2)
+    spec = load_connector("tests.helpers.slow_import_in_child:Scheduler:Worker")
+    with pytest.raises(RankGroupError, match=r"^rank 1 did not start within 2 s \(in importing the connector\)$"):
+        Engine(config, spec)
+
+
 def test_a_follower_verifies_the_idle_requests_pages_it_is_sent():
     setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 2, 2, 0, None,
                       (), 0, 1.0)

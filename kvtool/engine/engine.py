@@ -37,6 +37,7 @@ from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.integrity import check_manager
 from kvtool.manager.manager import KvCacheManager, PageHold
 from kvtool.manager.pool_groups import pages_per_pool_group
+from kvtool.models import heads_across_ranks
 from kvtool.types import KvCacheStatus
 
 
@@ -113,7 +114,8 @@ class Engine:
         if config.fidelity == "blocks":
             manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
         self.manager = KvCacheManager(manager_config)
-        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed) \
+        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed,
+                               model_heads=heads_across_ranks(manager_config.model)) \
             if config.fidelity == "bytes" else NoBytesModel(self.manager.layer_groups)
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}

@@ -30,16 +30,11 @@ _UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was ha
                      RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
 
 
-HEAD_SEARCH_FACTOR = 4
-"""Heads traced (`byte_origin`) beyond a shard's own: up to this many times its last, so a rank holding
-another rank's heads is named."""
-
-
 def found_bytes(head: torch.Tensor, expected: torch.Tensor | None = None, origins: Origins | None = None,
                 where: Coordinate | None = None) -> str:
     """What one head's bytes read back as, then its first 8 bytes in hex: what they mean when every
-    byte is one of the manager's poisons or zero; else, given `origins`, whose bytes they are
-    (`Origins.describe`); else where they first differ from `expected`, when the first word is right."""
+    byte is one of the manager's poisons or zero; else, when its first word is `expected`'s, where
+    they first differ; else, given `origins`, whose bytes they are (`Origins.describe`)."""
     first8 = bytes(head[:8].cpu().tolist())
     first = int(head[0]) if head.numel() else None
     meaning = _UNIFORM_MEANINGS.get(first) if first is not None and bool((head == first).all()) else None
@@ -113,6 +108,9 @@ class FakeEngine:
     """The first MAX_RECORDED_ISSUES, with coordinates."""
     errors_by_request: Counter = field(default_factory=Counter)
     """Every error counted, by request id."""
+    model_heads: int = 0
+    """Heads per buffer of the whole model, every tensor-parallel rank's (`models.heads_across_ranks`),
+    traced in wrong bytes (`byte_origin`); 0: this shard's last head."""
 
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
@@ -129,7 +127,7 @@ class FakeEngine:
                         _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes, spec.first_head))
         self.layer_ids = sorted(self._buffers)
         last_head = max(lb.first_head + lb.num_heads for buffers in self._buffers.values() for lb in buffers)
-        self._origins = Origins(self._hashes, self.layer_ids, last_head * HEAD_SEARCH_FACTOR)
+        self._origins = Origins(self._hashes, self.layer_ids, max(self.model_heads, last_head))
 
     # ---- public ------------------------------------------------------------------------------
     def forget(self, request_id: int) -> None:

@@ -19,6 +19,7 @@ _GOLD = 0x9E3779B97F4A7C15
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _ROLE_INDEX = {Role.KEY: 1, Role.VALUE: 2}
+FINGERPRINTED_ROLES = tuple(_ROLE_INDEX)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -27,6 +28,33 @@ def mix64(x: np.ndarray) -> np.ndarray:
         x = (x ^ (x >> np.uint64(30))) * _M1
         x = (x ^ (x >> np.uint64(27))) * _M2
         return x ^ (x >> np.uint64(31))
+
+
+_INV_M1 = np.uint64(pow(int(_M1), -1, 1 << 64))
+_INV_M2 = np.uint64(pow(int(_M2), -1, 1 << 64))
+
+
+def unmix64(y: np.ndarray) -> np.ndarray:
+    """The inverse of `mix64` (each of its steps is a bijection on 64-bit words), element-wise."""
+    with np.errstate(over="ignore"):
+        x = _unshift(y, 31) * _INV_M2
+        x = _unshift(x, 27) * _INV_M1
+        return _unshift(x, 30)
+
+
+def _unshift(y: np.ndarray, shift: int) -> np.ndarray:
+    """x such that x ^ (x >> shift) == y."""
+    x = y.copy()
+    for _ in range(64 // shift):
+        x = y ^ (x >> np.uint64(shift))
+    return x
+
+
+def word_prints(word: int, num_words: int) -> np.ndarray:
+    """The fingerprints a head's 8-byte `word` would be if it were word 0, 1, ... of its head
+    (`expected_bytes` xors word i with i * GOLD)."""
+    with np.errstate(over="ignore"):
+        return np.uint64(word) ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))
 
 
 def _mix_int(x: int) -> int:

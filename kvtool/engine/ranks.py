@@ -33,7 +33,7 @@ from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_w
 from kvtool.errors import ConnectorError
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
-from kvtool.models import shard_model
+from kvtool.models import heads_across_ranks, shard_model
 
 HOOK_NAME_BYTES = 1024
 """A follower's shared note: the hook it is in, or why its setup failed (said by rank 0)."""
@@ -136,6 +136,8 @@ class Followers:
         except RankGroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
+            if any(not process.is_alive() for process in self._processes):
+                raise self._gone() from None          # ended after its mark: its note says why
             self.close(force=True)
             raise RankGroupError(f"the {setup.num_ranks} ranks could not form a process group: {exc}") from None
 
@@ -148,8 +150,10 @@ class Followers:
             if any(not process.is_alive() for process in self._processes):
                 raise self._gone()
             if time.monotonic() > deadline:
+                late = [rank for rank in range(1, self.setup.num_ranks) if not store.check([_joined_key(rank)])]
+                stage = self._hooks[late[0]].value.decode(errors="replace") or "starting"
                 self.close(force=True)
-                raise RankGroupError(f"a rank did not start within {self.setup.timeout_s:g} s")
+                raise RankGroupError(f"rank {late[0]} did not start within {self.setup.timeout_s:g} s (in {stage})")
             time.sleep(0.02)
 
     def broadcast(self, order: PassOrder | FinishedOrder) -> None:
@@ -245,7 +249,7 @@ def follow(rank: int, pickled_setup: bytes, hook_name) -> None:
         _init_group(rank, setup)
         hook_name.value = b"building its pools"
         executor = RankExecutor(rank, setup, hook_name)
-    except Exception as exc:  # noqa: BLE001 - rank 0 says why in one line; no traceback on the terminal
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - rank 0 says why in one line, no traceback here
         _note_setup_failure(hook_name, setup, exc)
         os._exit(1)
     while True:
@@ -280,7 +284,8 @@ class RankExecutor:
         config = replace(rank_manager_config(setup.manager, setup.tp_size, rank),
                          num_slots_by_pool_group=setup.num_slots, device=setup.device)
         self.manager = KvCacheManager(config)
-        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed)
+        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed,
+                               model_heads=heads_across_ranks(config.model))
         self._hook_name = hook_name
         self._report = RankReport(rank)
         workers = []
