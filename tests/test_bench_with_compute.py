@@ -62,7 +62,7 @@ def test_the_cpu_load_records_back_to_back_products_until_stopped():
     before = time.perf_counter()
     products = load.run_for(0.05)
     after = time.perf_counter()
-    assert products and load.describe() == "fp32 256³ on cpu" and load.flops == 2 * 256 ** 3
+    assert products and load.describe() == "fp32 256³ on cpu"
     assert before <= products[0].start and products[-1].end <= after
     assert all(p.seconds > 0 for p in products)
     assert all(a.end <= b.start for a, b in zip(products, products[1:]))

@@ -75,11 +75,6 @@ class MatmulLoad:
         """GPU batches the last load dropped (module docstring): reported, so a row built on few
         products says so."""
 
-    @property
-    def flops(self) -> float:
-        """Floating-point operations of one product (`batch` matrix products)."""
-        return 2.0 * self.size ** 3 * self.batch
-
     def describe(self) -> str:
         """E.g. `bf16 4096³ x4 on cuda`: the products' type, size, batch and device."""
         kind = "bf16" if self.device.type == "cuda" else "fp32"
