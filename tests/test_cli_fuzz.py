@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from typer.testing import CliRunner
@@ -77,14 +78,28 @@ def test_a_deeply_nested_workload_line_is_an_input_error(tmp_path):
     assert result.exit_code == 2 and "nested too deeply" in result.stderr
 
 
-def test_sizes_beyond_the_machine_are_refused_before_allocating():
-    for args in (["trace", "run", "workloads/shared_prefix.jsonl", "--gpu-memory", "1000TiB"],
-                 ["trace", "run", "workloads/shared_prefix.jsonl", "--tokens-per-block", str(2**40)],
+def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, monkeypatch):
+    """...and leave no run folder behind (bench's default one is created before the sizes are read)."""
+    workload = Path("workloads/shared_prefix.jsonl").resolve()
+    monkeypatch.chdir(tmp_path)
+    for args in (["trace", "run", str(workload), "--gpu-memory", "1000TiB"],
+                 ["trace", "run", str(workload), "--tokens-per-block", str(2**40)],
                  ["bench", "--quick", "--batch-bytes", "1000TiB"],
                  ["bench", "--quick", "--tokens-per-block", str(2**40)]):
         result = runner.invoke(app, args)
         assert_clean(result)
         assert result.exit_code == 2 and "more than this machine's memory" in result.stderr, args
+        assert not (tmp_path / "results").exists() or not list((tmp_path / "results").iterdir()), args
+
+
+def test_a_failed_run_keeps_a_folder_it_did_not_create_and_what_was_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    result = runner.invoke(app, ["bench", "--quick", "--batch-bytes", "1000TiB", "--output", str(mine)])
+    assert result.exit_code == 2 and mine.is_dir()
+    done = runner.invoke(app, ["bench", "--suite", "manager", "--output", str(tmp_path / "ok")])
+    assert done.exit_code == 0 and (tmp_path / "ok" / "meta.json").exists()
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused_at_once(tmp_path):

@@ -24,7 +24,7 @@ from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError, did_you_mean
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import ModelSpec, load_model, shard_model
-from kvtool.report.run_folder import write_file
+from kvtool.report.run_folder import discard_empty_run_folders, keep_run_folders, write_file
 from kvtool.units import parse_size
 
 try:
@@ -126,16 +126,24 @@ def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
 
 
 def clean_errors(command: F) -> F:
-    """Run `command`; a kvtool error becomes one line on stderr and exit 2 (input) or 1 (a check)."""
+    """Run `command`; a kvtool error becomes one line on stderr and exit 2 (input) or 1 (a check).
+    A command that fails removes the run folders it created and left empty."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            result = command(*args, **kwargs)
         except _INPUT_ERRORS as exc:
+            discard_empty_run_folders()
             raise fail(str(exc), ExitCode.USAGE) from None
         except KvToolError as exc:
+            discard_empty_run_folders()
             raise fail(str(exc), ExitCode.CHECK_FAILED) from None
+        except BaseException:
+            discard_empty_run_folders()
+            raise
+        keep_run_folders()
+        return result
 
     return wrapper  # type: ignore[return-value]
 

@@ -32,6 +32,8 @@ OUTPUT_NAMES = frozenset({
 list its files (kvtool before it did) is taken to have written."""
 
 _FOUND: dict[Path, frozenset[str]] = {}
+_CREATED: set[Path] = set()
+"""Run folders this process created: a command that fails before writing into one removes it."""
 """Per folder prepared in this process: the names in it before the run (not the run's own)."""
 
 
@@ -55,6 +57,8 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
     if command is not None and earlier is not None and command_of(earlier["suite"]) != command:
         raise InputError(f"--output {directory} holds a kvtool {command_of(earlier['suite'])} run; a {command} run "
                          "would replace it: give another folder (or remove that one)")
+    if not directory.exists():
+        _CREATED.add(directory.resolve())
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".kvtool-write-test"
@@ -69,6 +73,22 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
               file=sys.stderr)
     _FOUND[directory.resolve()] = frozenset(p.name for p in directory.iterdir())
     return directory
+
+
+def discard_empty_run_folders() -> None:
+    """Remove the run folders this process created and left empty (a command failed before its
+    first result): a failed run leaves nothing behind."""
+    for directory in list(_CREATED):
+        _CREATED.discard(directory)
+        try:
+            directory.rmdir()             # only an empty folder: anything written stays
+        except OSError:
+            pass
+
+
+def keep_run_folders() -> None:
+    """The command succeeded: its run folders stay, even empty."""
+    _CREATED.clear()
 
 
 def _earlier_run(directory: Path) -> dict[str, Any] | None:
