@@ -29,7 +29,8 @@ class CudaBackendBase:
         (Never graphed: a graph pays off only for a batch launched many times.)"""
         ops = [op for op in ops if op.src_slots]
         if ops:
-            self.launch(self.prepare(ops, graphed=False), stream)
+            with rt.current():          # the batch's last reference may drop here: PyCUDA frees in context
+                self.launch(self.prepare(ops, graphed=False), stream)
 
     def launch(self, prepared, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue prepared work: after the caller's stream, and before the caller's later work.
@@ -43,7 +44,7 @@ class CudaBackendBase:
                 return
             self.torch_stream.wait_stream(caller)
             self.enqueue(prepared)
-        self.keep_until_done(prepared)
+            self.keep_until_done(prepared)
         caller.wait_stream(self.torch_stream)
 
     def keep_until_done(self, objects: Any) -> None:
@@ -57,12 +58,14 @@ class CudaBackendBase:
         for stream in streams:
             events.append(torch.cuda.Event())
             events[-1].record(stream)
-        with self._in_flight_lock:
+        with self._in_flight_lock, rt.current():
             self._in_flight.append((events, objects))
             self._release_done()
 
     def _release_done(self) -> None:
-        """Drop what the GPU has finished with (oldest first; the lock held)."""
+        """Drop what the GPU has finished with (oldest first; the lock held, the context current:
+        PyCUDA frees a dropped allocation only where its context is current, and otherwise warns
+        `event in out-of-thread context could not be cleaned up` and leaks it)."""
         while self._in_flight and all(e.query() for e in self._in_flight[0][0]):
             self._in_flight.popleft()
 

@@ -113,9 +113,12 @@ def test_a_prepared_staged_plan_launched_again_and_again_moves_the_right_bytes(d
         assert torch.equal(dst.tensor.cpu(), expected), f"launch {turn}"
 
 
-def test_a_staged_save_from_a_worker_thread_works_and_the_process_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("backend_name", ["staged", "kernel", "batch"])
+def test_a_save_from_a_worker_thread_works_frees_in_context_and_the_process_exits_cleanly(tmp_path, backend_name):
     """PyCUDA's context stack is per thread and PyCUDA aborts at exit when one is left pushed: an
-    asynchronous connector copies from a worker thread."""
+    asynchronous connector copies from a worker thread. What a finished copy held is freed with the
+    context current (on an H100, validate host-async printed PyCUDA's `event in out-of-thread
+    context could not be cleaned up` 30 times a run: leaked allocations)."""
     import subprocess
     import sys
     script = tmp_path / "thread_save.py"
@@ -124,12 +127,12 @@ def test_a_staged_save_from_a_worker_thread_works_and_the_process_exits_cleanly(
         "from kvtool.transfer import CopyOp, PageSpace, get_backend\n"
         "src = PageSpace(torch.randint(0, 256, (64 * 4096,), dtype=torch.uint8, device='cuda'), 4096, 4096, 64)\n"
         "dst = PageSpace(torch.zeros(64 * 4096, dtype=torch.uint8).pin_memory(), 4096, 4096, 64)\n"
-        "backend = get_backend('staged')\n"
+        f"backend = get_backend({backend_name!r})\n"
         "def save():\n"
         "    backend.copy([CopyOp(src, dst, tuple(range(63, -1, -1)), tuple(range(64)), 4096)])\n"
         "    backend.synchronize()\n"
         "with concurrent.futures.ThreadPoolExecutor(2) as pool:\n"
-        "    for f in [pool.submit(save) for _ in range(4)]: f.result()\n"
+        "    for f in [pool.submit(save) for _ in range(16)]: f.result()\n"
         "assert torch.equal(dst.tensor.view(64, 4096), src.tensor.view(64, 4096).flip(0).cpu())\n"
         "print('ok')\n")
     import os
@@ -138,7 +141,7 @@ def test_a_staged_save_from_a_worker_thread_works_and_the_process_exits_cleanly(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
-    assert "PyCUDA ERROR" not in done.stderr
+    assert "PyCUDA ERROR" not in done.stderr and "out-of-thread context" not in done.stderr, done.stderr
 
 
 def test_staged_saves_launched_back_to_back_without_a_join_each_carry_the_bytes_of_their_launch():

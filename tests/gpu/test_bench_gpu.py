@@ -54,7 +54,9 @@ def test_a_save_that_only_spins_python_costs_the_gpu_products_nothing(tmp_path):
                      extra_path=REPO / "examples")
     mine = results["compute"][0]
     assert mine["products_during_saves"] >= 20
-    assert abs(mine["slowdown_during_saves"]) < 0.05, mine
+    # against `ms engine`, one-sided: on an H100 (9bf99b5, against `ms alone`) it read -0.078, the
+    # products alone running at a lower clock; a spinning save must not read as interference
+    assert mine["slowdown_during_saves"] < 0.05, mine
 
 
 def _bench(connector: str, model: str, tmp_path: Path, extra_path: Path | None = None) -> dict:
