@@ -57,6 +57,16 @@ def test_during_keeps_products_inside_the_window_at_least_half_covered():
     assert during(products, spans, window=(0.5, 5.5)) == [Product(1.0, 2.0), Product(4.0, 5.0)]
 
 
+def test_ms_engine_takes_the_whole_round_when_its_spans_hold_too_few_products():
+    from kvtool.bench.protocol_compute import MIN_ENGINE_PRODUCTS, engine_products
+    products = [Product(float(i), i + 0.9) for i in range(40)]
+    window = (0.0, 40.0)
+    assert engine_products(products, [(2.0, 5.0)], window) == products          # 3 inside: too few
+    many = [(0.0, float(MIN_ENGINE_PRODUCTS))]
+    assert engine_products(products, many, window) == products[:MIN_ENGINE_PRODUCTS]
+    assert engine_products(products, [], (10.0, 20.0)) == products[10:20]
+
+
 def test_the_cpu_load_records_back_to_back_products_until_stopped():
     load = MatmulLoad(torch.device("cpu"))
     before = time.perf_counter()

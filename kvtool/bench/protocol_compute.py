@@ -3,8 +3,9 @@
 Per block size, on fresh engines (as in `protocol_suite`) with the same kind of prompts:
 1. a cold round with nothing beside it: the connector's save GB/s alone;
 2. a cold round with a connector that does nothing while `MatmulLoad` runs products back to back:
-   `ms engine`, the products inside its saving spans (below), beside the fake engine's own work
-   only (writing and checking KV bytes), which a real engine would not add;
+   `ms engine`, the products inside its saving spans (below; every product of the round when
+   fewer than `MIN_ENGINE_PRODUCTS` ran there), beside the fake engine's own work only (writing
+   and checking KV bytes), which a real engine would not add;
 3. the connector's cold round with the products beside it, then a warm round with nothing beside
    it, which proves the bytes saved under load. `ms saving`: the products that ran at least half
    inside the connector's saving spans: per pass, from its first save hook's entry to its last's
@@ -37,6 +38,8 @@ from kvtool.connector.store_namespace import store_namespace
 
 ALONE_SECONDS = 0.3
 """Products alone before and after the loaded round: enough for a stable median on either device."""
+MIN_ENGINE_PRODUCTS = 10
+"""Products inside the no-op connector's saving spans below which `ms engine` takes the whole round's."""
 WARMUP_SECONDS = 0.3
 """Products run and not counted before `ms alone`: an idle GPU's first products run at a lower clock."""
 
@@ -144,15 +147,24 @@ def _engine_only_products(model: str, tpb: int, workload: Workload, device: str,
                           ) -> list[Product]:
     """Products beside a cold round whose connector does nothing, judged against the same saving
     spans (its hooks are timed as any connector's): what the engine's own work in those spans
-    costs them."""
+    costs them. Fewer than `MIN_ENGINE_PRODUCTS` there (a small model's passes are shorter than a
+    product: on an H100, tiny's gave none), every product inside the round instead."""
     engine = build_engine(IDLE_CONNECTOR, {}, model, tpb, workload, device)
     try:
         recorder = Recorder(engine)
         recorder.attach()
         cold, products, window = _beside(load, lambda: run_round(engine, "no-op", workload.fresh_prompts(tpb), 0))
-        return during(products, _saving_spans(recorder, cold.ids), window)
+        return engine_products(products, _saving_spans(recorder, cold.ids), window)
     finally:
         engine.close()
+
+
+def engine_products(products: list[Product], spans: list[tuple[float, float]], window: tuple[float, float]
+                    ) -> list[Product]:
+    """The products `ms engine` is the median of: those inside `spans`, or every one inside
+    `window` when fewer than `MIN_ENGINE_PRODUCTS` are."""
+    inside_spans = during(products, spans, window)
+    return inside_spans if len(inside_spans) >= MIN_ENGINE_PRODUCTS else during(products, [window], window)
 
 
 class _IdleScheduler(KvCacheConnectorScheduler):

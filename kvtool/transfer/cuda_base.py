@@ -109,7 +109,7 @@ class CudaBackendBase:
         for own in self.streams():
             own.synchronize()
         (stream or torch.cuda.current_stream()).synchronize()
-        with self._in_flight_lock:     # only what is done: another thread may have launched since
+        with self._in_flight_lock, rt.current():   # only what is done: another thread may have launched since
             self._release_done()
 
 
