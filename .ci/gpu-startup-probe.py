@@ -37,12 +37,12 @@ def probe(connector: str, device: str, queue) -> None:
     from kvtool.validate.runner import run_scenario
     ctx = Context(load_connector(connector), "tiny", device=device)
     mark("connector_imported")
+    problems = []
     for name in ("setup", "setup", "cold-warm"):
         verdicts = {r.verdict.value for r in run_scenario(name, ctx)}
         mark(f"{name}{'_again' if name in marks else ''}")
-        if verdicts - {"pass", "skip"}:
-            marks["verdicts"] = sorted(verdicts)
-    queue.put(marks)
+        problems += [f"{name}: {v}" for v in sorted(verdicts - {"pass", "skip"})]
+    queue.put({**marks, "problems": problems})
 
 
 def main() -> None:
@@ -57,12 +57,13 @@ def main() -> None:
     processes = [context.Process(target=probe, args=(args.connector, args.device, queue)) for _ in range(args.at_once)]
     for process in processes:
         process.start()
-    results = [queue.get(timeout=600) for _ in processes]
+    results = []
+    for _ in processes:
+        results.append(queue.get(timeout=600))
+        print(json.dumps(results[-1]), flush=True)       # as they come: a probe cut short loses no other
     for process in processes:
         process.join()
-    for result in results:
-        print(json.dumps(result))
-    keys = [k for k in results[0] if k != "verdicts"]
+    keys = [k for k in results[0] if k != "problems"]
     print(json.dumps({"at_once": args.at_once, "median": {k: statistics.median(r[k] for r in results) for k in keys}}))
 
 

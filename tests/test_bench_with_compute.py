@@ -112,7 +112,6 @@ def test_saves_beside_products_get_a_row_per_connector(slow_file, tmp_path_facto
     slow = rows[0]
     # four requests, each saving for at least SAVE_PAUSE_S: products run inside those saves
     assert slow["products_during_saves"] >= 4
-    assert [r["products_dropped"] for r in rows] == [0, 0]      # only GPU batches can have idled
     assert slow["matmul_ms_alone"] > 0 and slow["matmul_ms_during_saves"] > 0
     saving, engine = slow["matmul_ms_during_saves"], slow["matmul_ms_engine_only"]
     assert slow["slowdown_during_saves"] == pytest.approx(saving / engine - 1, abs=0.002)
@@ -141,12 +140,12 @@ def test_a_failure_beside_the_saves_keeps_the_rows_measured_before_it(slow_file,
     import kvtool.bench.compute_load as compute_load
     start, calls = compute_load.MatmulLoad.start, []
 
-    def fails_on_the_sixth(self):                       # five starts measure one connector's block size
+    def fails_on_the_seventh(self):                     # six starts measure one connector's block size
         calls.append(1)
-        if len(calls) == 6:
+        if len(calls) == 7:
             raise ComputeLoadError("the products beside the connector failed: RuntimeError: out of memory")
         start(self)
-    monkeypatch.setattr(compute_load.MatmulLoad, "start", fails_on_the_sixth)
+    monkeypatch.setattr(compute_load.MatmulLoad, "start", fails_on_the_seventh)
     out = tmp_path_factory.mktemp("r") / "run"
     result = runner.invoke(app, ["bench", "--suite", "store", "--model", "tiny", "--quick", "--with-compute",
                                  "--connector", f"{slow_file}:Sched:Worker", "--output", str(out)])

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvtool.cli import app
 from kvtool.cli.common import suggest
 from kvtool.report.bench_report import write_run
-from kvtool.report.run_folder import prepare_run_folder, write_meta
+from kvtool.report.run_folder import prepare_run_folder, settle_run_folders, write_meta
 from kvtool.units import parse_size
 
 runner = CliRunner()
@@ -183,7 +183,7 @@ def test_a_reused_output_folder_holds_only_the_latest_run(tmp_path):
     (folder / "notes.txt").write_text("mine")
     result = runner.invoke(app, ["trace", "run", SHIPPED, "--output", str(folder), "--format", "json",
                                  "--connector", "host", "--timeline", str(tmp_path / "t.json")])
-    assert result.exit_code == 0 and "held an earlier run: removed its 5 files" in result.stderr
+    assert result.exit_code == 0 and "held an earlier run: replacing its 5 files" in result.stderr
     assert {p.name for p in folder.iterdir()} == {"iterations.csv", "requests.csv", "summary.csv", "summary.json",
                                                   "meta.json", "notes.txt"}
 
@@ -210,7 +210,22 @@ def test_a_bench_folder_lists_its_files_and_is_cleared_the_same_way(tmp_path):
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["files"] == ["compute.csv", "results.csv", "results.json"]
     prepare_run_folder(folder)
+    settle_run_folders(failed=False)
     assert list(folder.iterdir()) == []
+
+
+def test_a_run_that_fails_before_its_results_puts_the_earlier_run_back(tmp_path):
+    """Nothing already saved is lost to a failure: the earlier run is set aside, not deleted."""
+    folder = prepare_run_folder(tmp_path / "bench")
+    write_run(folder, [{"operation": "ask", "us_per_block": 1.0}], {}, "manager")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    prepare_run_folder(folder)
+    assert [p.name for p in folder.iterdir()] == [".kvtool-earlier-run"]
+    (folder / "results.csv").write_text("partial")              # the failed run's own, replaced
+    settle_run_folders(failed=True)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    result = runner.invoke(app, ["bench", "--quick", "--batch-bytes", "1000TiB", "--output", str(folder)])
+    assert result.exit_code == 2 and {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_a_runs_own_subfolder_is_listed_and_cleared_and_the_users_are_kept(tmp_path):
@@ -223,6 +238,7 @@ def test_a_runs_own_subfolder_is_listed_and_cleared_and_the_users_are_kept(tmp_p
     write_meta(folder, "validate")
     assert json.loads((folder / "meta.json").read_text())["files"] == ["results.json", "tracebacks/cold-warm-tiny.txt"]
     prepare_run_folder(folder)
+    settle_run_folders(failed=False)
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["mine", "mine/notes.txt"]
 
 

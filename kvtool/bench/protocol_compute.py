@@ -11,13 +11,14 @@ Per block size, on fresh engines (as in `protocol_suite`) with the same kind of 
    inside the connector's saving spans: per pass, from its first save hook's entry to its last's
    exit (copies a hook queued run between hooks), and each asynchronous save from `SaveStarted` to
    `SaveFinished`.
-The products also run alone for a moment before and after round 3 (`ms alone`, their median),
-after a warm-up that is not counted.
+The products also run alone for a moment before and after round 3 (`ms alone`, their median).
+A warm-up that is not counted precedes round 2 and `ms alone`.
 `slowdown_during_saves` = `ms saving` / `ms engine` - 1: what the connector's saves cost the
 products beyond what the same spans of a connector that does nothing cost them. Not against `ms
 alone`: the spans hold engine work too (a pass's later layers), and on an H100 back-to-back
-products alone ran 2-13 % slower than the same products beside the engine (0.77-0.88 against
-0.77 ms), whose pauses let the GPU's clock recover, so a ratio to `ms alone` read as a speed-up.
+products alone ran up to 13 % slower than the same products beside the engine (0.77-0.88 against
+0.74-0.77 ms; -0.3 to +13 % a row), whose pauses let the GPU's clock recover, so a ratio to `ms
+alone` read as a speed-up in 8 rows of 12.
 `engine_slowdown` = `ms engine` / `ms alone` - 1; `save_ratio_with_compute` = round 3's save GB/s
 over round 1's.
 """
@@ -60,8 +61,8 @@ class ComputeRow:
     engine_slowdown: float | None
     products_during_saves: int
     products_dropped: int
-    """GPU batches of the loaded round left out because their stream may have idled waiting for the
-    interpreter (`compute_load`): many against `products_during_saves` means a thin sample."""
+    """GPU batches of the whole loaded round (not only its saving spans) left out because their
+    stream may have idled waiting for the interpreter (`compute_load`)."""
     save_gbps_with_compute: float
     save_gbps: float
     """The same connector's save in a cold round with nothing beside it, just before."""
@@ -153,6 +154,7 @@ def _engine_only_products(model: str, tpb: int, workload: Workload, device: str,
     try:
         recorder = Recorder(engine)
         recorder.attach()
+        load.run_for(WARMUP_SECONDS)
         cold, products, window = _beside(load, lambda: run_round(engine, "no-op", workload.fresh_prompts(tpb), 0))
         return engine_products(products, _saving_spans(recorder, cold.ids), window)
     finally:

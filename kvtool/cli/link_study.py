@@ -24,7 +24,7 @@ from kvtool.bench.transfer_suite import Case, TransferSuite
 from kvtool.bench.workspace import Direction, geometry
 from kvtool.report.bench_plot import plot
 from kvtool.report.bench_report import write_run
-from kvtool.report.run_folder import prepare_run_folder
+from kvtool.report.run_folder import prepare_run_folder, settled_run_folders
 from kvtool.units import parse_size
 
 MODEL, TOKENS_PER_BLOCK = "llama-3.1-8b", 4
@@ -112,4 +112,5 @@ def _compute_rows(suite: TransferSuite, batch: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    with settled_run_folders():
+        main()

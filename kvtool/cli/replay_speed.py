@@ -33,7 +33,7 @@ import torch
 from kvtool.cli.trace_setup import ReplayOptions, build_replay
 from kvtool.engine.events import Finished
 from kvtool.engine.trace import run_trace
-from kvtool.report.run_folder import prepare_run_folder, write_file, write_json, write_meta
+from kvtool.report.run_folder import prepare_run_folder, settled_run_folders, write_file, write_json, write_meta
 
 SHIPPED = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
 
@@ -181,4 +181,5 @@ def _medians(rows: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with settled_run_folders():
+        sys.exit(main())

