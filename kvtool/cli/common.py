@@ -24,7 +24,7 @@ from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError, did_you_mean
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import ModelSpec, load_model, shard_model
-from kvtool.report.run_folder import forget_run_folders, settle_run_folders, write_file
+from kvtool.report.run_folder import settled_run_folders, write_file
 from kvtool.units import parse_size
 
 try:
@@ -128,31 +128,19 @@ def fail(message: str, code: ExitCode = ExitCode.USAGE) -> typer.Exit:
 def clean_errors(command: F) -> F:
     """Run `command`; a kvtool error becomes one line on stderr and exit 2 (input) or 1 (a check).
     A command that fails puts back an earlier run it was replacing and removes the folders it
-    created and left empty (`run_folder.settle_run_folders`)."""
+    created and left empty (`run_folder.settled_run_folders`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        forget_run_folders()
-        try:
-            result = command(*args, **kwargs)
-        except _INPUT_ERRORS as exc:
-            settle_run_folders(failed=True)
-            raise fail(str(exc), ExitCode.USAGE) from None
-        except KvToolError as exc:
-            settle_run_folders(failed=True)
-            raise fail(str(exc), ExitCode.CHECK_FAILED) from None
-        except BaseException as exc:
-            settle_run_folders(failed=not (isinstance(exc, (SystemExit, typer.Exit)) and _code(exc) == 0))
-            raise
-        settle_run_folders(failed=False)
-        return result
+        with settled_run_folders():
+            try:
+                return command(*args, **kwargs)
+            except _INPUT_ERRORS as exc:
+                raise fail(str(exc), ExitCode.USAGE) from None
+            except KvToolError as exc:
+                raise fail(str(exc), ExitCode.CHECK_FAILED) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def _code(exc: BaseException) -> int | str | None:
-    """The exit code a `typer.Exit` or `SystemExit` carries."""
-    return getattr(exc, "exit_code", getattr(exc, "code", None))
 
 
 def write_text(text: str, output: Path | None, console: Console) -> None:

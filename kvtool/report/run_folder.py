@@ -42,7 +42,7 @@ _SET_ASIDE: list[Path] = []
 """Run folders whose earlier run the running command set aside."""
 _CREATED: list[Path] = []
 """Folders the running command created (run folders and their new parents, outermost first): a
-command that fails removes those it left empty (`discard_empty_run_folders`)."""
+command that fails removes those it left empty (`settle_run_folders`)."""
 
 
 BENCH_SUITES = frozenset({"transfer", "store", "manager", "link-study"})
@@ -115,18 +115,22 @@ def settle_run_folders(failed: bool) -> None:
 
 @contextlib.contextmanager
 def settled_run_folders() -> Iterator[None]:
-    """Around a command that is not a `cli.common.clean_errors` one (the study scripts): its run
-    folders are settled as it ends, failed if it raised."""
+    """Around a command (`cli.common.clean_errors`, the study scripts): its run folders are settled
+    as it ends, failed if it raised anything but an exit with code 0 (`SystemExit`, `typer.Exit`)."""
     forget_run_folders()
     try:
         yield
-    except SystemExit as exc:
-        settle_run_folders(failed=exc.code not in (0, None))
-        raise
-    except BaseException:
-        settle_run_folders(failed=True)
+    except BaseException as exc:
+        settle_run_folders(failed=not _exits_cleanly(exc))
         raise
     settle_run_folders(failed=False)
+
+
+def _exits_cleanly(exc: BaseException) -> bool:
+    """An exit with code 0: `SystemExit(0)` or `SystemExit()`, or typer's `Exit(0)` (`exit_code`)."""
+    if isinstance(exc, SystemExit):
+        return exc.code in (0, None)
+    return getattr(exc, "exit_code", None) == 0
 
 
 def forget_run_folders() -> None:
