@@ -149,26 +149,32 @@ def _refusal(path: Path, target: str, cls: str, methods: str, line: int) -> str:
             f"abstract class {cls} with {methods} ({path}:{line})")
 
 
-@pytest.mark.parametrize("command", [["validate", "{target}"], ["trace", "run", SHIPPED, "--connector", "{target}"]],
-                         ids=["validate-preflight", "engine"])
+def _refused_lines(command: list[str], target: str) -> list[str]:
+    """The stderr lines of `command` (with `{target}` filled in), which must exit 2."""
+    result = runner.invoke(app, [a.format(target=target) for a in command])
+    assert result.exit_code == 2, result.output
+    return result.stderr.splitlines()
+
+
+CONNECTOR_COMMANDS = pytest.mark.parametrize(
+    "command", [["validate", "{target}"], ["trace", "run", SHIPPED, "--connector", "{target}"]],
+    ids=["validate-preflight", "engine"])
+
+
+@CONNECTOR_COMMANDS
 def test_an_abstract_scheduler_names_its_class_statement(command, abstract_file):
     target = f"{abstract_file}:PersistentKvCacheConnectorLeader:DictConnectorWorker"
-    result = runner.invoke(app, [a.format(target=target) for a in command])
-    assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [_refusal(abstract_file, target, "PersistentKvCacheConnectorLeader",
-                                                   "abstract method update_state_after_alloc",
-                                                   _line_of("class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):"))]
+    assert _refused_lines(command, target) == [_refusal(
+        abstract_file, target, "PersistentKvCacheConnectorLeader", "abstract method update_state_after_alloc",
+        _line_of("class PersistentKvCacheConnectorLeader(KvCacheConnectorScheduler):"))]
 
 
-@pytest.mark.parametrize("command", [["validate", "{target}"], ["trace", "run", SHIPPED, "--connector", "{target}"]],
-                         ids=["validate-preflight", "engine"])
+@CONNECTOR_COMMANDS
 def test_an_abstract_worker_names_its_class_statement_past_its_decorator(command, abstract_file):
     target = f"{abstract_file}:DictConnectorScheduler:HalfWorker"
-    result = runner.invoke(app, [a.format(target=target) for a in command])
-    assert result.exit_code == 2, result.output
     methods = "abstract methods get_finished, register_kv_caches, save_kv_layer, wait_for_layer_load, wait_for_save"
-    assert result.stderr.splitlines() == [_refusal(abstract_file, target, "HalfWorker", methods,
-                                                   _line_of("class HalfWorker(KvCacheConnectorWorker):"))]
+    assert _refused_lines(command, target) == [_refusal(abstract_file, target, "HalfWorker", methods,
+                                                        _line_of("class HalfWorker(KvCacheConnectorWorker):"))]
 
 
 def test_other_construction_errors_are_described_as_before():
