@@ -14,13 +14,19 @@ torch and kvtool, as validate's scenario processes are. One JSON line per probe,
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import multiprocessing
+import pstats
 import statistics
 import time
 
 
-def probe(connector: str, device: str, queue) -> None:
+def probe(connector: str, device: str, queue, profile: bool = False) -> None:
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
     started = time.perf_counter()
     marks = {}
 
@@ -42,7 +48,13 @@ def probe(connector: str, device: str, queue) -> None:
         verdicts = {r.verdict.value for r in run_scenario(name, ctx)}
         mark(f"{name}{'_again' if name in marks else ''}")
         problems += [f"{name}: {v}" for v in sorted(verdicts - {"pass", "skip"})]
-    queue.put({**marks, "problems": problems})
+    report = {**marks, "problems": problems}
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        report["profile"] = text.getvalue()
+    queue.put(report)
 
 
 def main() -> None:
@@ -50,20 +62,25 @@ def main() -> None:
     parser.add_argument("--at-once", type=int, default=1)
     parser.add_argument("--connector", default="host-async")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="the first probe's cProfile, top 40 by cumulative")
     args = parser.parse_args()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "kvtool.validate.runner"])
     queue = context.Queue()
-    processes = [context.Process(target=probe, args=(args.connector, args.device, queue)) for _ in range(args.at_once)]
+    processes = [context.Process(target=probe, args=(args.connector, args.device, queue, i == 0 and args.profile))
+                 for i in range(args.at_once)]
     for process in processes:
         process.start()
     results = []
     for _ in processes:
         results.append(queue.get(timeout=600))
-        print(json.dumps(results[-1]), flush=True)       # as they come: a probe cut short loses no other
+        profile = results[-1].pop("profile", None)
+        print(json.dumps(results[-1]), flush=True)
+        if profile:
+            print(profile, flush=True)       # as they come: a probe cut short loses no other
     for process in processes:
         process.join()
-    keys = [k for k in results[0] if k != "problems"]
+    keys = [k for k in results[0] if k not in ("problems", "profile")]
     print(json.dumps({"at_once": args.at_once, "median": {k: statistics.median(r[k] for r in results) for k in keys}}))
 
 
