@@ -105,6 +105,22 @@ class CudaBackendBase:
     def enqueue(self, prepared) -> None:
         raise NotImplementedError
 
+    def __del__(self) -> None:
+        """A backend dropped with copies in flight waits for them, then frees what they held with
+        the context current: the last reference may go on any thread (an asynchronous connector's
+        worker), where PyCUDA would otherwise warn and leak each allocation."""
+        in_flight = getattr(self, "_in_flight", None)
+        if not in_flight:
+            return
+        try:
+            with rt.current():
+                for events, _ in in_flight:
+                    for event in events:
+                        event.synchronize()
+                in_flight.clear()
+        except Exception:  # noqa: BLE001 - at interpreter exit the context may already be gone
+            pass
+
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
         for own in self.streams():
             own.synchronize()

@@ -119,7 +119,8 @@ def test_a_save_from_a_worker_thread_works_frees_in_context_and_the_process_exit
     asynchronous connector copies from a worker thread. What a finished copy held is freed with the
     context current (on an H100, validate host-async printed PyCUDA's `event in out-of-thread
     context could not be cleaned up` 30 times a run: leaked allocations). Copies of 64 MiB are still
-    running when the launch returns, so `synchronize()` on the worker thread releases them."""
+    running when the launch returns, so `synchronize()` on the worker thread releases them; last, a
+    backend dropped on the worker with its copy still running waits for it and frees in context."""
     import subprocess
     import sys
     script = tmp_path / "thread_save.py"
@@ -136,6 +137,15 @@ def test_a_save_from_a_worker_thread_works_frees_in_context_and_the_process_exit
         "with concurrent.futures.ThreadPoolExecutor(2) as pool:\n"
         "    for f in [pool.submit(save) for _ in range(16)]: f.result()\n"
         "assert torch.equal(dst.tensor.view(64, page), src.tensor.view(64, page).flip(0).cpu())\n"
+        "def drop_in_flight():\n"          # the last reference goes on the worker, copies still running
+        f"    own = get_backend({backend_name!r})\n"
+        "    own.copy([CopyOp(src, dst, tuple(range(64)), tuple(range(64)), page)])\n"
+        "    del own\n"
+        "    import gc; gc.collect()\n"
+        "with concurrent.futures.ThreadPoolExecutor(1) as pool:\n"
+        "    pool.submit(drop_in_flight).result()\n"
+        "torch.cuda.synchronize()\n"
+        "assert torch.equal(dst.tensor, src.tensor.cpu())\n"
         "print('ok')\n")
     import os
     from pathlib import Path
