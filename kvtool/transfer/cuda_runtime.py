@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import pycuda.driver as cuda  # noqa: E402  (the optional dependency; ImportError means "not available")
-from pycuda.compiler import SourceModule
+
+from kvtool.transfer import kernel_cache
 
 CUDA_DIR = Path(os.environ.get("KVTOOL_CUDA_DIR", Path(__file__).resolve().parents[2] / "cuda"))
 CU_STREAM_ATTRIBUTE_PRIORITY = 8
@@ -71,14 +72,20 @@ def _pop(ctx) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
-    """`name` from cuda/`source`, compiled for this device with `defines`; cached per specialization."""
+def module(source: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Module":
+    """cuda/`source` compiled for this device with `defines`, loaded once per specialization; the
+    binary comes from `kernel_cache`, so a process whose specialization was compiled before (by
+    any process) runs no nvcc."""
     major, minor = torch.cuda.get_device_capability()
-    options = ["-O3", f"-I{CUDA_DIR}"] + [f"-D{k}={v}" for k, v in defines]
+    options = ["-O3", *(f"-D{k}={v}" for k, v in defines)]
+    binary = kernel_cache.cubin(CUDA_DIR / source, options, f"sm_{major}{minor}")
     with current():
-        module = SourceModule((CUDA_DIR / source).read_text(), options=options, no_extern_c=True,
-                              arch=f"sm_{major}{minor}", include_dirs=[str(CUDA_DIR)])
-        return module.get_function(name)
+        return cuda.module_from_buffer(binary)
+
+
+def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
+    """`name` from cuda/`source` with `defines` (see `module`)."""
+    return module(source, defines).get_function(name)
 
 
 def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:

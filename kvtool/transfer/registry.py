@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from typing import Callable
@@ -35,13 +36,21 @@ def best_backend(device: torch.device) -> str:
     """`staged` for pages on a GPU where PyCUDA runs, otherwise `torch` (always available)."""
     if device.type != "cuda":
         return "torch"
+    why_not = _why_gpu_default_cannot_run()
+    if why_not:
+        warnings.warn(f"backend auto: {GPU_DEFAULT} cannot run here ({why_not}); using torch", stacklevel=2)
+        return "torch"
+    return GPU_DEFAULT
+
+
+@functools.lru_cache(maxsize=1)
+def _why_gpu_default_cannot_run() -> str | None:
+    """Tried once per process (a backend owns streams and buffers; every registration asks)."""
     try:
         get_backend(GPU_DEFAULT)
     except Exception as exc:    # noqa: BLE001 - no nvcc, a driver mismatch: whatever stops it, torch works
-        warnings.warn(f"backend auto: {GPU_DEFAULT} cannot run here ({type(exc).__name__}: {exc}); using torch",
-                      stacklevel=2)
-        return "torch"
-    return GPU_DEFAULT
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _factory(name: str) -> Callable[[], TransferBackend]:

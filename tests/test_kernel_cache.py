@@ -1,0 +1,76 @@
+"""The on-disk kernel cache: nvcc runs once per specialization, never on a hit; anything that
+decides the binary (a define, an included header, the architecture) is a miss. Needs nvcc, no GPU."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtool.transfer import kernel_cache
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+
+
+@pytest.fixture
+def nvcc_runs(monkeypatch, tmp_path):
+    """The cache in a fresh folder; the list of nvcc command lines run from now on."""
+    monkeypatch.setenv("KVTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    runs, real_run = [], subprocess.run
+
+    def counting_run(command, *args, **kwargs):
+        runs.append(command)
+        return real_run(command, *args, **kwargs)
+    monkeypatch.setattr(kernel_cache.subprocess, "run", counting_run)
+    return runs
+
+
+@pytest.fixture
+def sources(tmp_path) -> Path:
+    """A copy of cuda/ that a test may edit."""
+    return Path(shutil.copytree(CUDA_DIR, tmp_path / "cuda"))
+
+
+def test_the_second_ask_reads_the_binary_without_running_nvcc(nvcc_runs, sources):
+    first = kernel_cache.cubin(sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
+    assert first[:4] == b"\x7fELF" and len(nvcc_runs) == 1
+    assert kernel_cache.cubin(sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90") == first
+    assert len(nvcc_runs) == 1
+    entries = list((kernel_cache.cache_dir()).iterdir())
+    assert [p.suffix for p in entries] == [".cubin"] and not any(p.name.startswith(".partial") for p in entries)
+
+
+def test_a_define_an_included_header_or_the_architecture_changes_the_key(nvcc_runs, sources):
+    source = sources / "copy_pages.cu"
+    base = kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
+    assert kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=8"], "sm_90") != base
+    assert len(nvcc_runs) == 2
+    header = sources / "copy_pages.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
+    assert len(nvcc_runs) == 3
+    kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_100")
+    assert len(nvcc_runs) == 4 and len(list(kernel_cache.cache_dir().iterdir())) == 4
+
+
+def test_a_source_nvcc_refuses_is_a_clear_error_and_stores_nothing(nvcc_runs, sources):
+    (sources / "copy_pages.cuh").write_text("this is not C++;\n")
+    with pytest.raises(RuntimeError, match=r"nvcc could not compile copy_pages.cu for sm_90: .*error"):
+        kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
+    assert not kernel_cache.cache_dir().exists() or not any(kernel_cache.cache_dir().iterdir())
+
+
+def test_without_nvcc_the_error_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="nvcc is not on PATH"):
+        kernel_cache.cubin(CUDA_DIR / "copy_pages.cu", ["-O3"], "sm_90")
+
+
+def test_an_unwritable_cache_folder_still_returns_the_binary(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVTOOL_CACHE_DIR", str(blocker / "cubin"))     # under a file: cannot be created
+    assert kernel_cache.cubin(CUDA_DIR / "copy_pages.cu", ["-O3"], "sm_90")[:4] == b"\x7fELF"
