@@ -17,7 +17,7 @@ import torch
 
 from kvtool.blocks import num_blocks
 from kvtool.engine.byte_origin import Coordinate, Origins
-from kvtool.engine.fingerprint import PrefixHashes, expected_tensor, sample_token
+from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
 from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
@@ -26,6 +26,11 @@ from kvtool.types import BAD_PAGE_INDEX
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
 CHECKSUM_MASK = (1 << 64) - 1
+HOST_COMPARE_BYTES = 1 << 20
+"""A layer's read of at most this many bytes from GPU pages is compared on the host: one copy
+costs less than the compare's kernels and a synchronisation per buffer, and under validate's
+dozen processes sharing one GPU every synchronisation waits its turn. Larger reads (a real model
+in `bench`) are compared where they are."""
 _UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was handed out",
                      RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
 
@@ -146,7 +151,7 @@ class FakeEngine:
         for item in items:
             hashes = self._prefix_hashes(item)
             pages = item.pages[group.layer_group_id]
-            self._write(layer_id, group, item, hashes, range(item.start, item.end))
+            self._write(layer_id, group, item, hashes, np.arange(item.start, item.end, dtype=np.int64))
             readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
             found = self._verify(layer_id, group, item.request_id, pages, hashes, readable)
             if item.samples and found is not None:
@@ -191,14 +196,10 @@ class FakeEngine:
         """Write every layer for [start, end) without a pass: KV that arrived from elsewhere (a
         context server, or a test's oracle connector). Blocks with no page are skipped."""
         hashes = self._prefix_hashes(item)
-        tpb = self.layout.tokens_per_block
         for layer_id in self.layer_ids:
             group = self._group_of[layer_id]
-            pages = item.pages[group.layer_group_id]
-            for j in range(item.start // tpb, num_blocks(item.end, tpb)):
-                if j < len(pages) and pages[j] != BAD_PAGE_INDEX:
-                    block = range(max(item.start, j * tpb), min(item.end, (j + 1) * tpb))
-                    self._write(layer_id, group, item, hashes, block)
+            positions = self._positions_with_pages(item.pages[group.layer_group_id], item.start, item.end)
+            self._write(layer_id, group, item, hashes, positions)   # one write a layer: on a GPU, each costs syncs
 
     # ---- internals ---------------------------------------------------------------------------
     def _prefix_hashes(self, item: PassItem) -> PrefixHashes:
@@ -217,22 +218,34 @@ class FakeEngine:
         positions = (np.array(blocks, dtype=np.int64)[:, None] * tpb + np.arange(tpb)[None, :]).ravel()
         return positions[positions < end]
 
+    def _positions_with_pages(self, pages: Sequence[int], start: int, end: int) -> np.ndarray:
+        """Positions in [start, end) whose block has a page (not past `pages`, not BAD_PAGE_INDEX)."""
+        positions = np.arange(start, end, dtype=np.int64)
+        ordinals = positions // self.layout.tokens_per_block
+        has_page = ordinals < len(pages)
+        has_page[has_page] = np.asarray(pages, dtype=np.int64)[ordinals[has_page]] != BAD_PAGE_INDEX
+        return positions[has_page]
+
     def _write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
-               positions: range) -> None:
+               positions: np.ndarray) -> None:
         if not len(positions):
             return
         pages = item.pages[group.layer_group_id]
-        positions_np = np.arange(positions.start, positions.stop, dtype=np.int64)
-        page_ids = self._page_ids(group, item.request_id, pages, positions_np, layer_id, "write")
+        page_ids = self._page_ids(group, item.request_id, pages, positions, layer_id, "write")
         if page_ids is None:
             return
-        tpb = self.layout.tokens_per_block
-        for lb in self._buffers[layer_id]:
-            view = self._view(lb)
-            expected = expected_tensor(hashes.array()[positions_np], layer_id, lb.buffer.role, lb.num_heads,
-                                       lb.head_bytes, view.device, lb.first_head)
-            offsets = torch.from_numpy(positions_np % tpb).to(view.device)
-            view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets] = expected
+        buffers = self._buffers[layer_id]
+        device = self._view(buffers[0]).device
+        where = self._slots_and_offsets(page_ids, positions, device)
+        expected = self._expected(buffers, layer_id, hashes.array()[positions]).to(device)   # one copy
+        for lb, part in zip(buffers, self._split(expected, buffers)):
+            self._view(lb)[where[0], lb.index, where[1]] = part
+
+    def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
+        """[2, n] on `device`: each position's page and its offset in the block, moved in one copy
+        (shared by a layer's buffers, which live on one device)."""
+        pairs = np.stack([page_ids, positions % self.layout.tokens_per_block])
+        return torch.from_numpy(pairs).to(device)
 
     def _verify(self, layer_id: int, group: LayerGroupSpec, request_id: int, pages: Sequence[int],
                 hashes: PrefixHashes, positions: np.ndarray) -> torch.Tensor | None:
@@ -242,19 +255,32 @@ class FakeEngine:
         page_ids = self._page_ids(group, request_id, pages, positions, layer_id, "read")
         if page_ids is None:
             return None
-        tpb = self.layout.tokens_per_block
-        found_all = []
-        for lb in self._buffers[layer_id]:
-            view = self._view(lb)
-            offsets = torch.from_numpy(positions % tpb).to(view.device)
-            found = view[torch.from_numpy(page_ids).to(view.device), lb.index, offsets]
-            expected = expected_tensor(hashes.array()[positions], layer_id, lb.buffer.role, lb.num_heads,
-                                       lb.head_bytes, view.device, lb.first_head)
-            bad = (found != expected).any(dim=-1)
+        buffers = self._buffers[layer_id]
+        where = self._slots_and_offsets(page_ids, positions, self._view(buffers[0]).device)
+        found = torch.cat([self._view(lb)[where[0], lb.index, where[1]].reshape(len(positions), -1)
+                           for lb in buffers], dim=1)
+        if found.device.type != "cpu" and found.numel() <= HOST_COMPARE_BYTES:
+            found = found.cpu()
+        expected = self._expected(buffers, layer_id, hashes.array()[positions]).to(found.device)
+        for lb, found_part, expected_part in zip(buffers, self._split(found, buffers), self._split(expected, buffers)):
+            bad = (found_part != expected_part).any(dim=-1)
             if bool(bad.any()):
-                self._record(request_id, group, layer_id, lb, positions, bad, expected, found)
-            found_all.append(found.reshape(len(positions), -1))
-        return torch.cat(found_all, dim=1)
+                self._record(request_id, group, layer_id, lb, positions, bad, expected_part, found_part)
+        return found
+
+    @staticmethod
+    def _expected(buffers: list[_LayerBuffer], layer_id: int, prefix_hashes: np.ndarray) -> torch.Tensor:
+        """uint8 [positions, every buffer's heads x head bytes] on the host: a layer's buffers side by side."""
+        parts = [expected_bytes(prefix_hashes, layer_id, lb.buffer.role, lb.num_heads, lb.head_bytes, lb.first_head)
+                 .reshape(len(prefix_hashes), -1) for lb in buffers]
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=1)))
+
+    @staticmethod
+    def _split(side_by_side: torch.Tensor, buffers: list[_LayerBuffer]) -> list[torch.Tensor]:
+        """`_expected`'s layout cut back into each buffer's [positions, heads, head bytes]."""
+        widths = [lb.num_heads * lb.head_bytes for lb in buffers]
+        return [part.view(len(side_by_side), lb.num_heads, lb.head_bytes)
+                for lb, part in zip(buffers, torch.split(side_by_side, widths, dim=1))]
 
     def _page_ids(self, group: LayerGroupSpec, request_id: int, pages: Sequence[int], positions: np.ndarray,
                   layer_id: int, what: str) -> np.ndarray | None:

@@ -9,7 +9,6 @@ back as a mismatch, and the coordinates say where.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvtool.blocks import ceil_div
 from kvtool.types import Role
@@ -109,12 +108,6 @@ def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_hea
         words = fingerprints[:, :, None] ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))[None, None, :]
     raw = words.view(np.uint8).reshape(len(prefix_hashes), num_heads, num_words * 8)
     return raw[:, :, :head_bytes]
-
-
-def expected_tensor(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int, head_bytes: int,
-                    device: torch.device, first_head: int = 0) -> torch.Tensor:
-    array = np.ascontiguousarray(expected_bytes(prefix_hashes, layer_id, role, num_heads, head_bytes, first_head))
-    return torch.from_numpy(array).to(device)
 
 
 def sample_token(last_prefix_hash: int, checksum: int, vocab_size: int) -> int:

@@ -106,18 +106,17 @@ class CudaBackendBase:
         raise NotImplementedError
 
     def __del__(self) -> None:
-        """A backend dropped with copies in flight waits for them, then frees what they held with
-        the context current: the last reference may go on any thread (an asynchronous connector's
-        worker), where PyCUDA would otherwise warn and leak each allocation."""
-        in_flight = getattr(self, "_in_flight", None)
-        if not in_flight:
-            return
+        """A backend dropped with copies in flight waits for them; then everything it owns (its
+        streams and events, what the copies held, backends inside it) goes with the context
+        current: the last reference may go on any thread (an asynchronous connector's worker),
+        where PyCUDA would otherwise warn `... in out-of-thread context could not be cleaned up`
+        and leak each object."""
         try:
             with rt.current():
-                for events, _ in in_flight:
+                for events, _ in getattr(self, "_in_flight", ()):
                     for event in events:
                         event.synchronize()
-                in_flight.clear()
+                self.__dict__.clear()
         except Exception:  # noqa: BLE001 - at interpreter exit the context may already be gone
             pass
 

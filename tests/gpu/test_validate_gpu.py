@@ -18,8 +18,30 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[2]
 
 
-def validate(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(args), capture_output=True, text=True, timeout=900, cwd=tmp_path, env=_env())
+SMALL_RUNS = {
+    "after-parent-cuda": ("host", "--model", "tiny", "--device", "cpu", "--scenario", "cold-warm"),
+    "compat": ("--compat", "trtllm", f"{REPO / 'tests/data/trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker",
+               "--model", "tiny", "--scenario", "cold-warm"),
+    "exits-at-import": ("{folder}/leaving.py:S:W",),
+}
+"""The small validate runs the tests below judge, each in its own folder. Each spends ~10 s starting
+Python, torch, the fork server and CUDA, so the fixture starts them all at once."""
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    started = {}
+    for name, args in SMALL_RUNS.items():
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "leaving.py").write_text("import os\nos._exit(0)\n")
+        command = _command([a.format(folder=folder) for a in args])
+        started[name] = (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                   text=True, cwd=folder, env=_env()))
+    done = {}
+    for name, (command, process) in started.items():
+        out, err = process.communicate(timeout=900)
+        done[name] = subprocess.CompletedProcess(command, process.returncode, out, err)
+    return done
 
 
 def _command(args) -> list[str]:
@@ -30,9 +52,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-def test_scenarios_run_after_the_parent_initialised_cuda(tmp_path):
+def test_scenarios_run_after_the_parent_initialised_cuda(small_runs):
     """The parent builds the connector (pinned buffers: CUDA is initialised) before any scenario."""
-    done = validate("host", "--model", "tiny", "--device", "cpu", "--scenario", "cold-warm", tmp_path=tmp_path)
+    done = small_runs["after-parent-cuda"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "initialization error" not in done.stdout + done.stderr
 
@@ -63,15 +85,12 @@ def test_the_whole_kit_passes_on_device_pages(tmp_path):
         assert (tmp_path / connector / "run" / "results.json").exists()
 
 
-def test_compat_modules_reach_fork_server_processes(tmp_path):
+def test_compat_modules_reach_fork_server_processes(small_runs):
     """A fork server's children import nothing from the parent: --compat must be installed there too."""
-    target = f"{REPO / 'tests/data/trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker"
-    done = validate("--compat", "trtllm", target, "--model", "tiny", "--scenario", "cold-warm", tmp_path=tmp_path)
+    done = small_runs["compat"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
-def test_a_connector_that_exits_at_import_is_exit_2_under_the_fork_server(tmp_path):
-    file = tmp_path / "leaving.py"
-    file.write_text("import os\nos._exit(0)\n")
-    done = validate(f"{file}:S:W", tmp_path=tmp_path)
+def test_a_connector_that_exits_at_import_is_exit_2_under_the_fork_server(small_runs):
+    done = small_runs["exits-at-import"]
     assert done.returncode == 2 and "ended its process (exit code 0) while importing it" in done.stderr
