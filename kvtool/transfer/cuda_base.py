@@ -4,7 +4,9 @@ the caller's stream: no per-launch Python work, no cross-stream events."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from collections import deque
 from typing import Any, Sequence
 
@@ -111,14 +113,18 @@ class CudaBackendBase:
         current: the last reference may go on any thread (an asynchronous connector's worker),
         where PyCUDA would otherwise warn `... in out-of-thread context could not be cleaned up`
         and leak each object."""
+        if sys.is_finalizing():
+            return      # the context was popped at exit: pushing it again now would abort PyCUDA
         try:
             with rt.current():
-                for events, _ in getattr(self, "_in_flight", ()):
-                    for event in events:
-                        event.synchronize()
-                self.__dict__.clear()
-        except Exception:  # noqa: BLE001 - at interpreter exit the context may already be gone
-            pass
+                try:
+                    for events, _ in getattr(self, "_in_flight", ()):
+                        for event in events:
+                            event.synchronize()
+                finally:
+                    self.__dict__.clear()
+        except (RuntimeError, rt.cuda.Error) as exc:     # a copy failed earlier: say so, free the rest
+            warnings.warn(f"a CUDA transfer backend was released after a failed copy: {exc}", stacklevel=2)
 
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None:
         for own in self.streams():

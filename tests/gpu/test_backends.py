@@ -137,11 +137,13 @@ def test_a_save_from_a_worker_thread_works_frees_in_context_and_the_process_exit
         "with concurrent.futures.ThreadPoolExecutor(2) as pool:\n"
         "    for f in [pool.submit(save) for _ in range(16)]: f.result()\n"
         "assert torch.equal(dst.tensor.view(64, page), src.tensor.view(64, page).flip(0).cpu())\n"
+        "expected = src.tensor.cpu()\n"
         "def drop_in_flight():\n"          # the last reference goes on the worker, copies still running
         f"    own = get_backend({backend_name!r})\n"
         "    own.copy([CopyOp(src, dst, tuple(range(64)), tuple(range(64)), page)])\n"
         "    del own\n"
         "    import gc; gc.collect()\n"
+        "    assert torch.equal(dst.tensor, expected), 'dropped before its copy landed'\n"
         "with concurrent.futures.ThreadPoolExecutor(1) as pool:\n"
         "    pool.submit(drop_in_flight).result()\n"
         "torch.cuda.synchronize()\n"

@@ -31,17 +31,22 @@ Python, torch, the fork server and CUDA, so the fixture starts them all at once.
 @pytest.fixture(scope="module")
 def small_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     started = {}
-    for name, args in SMALL_RUNS.items():
-        folder = tmp_path_factory.mktemp(name)
-        (folder / "leaving.py").write_text("import os\nos._exit(0)\n")
-        command = _command([a.format(folder=folder) for a in args])
-        started[name] = (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                   text=True, cwd=folder, env=_env()))
-    done = {}
-    for name, (command, process) in started.items():
-        out, err = process.communicate(timeout=900)
-        done[name] = subprocess.CompletedProcess(command, process.returncode, out, err)
-    return done
+    try:
+        for name, args in SMALL_RUNS.items():
+            folder = tmp_path_factory.mktemp(name)
+            (folder / "leaving.py").write_text("import os\nos._exit(0)\n")
+            command = _command([a.format(folder=folder) for a in args])
+            with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:   # no pipe to fill
+                started[name] = (command, folder, subprocess.Popen(command, stdout=out, stderr=err, cwd=folder,
+                                                                   env=_env()))
+        return {name: subprocess.CompletedProcess(command, process.wait(timeout=900),
+                                                  (folder / "stdout").read_text(), (folder / "stderr").read_text())
+                for name, (command, folder, process) in started.items()}
+    finally:
+        for _, _, process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def _command(args) -> list[str]:
