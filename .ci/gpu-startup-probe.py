@@ -75,9 +75,9 @@ def main() -> None:
     for _ in processes:
         results.append(queue.get(timeout=600))
         profile = results[-1].pop("profile", None)
-        print(json.dumps(results[-1]), flush=True)
+        print(json.dumps(results[-1]), flush=True)       # as they come: a probe cut short loses no other
         if profile:
-            print(profile, flush=True)       # as they come: a probe cut short loses no other
+            print(profile, flush=True)
     for process in processes:
         process.join()
     keys = [k for k in results[0] if k not in ("problems", "profile")]

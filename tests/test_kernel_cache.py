@@ -11,7 +11,7 @@ import pytest
 
 from kvtool.transfer import kernel_cache
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 
 
@@ -34,15 +34,44 @@ def sources(tmp_path) -> Path:
     return Path(shutil.copytree(CUDA_DIR, tmp_path / "cuda"))
 
 
+@needs_nvcc
 def test_the_second_ask_reads_the_binary_without_running_nvcc(nvcc_runs, sources):
     first = kernel_cache.cubin(sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
     assert first[:4] == b"\x7fELF" and len(nvcc_runs) == 1
     assert kernel_cache.cubin(sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90") == first
     assert len(nvcc_runs) == 1
-    entries = list((kernel_cache.cache_dir()).iterdir())
+    entries = list(kernel_cache.cache_dir().iterdir())
     assert [p.suffix for p in entries] == [".cubin"] and not any(p.name.startswith(".partial") for p in entries)
+    assert entries[0].stat().st_mode & 0o777 == 0o644      # a shared cache folder serves every user
 
 
+@needs_nvcc
+def test_a_damaged_entry_is_a_miss_and_is_replaced(nvcc_runs, sources):
+    args = (sources / "copy_pages.cu", ["-O3"], "sm_90")
+    good = kernel_cache.cubin(*args)
+    [entry] = kernel_cache.cache_dir().iterdir()
+    entry.write_bytes(good[:100].replace(b"\x7fELF", b"\0\0\0\0"))
+    assert kernel_cache.cubin(*args) == good and len(nvcc_runs) == 2
+    assert entry.read_bytes() == good
+    kernel_cache.cubin(*args, fresh=True)                     # what the driver refused: compiled again
+    assert len(nvcc_runs) == 3
+
+
+@needs_nvcc
+def test_only_cuda_sources_make_the_key_a_header_in_a_subfolder_does(nvcc_runs, sources):
+    args = (sources / "copy_pages.cu", ["-O3"], "sm_90")
+    kernel_cache.cubin(*args)
+    (sources / "notes.txt").write_text("not a source")
+    (sources / "copy_pages.cu~").write_text("an editor's backup")
+    kernel_cache.cubin(*args)
+    assert len(nvcc_runs) == 1
+    (sources / "detail").mkdir()
+    (sources / "detail" / "extra.cuh").write_text("// included by nobody yet\n")
+    kernel_cache.cubin(*args)
+    assert len(nvcc_runs) == 2
+
+
+@needs_nvcc
 def test_a_define_an_included_header_or_the_architecture_changes_the_key(nvcc_runs, sources):
     source = sources / "copy_pages.cu"
     base = kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
@@ -56,6 +85,7 @@ def test_a_define_an_included_header_or_the_architecture_changes_the_key(nvcc_ru
     assert len(nvcc_runs) == 4 and len(list(kernel_cache.cache_dir().iterdir())) == 4
 
 
+@needs_nvcc
 def test_a_source_nvcc_refuses_is_a_clear_error_and_stores_nothing(nvcc_runs, sources):
     (sources / "copy_pages.cuh").write_text("this is not C++;\n")
     with pytest.raises(RuntimeError, match=r"nvcc could not compile copy_pages.cu for sm_90: .*error"):
@@ -69,6 +99,7 @@ def test_without_nvcc_the_error_says_so(monkeypatch, tmp_path):
         kernel_cache.cubin(CUDA_DIR / "copy_pages.cu", ["-O3"], "sm_90")
 
 
+@needs_nvcc
 def test_an_unwritable_cache_folder_still_returns_the_binary(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

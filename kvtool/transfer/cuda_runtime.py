@@ -78,14 +78,18 @@ def module(source: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Modu
     any process) runs no nvcc."""
     major, minor = torch.cuda.get_device_capability()
     options = ["-O3", *(f"-D{k}={v}" for k, v in defines)]
-    binary = kernel_cache.cubin(CUDA_DIR / source, options, f"sm_{major}{minor}")
+    arch = f"sm_{major}{minor}"
     with current():
-        return cuda.module_from_buffer(binary)
+        try:
+            return cuda.module_from_buffer(kernel_cache.cubin(CUDA_DIR / source, options, arch))
+        except cuda.Error:      # a cached binary the driver refuses (damaged on disk): compile it again
+            return cuda.module_from_buffer(kernel_cache.cubin(CUDA_DIR / source, options, arch, fresh=True))
 
 
 def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
     """`name` from cuda/`source` with `defines` (see `module`)."""
-    return module(source, defines).get_function(name)
+    with current():
+        return module(source, defines).get_function(name)
 
 
 def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:

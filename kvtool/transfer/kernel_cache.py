@@ -2,11 +2,13 @@
 
 PyCUDA's own cache computes its key by running `nvcc --preprocess` and `nvcc --version` in every
 process that compiles a module, and validate starts a process for every scenario, a dozen of them
-at once on one machine. Here the key is read in-process from what decides the binary: every file of
-the kernels' folder (the source and what it includes), the options, the architecture and the nvcc
-binary's identity (resolved path, size, modification time). A miss runs nvcc once and renames the
-binary into place, so a reader never sees half a file; processes that miss together each compile
-the same bytes and the last rename wins.
+at once on one machine. Here the key is read in-process from what decides the binary: the CUDA
+sources of the kernels' folder (`SOURCE_SUFFIXES`, subfolders included: the source and whatever it
+includes), the options, the architecture and the nvcc binary's identity (resolved path, size,
+modification time). A miss compiles exactly the bytes the key was computed from (copied to a
+private folder first: an edit during the compile cannot store one binary under another's key) and
+renames the binary into place, so a reader never sees half a file. Processes that miss together
+each compile the same bytes; the last rename wins. An entry that is not an ELF file is a miss.
 
 The folder is `$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool/cubin` (`~/.cache/kvtool/cubin`).
 """
@@ -22,29 +24,40 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-FORMAT = b"kvtool-cubin-1"
+FORMAT = b"kvtool-cubin-2"
 """Part of every key: changing how binaries are built here makes every older entry a miss."""
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
+NVCC_TIMEOUT_S = 600
+ELF_MAGIC = b"\x7fELF"
 
 
 def cache_dir() -> Path:
     """Where binaries are kept (created on the first write)."""
     if os.environ.get("KVTOOL_CACHE_DIR"):
         return Path(os.environ["KVTOOL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtool" / "cubin"
-
-
-def cubin(source: Path, options: Sequence[str], arch: str) -> bytes:
-    """`source` compiled by nvcc for `arch` (`sm_90`) with `options`, includes searched in its own
-    folder: from the cache when an entry with the same key exists, else compiled and stored.
-    RuntimeError when nvcc is missing or refuses the source (nothing is stored then); a cache
-    folder that cannot be written only means the next process compiles again."""
-    nvcc = _nvcc()
-    path = cache_dir() / f"{_key(source, options, arch, nvcc)}.cubin"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "kvtool" / "cubin"
     try:
-        return path.read_bytes()
-    except OSError:
-        pass
-    binary = _compile(nvcc, source, options, arch)
+        return Path.home() / ".cache" / "kvtool" / "cubin"
+    except RuntimeError:        # no home directory known: a per-user folder in the temporary one
+        return Path(tempfile.gettempdir()) / f"kvtool-cubin-{os.getuid()}"
+
+
+def cubin(source: Path, options: Sequence[str], arch: str, fresh: bool = False) -> bytes:
+    """`source` compiled by nvcc for `arch` (`sm_90`) with `options`, includes searched in its own
+    folder: from the cache when an entry with the same key exists (unless `fresh`: an entry the
+    driver refused), else compiled and stored. RuntimeError when nvcc is missing or refuses the
+    source, or a source cannot be read (nothing is stored then); a cache folder that cannot be
+    written only means the next process compiles again."""
+    nvcc = _nvcc()
+    sources = _sources(source.parent)
+    path = cache_dir() / f"{_key(source.name, sources, options, arch, nvcc)}.cubin"
+    if not fresh:
+        with contextlib.suppress(OSError):
+            binary = path.read_bytes()
+            if binary.startswith(ELF_MAGIC):
+                return binary
+    binary = _compile(nvcc, source.name, sources, options, arch)
     _store(path, binary)
     return binary
 
@@ -56,25 +69,42 @@ def _nvcc() -> Path:
     return Path(os.path.realpath(found))
 
 
-def _key(source: Path, options: Sequence[str], arch: str, nvcc: Path) -> str:
-    digest = hashlib.sha256(FORMAT)
-    for part in (source.name, arch, *options, str(nvcc)):
-        digest.update(b"\0" + part.encode())
+def _sources(folder: Path) -> dict[str, bytes]:
+    """Every CUDA source under `folder`, by path relative to it."""
+    try:
+        return {p.relative_to(folder).as_posix(): p.read_bytes()
+                for p in sorted(folder.rglob("*")) if p.suffix in SOURCE_SUFFIXES and p.is_file()}
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the CUDA sources in {folder}: {exc}") from None
+
+
+def _key(name: str, sources: dict[str, bytes], options: Sequence[str], arch: str, nvcc: Path) -> str:
     stat = nvcc.stat()
-    digest.update(f"\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    for file in sorted(p for p in source.parent.iterdir() if p.is_file()):
-        digest.update(b"\0" + file.name.encode() + b"\0" + file.read_bytes())
+    parts = [FORMAT, name.encode(), arch.encode(), *(o.encode() for o in options), str(nvcc).encode(),
+             f"{stat.st_size}:{stat.st_mtime_ns}".encode()]
+    for relative, data in sources.items():
+        parts += [relative.encode(), data]
+    digest = hashlib.sha256()
+    for part in parts:           # length-prefixed: no two different lists of parts hash alike
+        digest.update(len(part).to_bytes(8, "little") + part)
     return digest.hexdigest()
 
 
-def _compile(nvcc: Path, source: Path, options: Sequence[str], arch: str) -> bytes:
+def _compile(nvcc: Path, name: str, sources: dict[str, bytes], options: Sequence[str], arch: str) -> bytes:
     with tempfile.TemporaryDirectory(prefix="kvtool-nvcc-") as work:
+        folder = Path(work) / "src"
+        for relative, data in sources.items():
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            (folder / relative).write_bytes(data)
         out = Path(work) / "kernel.cubin"
-        done = subprocess.run([str(nvcc), "--cubin", f"-arch={arch}", *options, f"-I{source.parent}",
-                               "-o", str(out), str(source)], capture_output=True, text=True, cwd=work)
+        command = [str(nvcc), "--cubin", f"-arch={arch}", *options, f"-I{folder}", "-o", str(out), str(folder / name)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=work, timeout=NVCC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"nvcc did not compile {name} for {arch} within {NVCC_TIMEOUT_S} s") from None
         if done.returncode != 0 or not out.exists():
             message = (done.stderr or done.stdout).strip()[:2000]   # the first error explains the rest
-            raise RuntimeError(f"nvcc could not compile {source.name} for {arch}: {message}")
+            raise RuntimeError(f"nvcc could not compile {name} for {arch}: {message}")
         return out.read_bytes()
 
 
@@ -83,6 +113,7 @@ def _store(path: Path, binary: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".cubin")
+        os.fchmod(handle, 0o644)     # readable by whoever shares the folder (mkstemp makes it private)
         with os.fdopen(handle, "wb") as file:
             file.write(binary)
         os.replace(temporary, path)

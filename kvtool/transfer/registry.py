@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import warnings
 from typing import Callable
@@ -43,13 +42,19 @@ def best_backend(device: torch.device) -> str:
     return GPU_DEFAULT
 
 
-@functools.lru_cache(maxsize=1)
+_gpu_default_ran: list[bool] = []
+"""Set once the GPU default was built here: a backend owns streams and buffers, and every
+registration asks. A failure is not remembered (it may pass: memory freed, nvcc's folder emptied)."""
+
+
 def _why_gpu_default_cannot_run() -> str | None:
-    """Tried once per process (a backend owns streams and buffers; every registration asks)."""
+    if _gpu_default_ran:
+        return None
     try:
         get_backend(GPU_DEFAULT)
     except Exception as exc:    # noqa: BLE001 - no nvcc, a driver mismatch: whatever stops it, torch works
         return f"{type(exc).__name__}: {exc}"
+    _gpu_default_ran.append(True)
     return None
 
 

@@ -40,9 +40,18 @@ def _run(device: str, corrupt: bool) -> FakeEngine:
 @pytest.mark.parametrize("compare_bytes", [0, 1 << 30], ids=["on-the-gpu", "on-the-host"])
 def test_one_wrong_byte_is_caught_where_it_is_and_checksums_match_the_cpu(monkeypatch, compare_bytes):
     monkeypatch.setattr(fake_engine, "HOST_COMPARE_BYTES", compare_bytes)
-    clean, cpu = _run("cuda", corrupt=False), _run("cpu", corrupt=False)
+    cpu = _run("cpu", corrupt=False)
+    compared_on, verify = set(), FakeEngine._verify
+
+    def spy(self, *args):
+        found = verify(self, *args)
+        compared_on.add(found.device.type if found is not None else None)
+        return found
+    monkeypatch.setattr(FakeEngine, "_verify", spy)
+    clean = _run("cuda", corrupt=False)
     assert clean.num_integrity_errors == 0 and clean.token == cpu.token
     broken = _run("cuda", corrupt=True)
+    assert compared_on - {None} == ({"cuda"} if compare_bytes == 0 else {"cpu"})
     assert broken.num_integrity_errors == 1
     issue = broken.issues[0]
     assert (issue.position, issue.layer_id, issue.role, issue.head) == (5, 0, "key", 1), issue
