@@ -118,9 +118,9 @@ class CudaBackendBase:
         try:
             with rt.current():
                 try:
-                    for events, _ in getattr(self, "_in_flight", ()):
-                        for event in events:
-                            event.synchronize()
+                    # no loop variable may keep an entry alive past the `with`: a comprehension's do not
+                    for event in [e for events, _ in getattr(self, "_in_flight", ()) for e in events]:
+                        event.synchronize()
                 finally:
                     self.__dict__.clear()
         except (RuntimeError, rt.cuda.Error) as exc:     # a copy failed earlier: say so, free the rest
