@@ -19,12 +19,12 @@ CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 def nvcc_runs(monkeypatch, tmp_path):
     """The cache in a fresh folder; the list of nvcc command lines run from now on."""
     monkeypatch.setenv("KVTOOL_CACHE_DIR", str(tmp_path / "cache"))
-    runs, real_run = [], subprocess.run
+    runs, real_popen = [], subprocess.Popen
 
-    def counting_run(command, *args, **kwargs):
+    def counting_popen(command, *args, **kwargs):
         runs.append(command)
-        return real_run(command, *args, **kwargs)
-    monkeypatch.setattr(kernel_cache.subprocess, "run", counting_run)
+        return real_popen(command, *args, **kwargs)
+    monkeypatch.setattr(kernel_cache.subprocess, "Popen", counting_popen)
     return runs
 
 
@@ -88,8 +88,9 @@ def test_a_define_an_included_header_or_the_architecture_changes_the_key(nvcc_ru
 @needs_nvcc
 def test_a_source_nvcc_refuses_is_a_clear_error_and_stores_nothing(nvcc_runs, sources):
     (sources / "copy_pages.cuh").write_text("this is not C++;\n")
-    with pytest.raises(RuntimeError, match=r"nvcc could not compile copy_pages.cu for sm_90: .*error"):
+    with pytest.raises(RuntimeError, match=r"nvcc could not compile copy_pages.cu for sm_90: .*error") as raised:
         kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
+    assert f"{sources}/copy_pages.cuh" in str(raised.value) and "kvtool-nvcc-" not in str(raised.value)
     assert not kernel_cache.cache_dir().exists() or not any(kernel_cache.cache_dir().iterdir())
 
 
@@ -105,3 +106,32 @@ def test_an_unwritable_cache_folder_still_returns_the_binary(monkeypatch, tmp_pa
     blocker.write_text("")
     monkeypatch.setenv("KVTOOL_CACHE_DIR", str(blocker / "cubin"))     # under a file: cannot be created
     assert kernel_cache.cubin(CUDA_DIR / "copy_pages.cu", ["-O3"], "sm_90")[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_what_is_compiled_is_what_was_hashed_not_an_edit_made_meanwhile(monkeypatch, nvcc_runs, sources):
+    args = (sources / "copy_pages.cu", ["-O3"], "sm_90")
+    original = kernel_cache.cubin(*args, fresh=True)
+    header, counting_popen = sources / "copy_pages.cuh", kernel_cache.subprocess.Popen
+
+    def edit_then_compile(command, *more, **kwargs):
+        header.write_text("this is not C++;\n")             # an editor saves while nvcc starts
+        return counting_popen(command, *more, **kwargs)
+    monkeypatch.setattr(kernel_cache.subprocess, "Popen", edit_then_compile)
+    assert kernel_cache.cubin(*args, fresh=True) == original
+
+
+@needs_nvcc
+def test_a_missing_source_or_no_home_is_said_or_simply_not_cached(monkeypatch, nvcc_runs, sources):
+    with pytest.raises(RuntimeError, match="no CUDA source .*absent.cu"):
+        kernel_cache.cubin(sources / "absent.cu", ["-O3"], "sm_90")
+    monkeypatch.delenv("KVTOOL_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("no home directory")
+    monkeypatch.setattr(kernel_cache.Path, "home", staticmethod(no_home))
+    assert kernel_cache.cache_dir() is None
+    kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
+    kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
+    assert len(nvcc_runs) == 2                                 # compiled each time, stored nowhere

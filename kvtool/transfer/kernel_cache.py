@@ -10,7 +10,9 @@ private folder first: an edit during the compile cannot store one binary under a
 renames the binary into place, so a reader never sees half a file. Processes that miss together
 each compile the same bytes; the last rename wins. An entry that is not an ELF file is a miss.
 
-The folder is `$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool/cubin` (`~/.cache/kvtool/cubin`).
+The folder is `$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool/cubin` (`~/.cache/kvtool/cubin`);
+with no home directory known, nothing is cached (a guessable shared folder could be planted with a
+binary this process would run).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,16 +34,16 @@ NVCC_TIMEOUT_S = 600
 ELF_MAGIC = b"\x7fELF"
 
 
-def cache_dir() -> Path:
-    """Where binaries are kept (created on the first write)."""
+def cache_dir() -> Path | None:
+    """Where binaries are kept (created on the first write); None: nowhere."""
     if os.environ.get("KVTOOL_CACHE_DIR"):
         return Path(os.environ["KVTOOL_CACHE_DIR"])
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "kvtool" / "cubin"
     try:
         return Path.home() / ".cache" / "kvtool" / "cubin"
-    except RuntimeError:        # no home directory known: a per-user folder in the temporary one
-        return Path(tempfile.gettempdir()) / f"kvtool-cubin-{os.getuid()}"
+    except RuntimeError:
+        return None
 
 
 def cubin(source: Path, options: Sequence[str], arch: str, fresh: bool = False) -> bytes:
@@ -51,14 +54,18 @@ def cubin(source: Path, options: Sequence[str], arch: str, fresh: bool = False) 
     written only means the next process compiles again."""
     nvcc = _nvcc()
     sources = _sources(source.parent)
-    path = cache_dir() / f"{_key(source.name, sources, options, arch, nvcc)}.cubin"
-    if not fresh:
+    if source.name not in sources:
+        raise RuntimeError(f"no CUDA source {source} (sources end in {', '.join(SOURCE_SUFFIXES)})")
+    folder = cache_dir()
+    path = None if folder is None else folder / f"{_key(source.name, sources, options, arch, nvcc)}.cubin"
+    if path is not None and not fresh:
         with contextlib.suppress(OSError):
             binary = path.read_bytes()
             if binary.startswith(ELF_MAGIC):
                 return binary
-    binary = _compile(nvcc, source.name, sources, options, arch)
-    _store(path, binary)
+    binary = _compile(nvcc, source, sources, options, arch)
+    if path is not None:
+        _store(path, binary)
     return binary
 
 
@@ -81,7 +88,8 @@ def _sources(folder: Path) -> dict[str, bytes]:
 def _key(name: str, sources: dict[str, bytes], options: Sequence[str], arch: str, nvcc: Path) -> str:
     stat = nvcc.stat()
     parts = [FORMAT, name.encode(), arch.encode(), *(o.encode() for o in options), str(nvcc).encode(),
-             f"{stat.st_size}:{stat.st_mtime_ns}".encode()]
+             f"{stat.st_size}:{stat.st_mtime_ns}".encode(),
+             *(os.environ.get(v, "").encode() for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"))]
     for relative, data in sources.items():
         parts += [relative.encode(), data]
     digest = hashlib.sha256()
@@ -90,21 +98,27 @@ def _key(name: str, sources: dict[str, bytes], options: Sequence[str], arch: str
     return digest.hexdigest()
 
 
-def _compile(nvcc: Path, name: str, sources: dict[str, bytes], options: Sequence[str], arch: str) -> bytes:
-    with tempfile.TemporaryDirectory(prefix="kvtool-nvcc-") as work:
+def _compile(nvcc: Path, source: Path, sources: dict[str, bytes], options: Sequence[str], arch: str) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="kvtool-nvcc-", ignore_cleanup_errors=True) as work:
         folder = Path(work) / "src"
         for relative, data in sources.items():
             (folder / relative).parent.mkdir(parents=True, exist_ok=True)
             (folder / relative).write_bytes(data)
         out = Path(work) / "kernel.cubin"
-        command = [str(nvcc), "--cubin", f"-arch={arch}", *options, f"-I{folder}", "-o", str(out), str(folder / name)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, cwd=work, timeout=NVCC_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"nvcc did not compile {name} for {arch} within {NVCC_TIMEOUT_S} s") from None
-        if done.returncode != 0 or not out.exists():
-            message = (done.stderr or done.stdout).strip()[:2000]   # the first error explains the rest
-            raise RuntimeError(f"nvcc could not compile {name} for {arch}: {message}")
+        command = [str(nvcc), "--cubin", f"-arch={arch}", *options, f"-I{folder}", "-o", str(out),
+                   str(folder / source.name)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work,
+                              start_new_session=True) as nvcc_run:
+            try:
+                stdout, stderr = nvcc_run.communicate(timeout=NVCC_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(nvcc_run.pid, signal.SIGKILL)      # nvcc's compilers too, not only nvcc
+                nvcc_run.communicate()
+                raise RuntimeError(f"nvcc did not compile {source.name} for {arch} within {NVCC_TIMEOUT_S} s") from None
+        if nvcc_run.returncode != 0 or not out.exists():
+            # the first error explains the rest; it names the copy, so name the sources instead
+            message = (stderr or stdout).strip()[:2000].replace(str(folder), str(source.parent))
+            raise RuntimeError(f"nvcc could not compile {source.name} for {arch}: {message}")
         return out.read_bytes()
 
 
@@ -113,9 +127,10 @@ def _store(path: Path, binary: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".cubin")
-        os.fchmod(handle, 0o644)     # readable by whoever shares the folder (mkstemp makes it private)
         with os.fdopen(handle, "wb") as file:
             file.write(binary)
+            with contextlib.suppress(OSError):      # readable by whoever shares the folder (mkstemp: private)
+                os.fchmod(file.fileno(), 0o644)
         os.replace(temporary, path)
     except OSError:
         if temporary is not None:
