@@ -140,6 +140,24 @@ def test_auto_backend_is_torch_for_pages_in_host_memory():
     assert best_backend(torch.device("cpu")) == "torch"
 
 
+def test_auto_backend_tries_the_gpu_default_once_a_process_and_says_why_it_fell_back(monkeypatch):
+    from kvtool.transfer import registry
+    tries = []
+
+    def failing(name, **options):
+        tries.append(name)
+        raise RuntimeError("nvcc is not on PATH")
+    monkeypatch.setattr(registry, "get_backend", failing)
+    registry._why_gpu_default_cannot_run.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"backend auto: staged cannot run here \(RuntimeError: nvcc is not"):
+            assert registry.best_backend(torch.device("cuda")) == "torch"
+            assert registry.best_backend(torch.device("cuda")) == "torch"
+        assert tries == ["staged"]
+    finally:
+        registry._why_gpu_default_cannot_run.cache_clear()
+
+
 def test_the_store_connectors_take_auto_as_their_backend_by_default():
     from kvtool.connectors.store_scheduler import STORE_OPTIONS
     backend = next(o for o in STORE_OPTIONS if o.name == "backend")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from typing import Callable
@@ -42,19 +43,14 @@ def best_backend(device: torch.device) -> str:
     return GPU_DEFAULT
 
 
-_gpu_default_ran: list[bool] = []
-"""Set once the GPU default was built here: a backend owns streams and buffers, and every
-registration asks. A failure is not remembered (it may pass: memory freed, nvcc's folder emptied)."""
-
-
+@functools.lru_cache(maxsize=1)
 def _why_gpu_default_cannot_run() -> str | None:
-    if _gpu_default_ran:
-        return None
+    """Tried once per process, whatever the outcome: a backend owns streams and buffers, a failure
+    may cost an nvcc run, and every registration asks."""
     try:
         get_backend(GPU_DEFAULT)
     except Exception as exc:    # noqa: BLE001 - no nvcc, a driver mismatch: whatever stops it, torch works
         return f"{type(exc).__name__}: {exc}"
-    _gpu_default_ran.append(True)
     return None
 
 
