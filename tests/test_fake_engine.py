@@ -239,3 +239,17 @@ def test_bytes_no_known_coordinate_wrote_are_shown_as_bytes(setup):
     page[0, 0, 0, :8] = torch.tensor(list(range(1, 9)), dtype=torch.uint8)
     fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
     assert _found_at(fake, 4) == "0102030405060708"
+
+
+def test_parts_moved_to_another_device_keep_their_shapes_order_and_bytes_in_one_copy(monkeypatch):
+    """`_moved` puts a layer's buffers side by side for one copy (on a GPU each copy synchronises).
+    Here the copy to the other device is a clone on the host, so the bytes can be compared."""
+    from kvtool.engine.fake_engine import _moved
+    parts = [torch.arange(24, dtype=torch.uint8).view(3, 2, 4), torch.arange(100, 118, dtype=torch.uint8).view(3, 2, 3)]
+    assert _moved(parts, torch.device("cpu")) is parts
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device: copies.append(device) or self.clone())
+    moved = _moved(parts, torch.device("meta"))
+    assert copies == [torch.device("meta")]
+    assert [tuple(m.shape) for m in moved] == [(3, 2, 4), (3, 2, 3)]
+    assert all(torch.equal(m, p) for m, p in zip(moved, parts))

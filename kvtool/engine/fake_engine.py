@@ -8,6 +8,7 @@ have written. Mismatches are counted and the first ones recorded with their coor
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -235,11 +236,11 @@ class FakeEngine:
         if page_ids is None:
             return
         buffers = self._buffers[layer_id]
-        device = self._view(buffers[0]).device
-        where = self._slots_and_offsets(page_ids, positions, device)
-        expected = self._expected(buffers, layer_id, hashes.array()[positions]).to(device)   # one copy
-        for lb, part in zip(buffers, self._split(expected, buffers)):
-            self._view(lb)[where[0], lb.index, where[1]] = part
+        views = [self._view(lb) for lb in buffers]
+        where = self._slots_and_offsets(page_ids, positions, views[0].device)
+        expected = _moved(self._expected(buffers, layer_id, hashes.array()[positions]), views[0].device)
+        for view, lb, part in zip(views, buffers, expected):
+            view[where[0], lb.index, where[1]] = part
 
     def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
         """[2, n] on `device`: each position's page and its offset in the block, moved in one copy
@@ -256,31 +257,23 @@ class FakeEngine:
         if page_ids is None:
             return None
         buffers = self._buffers[layer_id]
-        where = self._slots_and_offsets(page_ids, positions, self._view(buffers[0]).device)
-        found = torch.cat([self._view(lb)[where[0], lb.index, where[1]].reshape(len(positions), -1)
-                           for lb in buffers], dim=1)
-        if found.device.type != "cpu" and found.numel() <= HOST_COMPARE_BYTES:
-            found = found.cpu()
-        expected = self._expected(buffers, layer_id, hashes.array()[positions]).to(found.device)
-        for lb, found_part, expected_part in zip(buffers, self._split(found, buffers), self._split(expected, buffers)):
+        views = [self._view(lb) for lb in buffers]
+        where = self._slots_and_offsets(page_ids, positions, views[0].device)
+        found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers)]
+        if found[0].device.type != "cpu" and sum(part.numel() for part in found) <= HOST_COMPARE_BYTES:
+            found = _moved(found, torch.device("cpu"))
+        expected = _moved(self._expected(buffers, layer_id, hashes.array()[positions]), found[0].device)
+        for lb, found_part, expected_part in zip(buffers, found, expected):
             bad = (found_part != expected_part).any(dim=-1)
             if bool(bad.any()):
                 self._record(request_id, group, layer_id, lb, positions, bad, expected_part, found_part)
-        return found
+        return torch.cat([part.reshape(len(positions), -1) for part in found], dim=1)
 
     @staticmethod
-    def _expected(buffers: list[_LayerBuffer], layer_id: int, prefix_hashes: np.ndarray) -> torch.Tensor:
-        """uint8 [positions, every buffer's heads x head bytes] on the host: a layer's buffers side by side."""
-        parts = [expected_bytes(prefix_hashes, layer_id, lb.buffer.role, lb.num_heads, lb.head_bytes, lb.first_head)
-                 .reshape(len(prefix_hashes), -1) for lb in buffers]
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=1)))
-
-    @staticmethod
-    def _split(side_by_side: torch.Tensor, buffers: list[_LayerBuffer]) -> list[torch.Tensor]:
-        """`_expected`'s layout cut back into each buffer's [positions, heads, head bytes]."""
-        widths = [lb.num_heads * lb.head_bytes for lb in buffers]
-        return [part.view(len(side_by_side), lb.num_heads, lb.head_bytes)
-                for lb, part in zip(buffers, torch.split(side_by_side, widths, dim=1))]
+    def _expected(buffers: list[_LayerBuffer], layer_id: int, prefix_hashes: np.ndarray) -> list[torch.Tensor]:
+        """Each buffer's expected bytes, uint8 [positions, heads, head bytes], on the host."""
+        return [torch.from_numpy(np.ascontiguousarray(expected_bytes(
+            prefix_hashes, layer_id, lb.buffer.role, lb.num_heads, lb.head_bytes, lb.first_head))) for lb in buffers]
 
     def _page_ids(self, group: LayerGroupSpec, request_id: int, pages: Sequence[int], positions: np.ndarray,
                   layer_id: int, what: str) -> np.ndarray | None:
@@ -326,3 +319,14 @@ class FakeEngine:
         if len(self.issues) < MAX_RECORDED_ISSUES:
             self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
                                               position, head, "-", "-", what))
+
+
+def _moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`parts` (same first dimension) on `device`, in one copy side by side when they are elsewhere:
+    on a GPU every copy is a synchronisation (`HOST_COMPARE_BYTES`)."""
+    if parts[0].device == device:
+        return parts
+    rows = len(parts[0])
+    moved = torch.cat([part.reshape(rows, -1) for part in parts], dim=1).to(device)
+    widths = [math.prod(part.shape[1:]) for part in parts]
+    return [piece.view(part.shape) for part, piece in zip(parts, torch.split(moved, widths, dim=1))]
