@@ -83,7 +83,7 @@ def test_kvtool_has_no_import_loop():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-LAYERS = ("types", "errors", "blocks", "group_pages", "units", "models", "manager", "transfer", "connector",
+LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer", "connector",
           "connectors", "workloads", "engine", "bench", "validate", "report", "cli", "__main__")
 """Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""
 

@@ -10,7 +10,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.registry import load_connector
 from kvtool.connector.request import Request
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex
-from kvtool.connectors import disk as disk_module
+from kvtool import atomic_file
 from kvtool.connectors.disk import DiskConnectorScheduler, block_path, read_block, write_block
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import Phase
@@ -152,7 +152,7 @@ def test_a_save_that_crashes_midway_publishes_nothing(crash_in, tmp_path, monkey
     def crash(*args, **kwargs):
         raise OSError(5, "simulated crash")
 
-    monkeypatch.setattr(disk_module.os, crash_in, crash)
+    monkeypatch.setattr(atomic_file.os, crash_in, crash)     # the disk connector publishes through it
     with pytest.raises(OSError, match="simulated crash"):
         write_block(path, key, 0, payload)
     monkeypatch.undo()

@@ -12,14 +12,13 @@ Options: `dir` (the folder; default ./kvtool-disk-cache), `mode` (`sync`, `layer
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Sequence
 
 
+from kvtool.atomic_file import publish
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.block_codec import CorruptBlock, decode_block, encode_block, layout_signature
@@ -50,24 +49,8 @@ def read_block(path: Path, key: bytes, layer_group_id: int, payload_bytes: int) 
 
 def write_block(path: Path, key: bytes, layer_group_id: int, payload: bytes) -> None:
     """Publish atomically: a reader sees the whole file or none."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(encode_block(key, layer_group_id, payload))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if not path.exists():
+        publish(path, encode_block(key, layer_group_id, payload))
 
 
 def sweep_stale_temp_files(root: Path, older_than_seconds: float = STALE_TEMP_SECONDS) -> int:

@@ -7,7 +7,7 @@ sources of the kernels' folder (`SOURCE_SUFFIXES`, subfolders included: the sour
 includes), the options, the architecture and the nvcc binary's identity (resolved path, size,
 modification time). A miss compiles exactly the bytes the key was computed from (copied to a
 private folder first: an edit during the compile cannot store one binary under another's key) and
-renames the binary into place, so a reader never sees half a file. Processes that miss together
+publishes the binary whole (`atomic_file`). Processes that miss together
 each compile the same bytes; the last rename wins. An entry that is not an ELF file is a miss.
 
 The folder is `$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool/cubin` (`~/.cache/kvtool/cubin`);
@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
+
+from kvtool.atomic_file import publish
 
 FORMAT = b"kvtool-cubin-2"
 """Part of every key: changing how binaries are built here makes every older entry a miss."""
@@ -123,16 +125,5 @@ def _compile(nvcc: Path, source: Path, sources: dict[str, bytes], options: Seque
 
 
 def _store(path: Path, binary: bytes) -> None:
-    temporary = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".cubin")
-        with os.fdopen(handle, "wb") as file:
-            file.write(binary)
-            with contextlib.suppress(OSError):      # readable by whoever shares the folder (mkstemp: private)
-                os.fchmod(file.fileno(), 0o644)
-        os.replace(temporary, path)
-    except OSError:
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+    with contextlib.suppress(OSError):      # readable by whoever shares the folder
+        publish(path, binary, mode=0o644)
