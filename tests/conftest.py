@@ -27,8 +27,15 @@ def vswa() -> KvCacheManager:
 def pytest_collection_modifyitems(config, items):
     """Tests marked `slow` run first (in their collected order), so that under pytest-xdist the
     longest ones start at once and the workers finish together instead of one ending on a long test.
-    Nothing is deselected: a plain `pytest` runs every test."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)    # a stable sort
+    `gpu_alone` ones run last: by then most workers have run out of tests, so waiting for the GPU
+    alone (tests/gpu/conftest.py) holds back few others. Nothing is deselected: a plain `pytest`
+    runs every test."""
+    items.sort(key=run_order)    # a stable sort
+
+
+def run_order(item) -> tuple[bool, bool]:
+    """The sort key of `pytest_collection_modifyitems`: `slow` first, `gpu_alone` last."""
+    return item.get_closest_marker("slow") is None, item.get_closest_marker("gpu_alone") is not None
 
 
 def pytest_collection_finish(session):

@@ -3,6 +3,7 @@ decides the binary (a define, an included header, the architecture) is a miss. N
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import subprocess
 from pathlib import Path
@@ -40,16 +41,30 @@ def test_the_second_ask_reads_the_binary_without_running_nvcc(nvcc_runs, sources
     assert first[:4] == b"\x7fELF" and len(nvcc_runs) == 1
     assert kernel_cache.cubin(sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90") == first
     assert len(nvcc_runs) == 1
-    entries = list(kernel_cache.cache_dir().iterdir())
-    assert [p.suffix for p in entries] == [".cubin"] and not any(p.name.startswith(".") for p in entries)
+    entries = sorted(kernel_cache.cache_dir().iterdir())
+    assert [p.suffix for p in entries] == [".cubin", ".lock"] and not any(p.name.startswith(".") for p in entries)
     assert entries[0].stat().st_mode & 0o777 == 0o644      # a shared cache folder serves every user
+
+
+@needs_nvcc
+def test_askers_that_miss_together_run_nvcc_once_and_sweep_what_a_killed_writer_left(nvcc_runs, sources):
+    args = (sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=2"], "sm_90")
+    key = kernel_cache._key("copy_pages.cu", kernel_cache._sources(sources), args[1], args[2], kernel_cache._nvcc())
+    folder = kernel_cache.cache_dir()
+    folder.mkdir(parents=True)
+    left = folder / f".{key}.cubin.abc123.tmp"           # atomic_file's temporary of a writer killed mid-write
+    left.write_bytes(b"half a binary")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        binaries = list(pool.map(lambda _: kernel_cache.cubin(*args), range(4)))
+    assert len(nvcc_runs) == 1 and len(set(binaries)) == 1 and binaries[0][:4] == b"\x7fELF"
+    assert not left.exists()
 
 
 @needs_nvcc
 def test_a_damaged_entry_is_a_miss_and_is_replaced(nvcc_runs, sources):
     args = (sources / "copy_pages.cu", ["-O3"], "sm_90")
     good = kernel_cache.cubin(*args)
-    [entry] = kernel_cache.cache_dir().iterdir()
+    [entry] = kernel_cache.cache_dir().glob("*.cubin")
     entry.write_bytes(good[:100].replace(b"\x7fELF", b"\0\0\0\0"))
     assert kernel_cache.cubin(*args) == good and len(nvcc_runs) == 2
     assert entry.read_bytes() == good
@@ -82,7 +97,7 @@ def test_a_define_an_included_header_or_the_architecture_changes_the_key(nvcc_ru
     kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_90")
     assert len(nvcc_runs) == 3
     kernel_cache.cubin(source, ["-O3", "-DKVTOOL_UNROLL=4"], "sm_100")
-    assert len(nvcc_runs) == 4 and len(list(kernel_cache.cache_dir().iterdir())) == 4
+    assert len(nvcc_runs) == 4 and len(list(kernel_cache.cache_dir().glob("*.cubin"))) == 4
 
 
 @needs_nvcc
@@ -91,7 +106,7 @@ def test_a_source_nvcc_refuses_is_a_clear_error_and_stores_nothing(nvcc_runs, so
     with pytest.raises(RuntimeError, match=r"nvcc could not compile copy_pages.cu for sm_90: .*error") as raised:
         kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
     assert f"{sources}/copy_pages.cuh" in str(raised.value) and "kvtool-nvcc-" not in str(raised.value)
-    assert not kernel_cache.cache_dir().exists() or not any(kernel_cache.cache_dir().iterdir())
+    assert not kernel_cache.cache_dir().exists() or not any(kernel_cache.cache_dir().glob("*.cubin"))
 
 
 def test_without_nvcc_the_error_says_so(monkeypatch, tmp_path):

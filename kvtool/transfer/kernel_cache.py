@@ -7,8 +7,8 @@ sources of the kernels' folder (`SOURCE_SUFFIXES`, subfolders included: the sour
 includes), the options, the architecture and the nvcc binary's identity (resolved path, size,
 modification time). A miss compiles exactly the bytes the key was computed from (copied to a
 private folder first: an edit during the compile cannot store one binary under another's key) and
-publishes the binary whole (`atomic_file`). Processes that miss together
-each compile the same bytes; the last rename wins. An entry that is not an ELF file is a miss.
+publishes the binary whole (`atomic_file`). Processes that miss together wait for one of them to
+compile (a lock file per key) and then read its binary. An entry that is not an ELF file is a miss.
 
 The folder is `$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool/cubin` (`~/.cache/kvtool/cubin`);
 with no home directory known, nothing is cached (a guessable shared folder could be planted with a
@@ -18,6 +18,7 @@ binary this process would run).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -59,16 +60,45 @@ def cubin(source: Path, options: Sequence[str], arch: str, fresh: bool = False) 
     if source.name not in sources:
         raise RuntimeError(f"no CUDA source {source} (sources end in {', '.join(SOURCE_SUFFIXES)})")
     folder = cache_dir()
-    path = None if folder is None else folder / f"{_key(source.name, sources, options, arch, nvcc)}.cubin"
-    if path is not None and not fresh:
-        with contextlib.suppress(OSError):
-            binary = path.read_bytes()
-            if binary.startswith(ELF_MAGIC):
-                return binary
-    binary = _compile(nvcc, source, sources, options, arch)
-    if path is not None:
-        _store(path, binary)
-    return binary
+    if folder is None:
+        return _compile(nvcc, source, sources, options, arch)
+    path = folder / f"{_key(source.name, sources, options, arch, nvcc)}.cubin"
+    binary = None if fresh else _cached(path)
+    if binary is not None:
+        return binary
+    with _compiling(path):
+        binary = None if fresh else _cached(path)     # another process may have compiled it meanwhile
+        if binary is None:
+            binary = _compile(nvcc, source, sources, options, arch)
+            _store(path, binary)
+        return binary
+
+
+def _cached(path: Path) -> bytes | None:
+    with contextlib.suppress(OSError):
+        binary = path.read_bytes()
+        if binary.startswith(ELF_MAGIC):
+            return binary
+    return None
+
+
+@contextlib.contextmanager
+def _compiling(path: Path):
+    """Hold `path`'s compile lock (`NAME.lock` beside it): one process compiles a key at a time,
+    and the others find its binary once it is stored. Holding it, the temporaries of `path`
+    (`atomic_file`'s `.NAME.XXXX.tmp`) can only be what killed writers left: removed. A folder
+    that cannot be written: no lock, each process compiles for itself."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        for left in path.parent.glob(f".{path.name}.*.tmp"):
+            left.unlink(missing_ok=True)
+        yield
 
 
 def _nvcc() -> Path:

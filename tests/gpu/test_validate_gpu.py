@@ -3,13 +3,17 @@ kit on device pages. Skipped without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.gpu_share import gpu_share, run_lock
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -29,24 +33,31 @@ Python, torch, the fork server and CUDA, so the fixture starts them all at once.
 
 
 @pytest.fixture(scope="module")
-def small_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    started = {}
-    try:
+def small_runs(tmp_path_factory, pytestconfig) -> dict[str, subprocess.CompletedProcess]:
+    started: dict[str, tuple[list[str], Path, subprocess.Popen]] = {}
+    # a module fixture is set up before a test's own GPU lock is taken, so it takes its own
+    with gpu_share(run_lock(pytestconfig, tmp_path_factory)), contextlib.ExitStack() as stack:
+        stack.callback(lambda: _kill_groups([process for _, _, process in started.values()]))
         for name, args in SMALL_RUNS.items():
             folder = tmp_path_factory.mktemp(name)
             (folder / "leaving.py").write_text("import os\nos._exit(0)\n")
             command = _command([a.format(folder=folder) for a in args])
             with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:   # no pipe to fill
                 started[name] = (command, folder, subprocess.Popen(command, stdout=out, stderr=err, cwd=folder,
-                                                                   env=_env()))
+                                                                   env=_env(), start_new_session=True))
         return {name: subprocess.CompletedProcess(command, process.wait(timeout=900),
                                                   (folder / "stdout").read_text(), (folder / "stderr").read_text())
                 for name, (command, folder, process) in started.items()}
-    finally:
-        for _, _, process in started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+
+
+def _kill_groups(processes: list[subprocess.Popen]) -> None:
+    """Kill what is still running of each validate run: the run and its scenario processes (each
+    run leads a session of its own)."""
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _command(args) -> list[str]:
@@ -70,20 +81,23 @@ JOBS = "4"
 core of the H200 machine (each lowers its --jobs to the CPUs it sees, but knows nothing of the others)."""
 
 
+@pytest.mark.slow
 def test_the_whole_kit_passes_on_device_pages(tmp_path):
     """Every built-in host-memory connector, each in its own process, all at once, each running
     `JOBS` scenarios at once (they share the GPU, which only adds contention). One after another the
     four validations took four times as long; at once, with one scenario at a time each, 84 s on
     the H200."""
-    runs = {}
-    for connector in WHOLE_KIT:
-        folder = tmp_path / connector
-        folder.mkdir()
-        runs[connector] = subprocess.Popen(_command([connector, "--device", "cuda", "--jobs", JOBS,
-                                                    "--output", str(folder / "run")]),
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder,
-                                           env=_env())
-    outcomes = {name: (run.communicate(timeout=900), run.returncode) for name, run in runs.items()}
+    runs: dict[str, subprocess.Popen] = {}
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: _kill_groups(list(runs.values())))
+        for connector in WHOLE_KIT:
+            folder = tmp_path / connector
+            folder.mkdir()
+            runs[connector] = subprocess.Popen(_command([connector, "--device", "cuda", "--jobs", JOBS,
+                                                        "--output", str(folder / "run")]),
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder,
+                                               env=_env(), start_new_session=True)
+        outcomes = {name: (run.communicate(timeout=900), run.returncode) for name, run in runs.items()}
     failed = {name: out[-4000:] + err[-2000:] for name, ((out, err), code) in outcomes.items() if code != 0}
     assert not failed, "\n\n".join(f"--- {name} ---\n{text}" for name, text in failed.items())
     for connector in WHOLE_KIT:

@@ -1,0 +1,22 @@
+"""One GPU shared by pytest-xdist's workers: the tests that time products on the GPU run with it alone.
+
+`python -m pytest tests/gpu` runs with the project's addopts (up to 8 workers), so the validations,
+benches and worker-thread scripts of different files overlap on the one GPU. That is fine for tests
+that check bytes and outcomes, not for one that compares how long GPU products take
+(`gpu_alone`): every test holds a shared lock on one file per test run while it runs, and a
+`gpu_alone` test holds it exclusively, so it starts once every other worker's test has ended and
+none starts until it ends. Without workers (`-n 0`) nothing overlaps and no lock is taken."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.gpu_share import gpu_share, run_lock
+
+
+@pytest.fixture(autouse=True)
+def _gpu_lock(request, tmp_path_factory):
+    alone = request.node.get_closest_marker("gpu_alone") is not None
+    with gpu_share(run_lock(request.config, tmp_path_factory), alone):
+        yield
+
