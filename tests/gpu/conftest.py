@@ -9,6 +9,9 @@ none starts until it ends. Without workers (`-n 0`) nothing overlaps and no lock
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from tests.helpers.gpu_share import gpu_share, run_lock
@@ -16,7 +19,13 @@ from tests.helpers.gpu_share import gpu_share, run_lock
 
 @pytest.fixture(autouse=True)
 def _gpu_lock(request, tmp_path_factory):
+    """Every test's lock; its worker, its start and how long it waited for the GPU land in the
+    JUnit report's properties (what a slow run on the GPU machine is read from)."""
     alone = request.node.get_closest_marker("gpu_alone") is not None
+    asked = time.time()
     with gpu_share(run_lock(request.config, tmp_path_factory), alone):
+        started = time.time()
+        request.node.user_properties += [("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")),
+                                         ("started", f"{started:.2f}"), ("gpu_lock_wait_s", f"{started - asked:.2f}")]
         yield
 

@@ -30,6 +30,8 @@ SMALL_RUNS = {
 }
 """The small validate runs the tests below judge, each in its own folder. Each spends ~10 s starting
 Python, torch, the fork server and CUDA, so the fixture starts them all at once."""
+SMALL_RUNS_TOGETHER = pytest.mark.xdist_group("small-validate-runs")
+"""The tests that judge them, on one pytest-xdist worker: the runs are made once, not once per worker."""
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
+@SMALL_RUNS_TOGETHER
 def test_scenarios_run_after_the_parent_initialised_cuda(small_runs):
     """The parent builds the connector (pinned buffers: CUDA is initialised) before any scenario."""
     done = small_runs["after-parent-cuda"]
@@ -104,12 +107,14 @@ def test_the_whole_kit_passes_on_device_pages(tmp_path):
         assert (tmp_path / connector / "run" / "results.json").exists()
 
 
+@SMALL_RUNS_TOGETHER
 def test_compat_modules_reach_fork_server_processes(small_runs):
     """A fork server's children import nothing from the parent: --compat must be installed there too."""
     done = small_runs["compat"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
+@SMALL_RUNS_TOGETHER
 def test_a_connector_that_exits_at_import_is_exit_2_under_the_fork_server(small_runs):
     done = small_runs["exits-at-import"]
     assert done.returncode == 2 and "ended its process (exit code 0) while importing it" in done.stderr
