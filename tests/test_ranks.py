@@ -3,6 +3,7 @@ as one rank, per-rank integrity, and a rank that dies or raises."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -230,3 +231,17 @@ def test_the_rank_overhead_bench_still_drives_the_followers():
     """`python -m kvtool.bench.rank_overhead` builds orders by hand: it broke once when PassOrder changed."""
     from kvtool.bench.rank_overhead import empty_round_trip_us
     assert empty_round_trip_us(2, repeats=3) > 0
+
+
+def test_a_follower_whose_group_fails_after_the_rendezvous_is_named_at_once_not_after_the_timeout(monkeypatch):
+    """It set its joined mark, then its init_process_group raised and it ended: rank 0, inside its
+    own init_process_group, would wait the whole timeout for it."""
+    from kvtool.engine import ranks
+    from tests.helpers.failing_follower import REFUSAL, follow_whose_group_fails
+    monkeypatch.setattr(ranks, "follow", follow_whose_group_fails)
+    setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 1, 2, 0, None,
+                      (), 0, 120.0)
+    started = time.monotonic()
+    with pytest.raises(RankGroupError, match=rf"^rank 1 ended \(exit code 1\) during joining rank 0: .*{REFUSAL}"):
+        ranks.Followers(setup)
+    assert time.monotonic() - started < 60, "waited for the timeout"

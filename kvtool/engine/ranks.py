@@ -17,6 +17,7 @@ import datetime
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -132,7 +133,7 @@ class Followers:
                 process.start()
                 self._processes.append(process)      # only started ones: close() joins them
             self._await_followers(store)
-            _init_group(0, setup, store)
+            self._join_group(store)
         except RankGroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - a group that cannot form is one line
@@ -155,6 +156,22 @@ class Followers:
                 self.close(force=True)
                 raise RankGroupError(f"rank {late[0]} did not start within {self.setup.timeout_s:g} s (in {stage})")
             time.sleep(0.02)
+
+    def _join_group(self, store) -> None:
+        """Rank 0's `init_process_group`, watching the followers meanwhile: one that reached the
+        rendezvous and then ended (its own init failed) is named at once, where the group would
+        wait the whole timeout for it. The join runs on a daemon thread, left blocked then (this
+        rank has failed; the thread ends with the timeout or the process)."""
+        outcome: list[BaseException | None] = []
+        joiner = threading.Thread(target=_join_reporting, args=(self.setup, store, outcome), daemon=True,
+                                  name="kvtool-rank0-join")
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.05)
+            if joiner.is_alive() and any(not process.is_alive() for process in self._processes):
+                raise self._gone()
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def broadcast(self, order: PassOrder | FinishedOrder) -> None:
         """Send `order` to every follower (rank 0 then runs its own pass, and `gather`s).
@@ -229,6 +246,16 @@ def _init_group(rank: int, setup: RankSetup, store=None) -> None:
         store = dist.TCPStore("127.0.0.1", setup.port, setup.num_ranks, is_master=False, timeout=timeout)
         store.set(_joined_key(rank), "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=setup.num_ranks, timeout=timeout)
+
+
+def _join_reporting(setup: RankSetup, store, outcome: list) -> None:
+    """Rank 0's `_init_group`, on `Followers._join_group`'s thread: appends what it raised, or None."""
+    try:
+        _init_group(0, setup, store)
+    except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+        outcome.append(exc)
+    else:
+        outcome.append(None)
 
 
 def _joined_key(rank: int) -> str:
