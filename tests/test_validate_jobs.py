@@ -3,6 +3,7 @@ a model's registration first; the scenarios that disrupt the --remote server alo
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -18,10 +19,14 @@ from kvtool.cli import app
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.registry import load_connector
-from kvtool.validate.harness import Context
+from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
+from kvtool.models import load_model
+from kvtool.validate.harness import MAX_SLOTS, Context
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.results import CheckResult, Verdict
-from kvtool.validate.runner import SETUP, Schedule, Task, max_jobs, next_task, plan, run_all
+from kvtool.validate.runner import (SCENARIO_GPU_OVERHEAD_BYTES, SETUP, Schedule, Task, gpu_jobs_cap, max_jobs,
+                                   next_task, plan, run_all)
 from tests.helpers.broken_connectors import BROKEN
 
 runner = CliRunner()
@@ -229,3 +234,31 @@ def test_more_jobs_than_cpus_are_lowered_with_a_warning(monkeypatch):
 def test_the_cap_counts_every_rank_of_a_scenario():
     assert max_jobs(1) >= 1 and max_jobs(1000) == 1
     assert max_jobs(2) == max(1, max_jobs(1) // 2)
+
+
+def test_the_gpu_cap_counts_every_process_its_overhead_and_the_largest_models_pools():
+    tiny = SCENARIO_GPU_OVERHEAD_BYTES + pools_at_max_slots("tiny")
+    llama = SCENARIO_GPU_OVERHEAD_BYTES + pools_at_max_slots("llama-3.1-8b")
+    assert pools_at_max_slots("llama-3.1-8b") == 512 << 20          # 128 KiB a 4-token block x 4096 pages
+    assert gpu_jobs_cap(["tiny"], 4, 1, 3 * tiny) == 3
+    assert gpu_jobs_cap(["tiny"], 4, 1, 3 * tiny - 1) == 2
+    assert gpu_jobs_cap(["tiny"], 4, 2, 4 * tiny) == 2               # a scenario of two ranks: two processes
+    assert gpu_jobs_cap(["tiny", "llama-3.1-8b"], 4, 1, 3 * llama) == 3
+    assert gpu_jobs_cap(["tiny"], 4, 1, 0) == 1                      # never fewer than one
+
+
+def test_jobs_beyond_the_gpus_free_memory_are_lowered_said_as_a_warning_when_asked_for(monkeypatch, capsys):
+    cli = importlib.import_module("kvtool.cli.validate")     # the package exports the command under that name
+    per = SCENARIO_GPU_OVERHEAD_BYTES + pools_at_max_slots("tiny")
+    monkeypatch.setattr(cli.torch.cuda, "mem_get_info", lambda: (5 * per, 80 << 30))
+    assert cli._jobs_that_fit_the_gpu(8, ["tiny"], 4, 1, asked=True) == 5
+    assert "warning: --jobs 8: the GPU's free memory holds 5 scenarios at once" in capsys.readouterr().err
+    assert cli._jobs_that_fit_the_gpu(8, ["tiny"], 4, 1, asked=False) == 5
+    err = capsys.readouterr().err
+    assert "warning" not in err and "holds 5 scenarios" in err
+    assert cli._jobs_that_fit_the_gpu(4, ["tiny"], 4, 1, asked=True) == 4 and capsys.readouterr().err == ""
+
+
+def pools_at_max_slots(model: str) -> int:
+    groups = plan_pool_groups(plan_layer_groups(load_model(model), 4))
+    return placed_bytes(groups, [MAX_SLOTS] * len(groups))

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                connector_options, deprecated, fail, frame_text, note_model_origin,
-                               pages_device, parse_options, print_connector_help, suggest, warn)
+                               pages_device, parse_options, print_connector_help, say, suggest, warn)
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
@@ -26,7 +26,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
-from kvtool.validate.runner import max_jobs, run_all
+from kvtool.validate.runner import SCENARIO_GPU_OVERHEAD_BYTES, gpu_jobs_cap, max_jobs, run_all
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
@@ -120,6 +120,9 @@ def validate(
     for name in models:
         note_model_origin(load_model(name))
         shard_model(load_model(name), tp, 0)   # exit 2 when --tp does not divide a model's heads
+    if device == "cuda":
+        jobs_at_once = _jobs_that_fit_the_gpu(jobs_at_once, models, tokens_per_block, num_ranks,
+                                              asked=jobs.strip().lower() != "auto")
     # The target is imported and built in a child first: one that exits or hangs there is exit 2.
     preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
               compat, timeout)
@@ -168,6 +171,17 @@ def _jobs(value: str, num_ranks: int) -> int:
         per = f" ({num_ranks} processes a scenario with --num-ranks {num_ranks})" if num_ranks > 1 else ""
         warn(f"--jobs {jobs}: this machine's CPUs run {cap} scenario{'s' * (cap != 1)} at once{per}; "
              f"running {cap}")
+    return min(jobs, cap)
+
+
+def _jobs_that_fit_the_gpu(jobs: int, models: list[str], tokens_per_block: int, num_ranks: int, asked: bool) -> int:
+    """`jobs`, lowered to the scenarios whose processes fit the GPU's free memory together
+    (`runner.gpu_jobs_cap`): beyond it, scenarios would fail out of memory, which would read as
+    the connector's failures. Said as a warning when the count was `asked` for, else as a note."""
+    cap = gpu_jobs_cap(models, tokens_per_block, num_ranks, torch.cuda.mem_get_info()[0])
+    if jobs > cap:
+        (warn if asked else say)(f"--jobs {jobs}: the GPU's free memory holds {cap} scenario{'s' * (cap != 1)} at once "
+             f"(about {SCENARIO_GPU_OVERHEAD_BYTES >> 30} GiB a process besides its pools); running {cap}")
     return min(jobs, cap)
 
 

@@ -23,6 +23,10 @@ from kvtool.validate.results import CheckResult, Verdict, verdict
 
 CANARY_ID = -424242
 
+MAX_SLOTS = 1024
+"""The most slots a pool group of any engine a scenario builds gets (the reference run's cap; the
+scenarios' own pools are smaller): what `runner.gpu_jobs_cap` sizes a scenario process by."""
+
 
 @dataclass(frozen=True)
 class Context:
@@ -189,7 +193,7 @@ def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None
     # room for every request at once (never squeezed), and no more: a block of a real model's layout
     # at a window-sized block size is megabytes
     blocks = sum(-(-(len(q.tokens) + q.max_new_tokens + draft_tokens) // tpb) for q in requests)
-    num_slots = min(1024, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)   # pages a block takes <= groups
+    num_slots = min(MAX_SLOTS, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)   # pages a block takes <= groups
     result = run(ctx, list(requests), num_slots=num_slots, chunk_size=chunk_size, local_reuse=True, connector=False)
     return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
 

@@ -18,7 +18,10 @@ import torch
 from kvtool.connector.store_namespace import store_namespace
 from kvtool.connector.compat import install_compat
 from kvtool.connector.raised import describe_error, format_error
-from kvtool.validate.harness import Context, registration_error, take_tracebacks
+from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
+from kvtool.models import load_model
+from kvtool.validate.harness import MAX_SLOTS, Context, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
@@ -214,6 +217,20 @@ def max_jobs(num_ranks: int = 1) -> int:
     scenario being `num_ranks` processes (at least 1)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // num_ranks)
+
+
+SCENARIO_GPU_OVERHEAD_BYTES = 1 << 30
+"""A scenario process's GPU memory besides its pools: the CUDA context, PyTorch's and cuBLAS's
+workspaces, a transfer backend's staging buffers. An estimate rounded up, not a measurement."""
+
+
+def gpu_jobs_cap(models: Sequence[str], tokens_per_block: int, num_ranks: int, free_bytes: int) -> int:
+    """How many scenarios fit `free_bytes` of GPU memory at once (at least 1): each is `num_ranks`
+    processes, each with `SCENARIO_GPU_OVERHEAD_BYTES` and the pools of the largest of `models` at
+    `harness.MAX_SLOTS` slots per pool group."""
+    pool_groups = [plan_pool_groups(plan_layer_groups(load_model(m), tokens_per_block)) for m in models]
+    pools = max(placed_bytes(groups, [MAX_SLOTS] * len(groups)) for groups in pool_groups)
+    return max(1, free_bytes // ((SCENARIO_GPU_OVERHEAD_BYTES + pools) * num_ranks))
 
 
 def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
