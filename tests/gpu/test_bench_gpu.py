@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtool.bench.protocol_compute import run_compute_suite
+from kvtool.bench.protocol_engine import scratch_working_folder
+from kvtool.bench.protocol_suite import QUICK, QUICK_TOKENS_PER_BLOCK
+from kvtool.connectors.registry import load_connector
+
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -47,14 +52,21 @@ class SpinningWorker(DictConnectorWorker):
 
 
 @pytest.mark.gpu_alone
-def test_a_save_that_only_spins_python_costs_the_gpu_products_nothing(tmp_path):
+def test_a_save_that_only_spins_python_costs_the_gpu_products_nothing(tmp_path, monkeypatch):
     """The products share the interpreter with the engine: a hook spinning in Python must not read as
     GPU interference (batches whose stream idled waiting for the interpreter are dropped). It times
-    products, so no other test of the run may use the GPU meanwhile (`gpu_alone`)."""
+    products, so no other test of the run may use the GPU meanwhile (`gpu_alone`); it runs the
+    compute rounds of `bench --suite store --with-compute --quick` in this process, whose CUDA is up
+    already, to hold the GPU alone for as short a time as it can."""
     (tmp_path / "spinning.py").write_text(SPINNING)
-    results = _bench(f"{tmp_path / 'spinning.py'}:DictConnectorScheduler:SpinningWorker", "tiny", tmp_path,
-                     extra_path=REPO / "examples")
-    mine = results["compute"][0]
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    spec = load_connector(f"{tmp_path / 'spinning.py'}:DictConnectorScheduler:SpinningWorker")
+    rows: list = []
+    with scratch_working_folder():
+        problems = run_compute_suite([(spec, {}, "spinning")], "tiny", list(QUICK_TOKENS_PER_BLOCK), QUICK, "cuda",
+                                     rows)
+    assert problems == [] and [r.verified for r in rows] == [True]
+    mine = rows[0].as_dict()
     row = json.dumps(mine, indent=1)
     print(row)          # .ci/gpu-session keeps it (-rP): the reading, passed or not
     assert mine["products_during_saves"] >= 20, row
@@ -63,9 +75,9 @@ def test_a_save_that_only_spins_python_costs_the_gpu_products_nothing(tmp_path):
     assert mine["slowdown_during_saves"] < 0.05, row
 
 
-def _bench(connector: str, model: str, tmp_path: Path, extra_path: Path | None = None) -> dict:
+def _bench(connector: str, model: str, tmp_path: Path) -> dict:
     out = tmp_path / "run"
-    path = [str(REPO)] + ([str(extra_path)] if extra_path else []) + [os.environ.get("PYTHONPATH", "")]
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
     done = subprocess.run([sys.executable, "-m", "kvtool", "bench", "--suite", "store", "--device", "cuda", "--quick",
                            "--with-compute", "--model", model, "--connector", connector, "--output", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
