@@ -37,8 +37,9 @@ def test_saves_beside_gpu_products_are_measured_and_verified(connector, tmp_path
         assert row["matmul_ms_alone"] > 0 and row["save_gbps_with_compute"] > 0
 
 
-SPINNING = """
+SAVES = """
 import time
+import torch
 from dict_connector import DictConnectorScheduler, DictConnectorWorker
 
 
@@ -48,31 +49,48 @@ class SpinningWorker(DictConnectorWorker):
         while time.perf_counter() < end:
             pass
         super().wait_for_save(stream)
+
+
+class HoggingWorker(DictConnectorWorker):
+    def wait_for_save(self, stream):
+        if not hasattr(self, "hog"):
+            self.hog = torch.ones(4096, 4096, device="cuda", dtype=torch.bfloat16), torch.cuda.Stream()
+        matrix, side = self.hog
+        with torch.cuda.stream(side):             # about 30 ms of products as large as the load's
+            for _ in range(150):
+                torch.mm(matrix, matrix)
+        side.synchronize()
+        super().wait_for_save(stream)
 """
+SPIN_BOUND = 0.3
+"""`slowdown_during_saves` a save that only spins Python stays under. Alone on an H100 it read
+-0.066 to +0.179 over six runs (0.0417, -0.0655, -0.055, 0.0837, -0.0044 and 0.179 at cd95616), so
+the 0.05 it was held to before failed two runs of six: products back to back inside a spin and
+products beside the engine's own work run at different clocks. A save that keeps the GPU busy
+(`HoggingWorker`, products as large as the load's on a stream of its own) shares the SMs with the
+load: it must read above this bound."""
 
 
 @pytest.mark.gpu_alone
-def test_a_save_that_only_spins_python_costs_the_gpu_products_nothing(tmp_path, monkeypatch):
+def test_a_save_that_only_spins_python_reads_below_one_that_keeps_the_gpu_busy(tmp_path, monkeypatch):
     """The products share the interpreter with the engine: a hook spinning in Python must not read as
-    GPU interference (batches whose stream idled waiting for the interpreter are dropped). It times
-    products, so no other test of the run may use the GPU meanwhile (`gpu_alone`); it runs the
-    compute rounds of `bench --suite store --with-compute --quick` in this process, whose CUDA is up
-    already, to hold the GPU alone for as short a time as it can."""
-    (tmp_path / "spinning.py").write_text(SPINNING)
+    GPU interference (batches whose stream idled waiting for the interpreter are dropped), and one
+    that runs products of its own must. It times products, so no other test of the run may use the
+    GPU meanwhile (`gpu_alone`); it runs the compute rounds of `bench --suite store --with-compute
+    --quick` in this process, whose CUDA is up already, to hold the GPU alone as briefly as it can."""
+    (tmp_path / "saves.py").write_text(SAVES)
     monkeypatch.syspath_prepend(str(REPO / "examples"))
-    spec = load_connector(f"{tmp_path / 'spinning.py'}:DictConnectorScheduler:SpinningWorker")
+    targets = [(load_connector(f"{tmp_path / 'saves.py'}:DictConnectorScheduler:{worker}"), {}, label)
+               for worker, label in (("SpinningWorker", "spinning"), ("HoggingWorker", "hogging"))]
     rows: list = []
     with scratch_working_folder():
-        problems = run_compute_suite([(spec, {}, "spinning")], "tiny", list(QUICK_TOKENS_PER_BLOCK), QUICK, "cuda",
-                                     rows)
-    assert problems == [] and [r.verified for r in rows] == [True]
-    mine = rows[0].as_dict()
-    row = json.dumps(mine, indent=1)
-    print(row)          # .ci/gpu-session keeps it (-rP): the reading, passed or not
-    assert mine["products_during_saves"] >= 20, row
-    # against `ms engine`, one-sided: on an H100 (9bf99b5, against `ms alone`) it read -0.078, the
-    # products alone running at a lower clock; a spinning save must not read as interference
-    assert mine["slowdown_during_saves"] < 0.05, row
+        problems = run_compute_suite(targets, "tiny", list(QUICK_TOKENS_PER_BLOCK), QUICK, "cuda", rows)
+    readings = json.dumps([r.as_dict() for r in rows], indent=1)
+    print(readings)          # .ci/gpu-session keeps it (-rP): the readings, passed or not
+    assert problems == [] and [r.verified for r in rows] == [True, True], readings
+    spinning, hogging = rows
+    assert spinning.products_during_saves >= 20 and hogging.products_during_saves >= 20, readings
+    assert spinning.slowdown_during_saves < SPIN_BOUND < hogging.slowdown_during_saves, readings
 
 
 def _bench(connector: str, model: str, tmp_path: Path) -> dict:
