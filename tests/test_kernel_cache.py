@@ -4,6 +4,8 @@ decides the binary (a define, an included header, the architecture) is a miss. N
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -150,3 +152,21 @@ def test_a_missing_source_or_no_home_is_said_or_simply_not_cached(monkeypatch, n
     kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
     kernel_cache.cubin(sources / "copy_pages.cu", ["-O3"], "sm_90")
     assert len(nvcc_runs) == 2                                 # compiled each time, stored nowhere
+
+
+@needs_nvcc
+def test_a_holder_stuck_past_nvccs_timeout_is_not_waited_for_longer(monkeypatch, nvcc_runs, sources):
+    args = (sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=8"], "sm_90")
+    key = kernel_cache._key("copy_pages.cu", kernel_cache._sources(sources), args[1], args[2], kernel_cache._nvcc())
+    folder = kernel_cache.cache_dir()
+    folder.mkdir(parents=True)
+    stuck = os.open(folder / f"{key}.cubin.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(stuck, fcntl.LOCK_EX)                # another process, stuck inside nvcc
+    monkeypatch.setattr(kernel_cache, "NVCC_TIMEOUT_S", 0.5)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        binary = pool.submit(kernel_cache.cubin, *args).result(timeout=60)
+    finally:
+        os.close(stuck)              # first: a waiter that never gives up would otherwise hang the test
+        pool.shutdown()
+    assert binary[:4] == b"\x7fELF" and len(nvcc_runs) == 1

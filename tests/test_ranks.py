@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvtool.cli import app
@@ -245,3 +246,10 @@ def test_a_follower_whose_group_fails_after_the_rendezvous_is_named_at_once_not_
     with pytest.raises(RankGroupError, match=rf"^rank 1 ended \(exit code 1\) during joining rank 0: .*{REFUSAL}"):
         ranks.Followers(setup)
     assert time.monotonic() - started < 60, "waited for the timeout"
+    monkeypatch.undo()                 # healthy followers again: this process forms a group at once
+    started = time.monotonic()
+    followers = ranks.Followers(replace(setup, timeout_s=30.0))
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 2
+    followers.close()                  # its stop order reaches the follower: it ends with exit code 0
+    assert [process.exitcode for process in followers._processes] == [0]
+    assert time.monotonic() - started < 20

@@ -180,7 +180,8 @@ def _jobs_that_fit_the_gpu(jobs: int, models: list[str], tokens_per_block: int, 
     the connector's failures. Said as a warning when the count was `asked` for, else as a note."""
     cap = gpu_jobs_cap(models, tokens_per_block, num_ranks, torch.cuda.mem_get_info()[0])
     if jobs > cap:
-        (warn if asked else say)(f"--jobs {jobs}: the GPU's free memory holds {cap} scenario{'s' * (cap != 1)} at once "
+        tell = warn if asked else say
+        tell(f"--jobs {jobs}: the GPU's free memory holds {cap} scenario{'s' * (cap != 1)} at once "
              f"(about {SCENARIO_GPU_OVERHEAD_BYTES >> 30} GiB a process besides its pools); running {cap}")
     return min(jobs, cap)
 

@@ -160,15 +160,19 @@ class Followers:
     def _join_group(self, store) -> None:
         """Rank 0's `init_process_group`, watching the followers meanwhile: one that reached the
         rendezvous and then ended (its own init failed) is named at once, where the group would
-        wait the whole timeout for it. The join runs on a daemon thread, left blocked then (this
-        rank has failed; the thread ends with the timeout or the process)."""
+        wait the whole timeout for it. The join runs on a daemon thread; given up on, it is left
+        to end with the timeout, leaving the group if it formed after all (`_join_reporting`), and
+        this process can form another group at once (`_forget_abandoned_join`)."""
         outcome: list[BaseException | None] = []
-        joiner = threading.Thread(target=_join_reporting, args=(self.setup, store, outcome), daemon=True,
+        abandoned = threading.Event()
+        joiner = threading.Thread(target=_join_reporting, args=(self.setup, store, outcome, abandoned), daemon=True,
                                   name="kvtool-rank0-join")
         joiner.start()
         while joiner.is_alive():
             joiner.join(0.05)
             if joiner.is_alive() and any(not process.is_alive() for process in self._processes):
+                abandoned.set()
+                _forget_abandoned_join()
                 raise self._gone()
         if outcome[0] is not None:
             raise outcome[0]
@@ -222,8 +226,9 @@ class Followers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        with _GROUP_LOCK:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _rendezvous_store(setup: RankSetup):
@@ -248,14 +253,35 @@ def _init_group(rank: int, setup: RankSetup, store=None) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=setup.num_ranks, timeout=timeout)
 
 
-def _join_reporting(setup: RankSetup, store, outcome: list) -> None:
-    """Rank 0's `_init_group`, on `Followers._join_group`'s thread: appends what it raised, or None."""
+_GROUP_LOCK = threading.Lock()
+"""Held to leave the process group: by `Followers.close` and by a join thread given up on, which
+may both find it formed."""
+
+
+def _join_reporting(setup: RankSetup, store, outcome: list, abandoned: threading.Event) -> None:
+    """Rank 0's `_init_group`, on `Followers._join_group`'s thread: appends what it raised, or None.
+    Once `abandoned`, a group that formed all the same is left at once (nobody else would)."""
+    import torch.distributed as dist
     try:
         _init_group(0, setup, store)
     except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
         outcome.append(exc)
-    else:
-        outcome.append(None)
+        return
+    outcome.append(None)
+    with _GROUP_LOCK:
+        if abandoned.is_set() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _forget_abandoned_join() -> None:
+    """Let this process form a group again while an abandoned join is still blocked. The join
+    took the default group's name from torch's count of groups (`_world.group_count`, private):
+    left at 1, the next rank 0 would wait on other store keys than its fresh followers, which
+    count from 0, until the timeout. Leaving a formed group resets the count the same way."""
+    from torch.distributed import distributed_c10d
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not distributed_c10d.is_initialized():
+        world.group_count = 0
 
 
 def _joined_key(rank: int) -> str:

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -84,21 +85,46 @@ def _cached(path: Path) -> bytes | None:
 
 @contextlib.contextmanager
 def _compiling(path: Path):
-    """Hold `path`'s compile lock (`NAME.lock` beside it): one process compiles a key at a time,
-    and the others find its binary once it is stored. Holding it, the temporaries of `path`
-    (`atomic_file`'s `.NAME.XXXX.tmp`) can only be what killed writers left: removed. A folder
-    that cannot be written: no lock, each process compiles for itself."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_name(path.name + ".lock"), "a")
-    except OSError:
+    """Hold `path`'s compile lock (`NAME.lock` beside it) while the block runs: one process compiles
+    a key at a time, and the others find its binary once it is stored. Holding it, the temporaries
+    of `path` (`atomic_file`'s `.NAME.XXXX.tmp`) can only be what killed writers left: removed
+    where this user may. No lock (each process compiles for itself) when the folder cannot be
+    written, or after `NVCC_TIMEOUT_S` of waiting (a holder stuck in nvcc)."""
+    handle = _lock_handle(path)
+    if handle is None or not _locked(handle, time.monotonic() + NVCC_TIMEOUT_S):
+        if handle is not None:
+            os.close(handle)
         yield
         return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
         for left in path.parent.glob(f".{path.name}.*.tmp"):
-            left.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):      # another user's, in a shared folder
+                left.unlink()
         yield
+    finally:
+        os.close(handle)         # and with it the lock
+
+
+def _lock_handle(path: Path) -> int | None:
+    """A descriptor of `path`'s lock file, created readable by whoever shares the folder (a lock
+    needs no write access); None when it cannot be had."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+
+
+def _locked(handle: int, deadline: float) -> bool:
+    """Whether the exclusive lock on `handle` was had before `deadline`."""
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _nvcc() -> Path:

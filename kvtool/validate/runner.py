@@ -227,7 +227,8 @@ workspaces, a transfer backend's staging buffers. An estimate rounded up, not a 
 def gpu_jobs_cap(models: Sequence[str], tokens_per_block: int, num_ranks: int, free_bytes: int) -> int:
     """How many scenarios fit `free_bytes` of GPU memory at once (at least 1): each is `num_ranks`
     processes, each with `SCENARIO_GPU_OVERHEAD_BYTES` and the pools of the largest of `models` at
-    `harness.MAX_SLOTS` slots per pool group."""
+    `harness.MAX_SLOTS` slots per pool group. Conservative: every rank counted on this one GPU
+    with its model unsharded."""
     pool_groups = [plan_pool_groups(plan_layer_groups(load_model(m), tokens_per_block)) for m in models]
     pools = max(placed_bytes(groups, [MAX_SLOTS] * len(groups)) for groups in pool_groups)
     return max(1, free_bytes // ((SCENARIO_GPU_OVERHEAD_BYTES + pools) * num_ranks))

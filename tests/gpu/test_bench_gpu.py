@@ -13,7 +13,7 @@ import torch
 
 from kvtool.bench.protocol_compute import run_compute_suite
 from kvtool.bench.protocol_engine import scratch_working_folder
-from kvtool.bench.protocol_suite import QUICK, QUICK_TOKENS_PER_BLOCK
+from kvtool.bench.protocol_suite import QUICK
 from kvtool.connectors.registry import load_connector
 
 pytestmark = pytest.mark.gpu
@@ -84,12 +84,13 @@ def test_a_save_that_only_spins_python_reads_below_one_that_keeps_the_gpu_busy(t
                for worker, label in (("SpinningWorker", "spinning"), ("HoggingWorker", "hogging"))]
     rows: list = []
     with scratch_working_folder():
-        problems = run_compute_suite(targets, "tiny", list(QUICK_TOKENS_PER_BLOCK), QUICK, "cuda", rows)
+        problems = run_compute_suite(targets, "tiny", [16], QUICK, "cuda", rows)      # one block size: two rows
     readings = json.dumps([r.as_dict() for r in rows], indent=1)
     print(readings)          # .ci/gpu-session keeps it (-rP): the readings, passed or not
     assert problems == [] and [r.verified for r in rows] == [True, True], readings
     spinning, hogging = rows
-    assert spinning.products_during_saves >= 20 and hogging.products_during_saves >= 20, readings
+    # products beside the busy save take about twice as long: fewer fit its spans
+    assert spinning.products_during_saves >= 20 and hogging.products_during_saves >= 10, readings
     assert spinning.slowdown_during_saves < SPIN_BOUND < hogging.slowdown_during_saves, readings
 
 

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.gpu_share import gpu_share, run_lock
-
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -35,10 +33,9 @@ SMALL_RUNS_TOGETHER = pytest.mark.xdist_group("small-validate-runs")
 
 
 @pytest.fixture(scope="module")
-def small_runs(tmp_path_factory, pytestconfig) -> dict[str, subprocess.CompletedProcess]:
+def small_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     started: dict[str, tuple[list[str], Path, subprocess.Popen]] = {}
-    # a module fixture is set up before a test's own GPU lock is taken, so it takes its own
-    with gpu_share(run_lock(pytestconfig, tmp_path_factory)), contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         stack.callback(lambda: _kill_groups([process for _, _, process in started.values()]))
         for name, args in SMALL_RUNS.items():
             folder = tmp_path_factory.mktemp(name)
@@ -53,13 +50,12 @@ def small_runs(tmp_path_factory, pytestconfig) -> dict[str, subprocess.Completed
 
 
 def _kill_groups(processes: list[subprocess.Popen]) -> None:
-    """Kill what is still running of each validate run: the run and its scenario processes (each
-    run leads a session of its own)."""
+    """Kill what is left of each validate run, the run and its scenario processes (each run leads
+    a session of its own), even when the run itself has ended (its scenario processes may not)."""
     for process in processes:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _command(args) -> list[str]:

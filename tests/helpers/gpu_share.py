@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 
-def run_lock(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+def run_lock(config: pytest.Config) -> Path | None:
     """The lock file every worker of this run shares, in the run's temporary folder (pytest-xdist
-    gives each worker a folder inside it); None without workers."""
-    if getattr(config, "workerinput", None) is None:
+    gives each worker `--basetemp` inside it); None without workers."""
+    if getattr(config, "workerinput", None) is None or not config.option.basetemp:
         return None
-    return tmp_path_factory.getbasetemp().parent / "gpu.lock"
+    return Path(config.option.basetemp).parent / "gpu.lock"
 
 
 @contextlib.contextmanager
