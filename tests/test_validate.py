@@ -4,6 +4,7 @@ JUnit, timeouts, and the TensorRT-LLM compatibility layer."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.registry import load_connector
 from kvtool.validate.harness import Context
-from kvtool.validate.results import CHECKS
+from kvtool.validate.results import CHECKS, Verdict
 from kvtool.validate.runner import run_all, run_isolated
 from kvtool.validate.scenarios import SCENARIOS
 from tests.helpers.broken_connectors import BROKEN
@@ -259,3 +260,31 @@ def test_a_hook_that_ends_the_process_fails_the_scenario(tmp_path):
                                  "--format", "csv"])
     assert result.exit_code == 1, result.output
     assert "the scenario's process died (exit code 0)" in result.output
+
+
+class CountingGc:
+    """Stands in for the gc module in `runner`: counts collections (a forked child inherits it and
+    says so in a file, its only way back)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+        self.collected = 0
+
+    def collect(self) -> int:
+        self.collected += 1
+        with open(self.marker, "a") as out:
+            out.write(f"{os.getpid()}\n")
+        return 0
+
+
+def test_a_scenario_run_here_collects_its_garbage_and_one_in_its_own_process_leaves_that_to_its_end(
+        tmp_path, monkeypatch):
+    from kvtool.validate import runner
+    counting = CountingGc(tmp_path / "collected")
+    monkeypatch.setattr(runner, "gc", counting)
+    isolated = run_isolated("cold-warm", Context(load_connector("host"), "tiny"), timeout=120, start_method="fork")
+    assert {r.verdict for r in isolated} == {Verdict.PASS}
+    assert not (tmp_path / "collected").exists()      # the child ends at once: os._exit frees it all
+    here = runner.run_scenario("cold-warm", Context(load_connector("host"), "tiny"))
+    assert {r.verdict for r in here} == {Verdict.PASS}
+    assert counting.collected == 1

@@ -29,8 +29,10 @@ from kvtool.validate.scenarios import SCENARIOS
 SETUP = "setup"
 
 
-def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
-    """One scenario, here, in a fresh temporary working directory; errors become ERROR results."""
+def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckResult]:
+    """One scenario, here, in a fresh temporary working directory; errors become ERROR results.
+    `collect`: collect the scenario's garbage before returning (below), which a process that ends
+    right after need not do."""
     started = time.perf_counter()
     here = os.getcwd()
     take_tracebacks()   # this scenario's only
@@ -47,7 +49,8 @@ def run_scenario(name: str, ctx: Context) -> list[CheckResult]:
             # Engines hold reference cycles (callbacks into their owners), and the garbage collector
             # counts objects, not bytes: without this, in-process runs keep every scenario's pools
             # and connector stores alive (gigabytes after a dozen scenarios).
-            gc.collect()
+            if collect:
+                gc.collect()
     seconds = round(time.perf_counter() - started, 3)
     for r in results:
         r.seconds = seconds
@@ -124,7 +127,10 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
     torch.set_num_threads(1)
     try:
         install_compat(compat)   # before the connector's classes are imported again by unpickling
-        send.send(run_scenario(name, pickle.loads(ctx_blob)))
+        # no collection: this process ends at once (os._exit), its memory with it; on a GPU the
+        # collection's finalizers (freeing pinned and device memory) took 0.6 s a process with 16
+        # starting at once (results/h200-host-async-x10/startup-probe-16.log)
+        send.send(run_scenario(name, pickle.loads(ctx_blob), collect=False))
     finally:
         send.close()
         os._exit(0)
