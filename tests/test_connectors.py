@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
+import torch
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.registry import load_connector
 from kvtool.connector.request import Request
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex
+from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex, zeroed_host_bytes
 from kvtool import atomic_file
 from kvtool.connectors.disk import DiskConnectorScheduler, block_path, read_block, write_block
 from kvtool.engine.engine import Engine, EngineConfig
@@ -178,3 +180,18 @@ def test_a_connector_writing_to_the_wrong_slot_is_caught():
     issue = engine.fake.issues[0]
     assert issue.request_id == 1 and issue.what == "mismatch" and issue.layer_group_id == 0
     assert tokens_of(engine)[1] != tokens_of(run(None))[1]         # what garbled output looks like
+
+
+def test_an_unpinned_host_store_is_zeros_and_costs_no_memory_until_written():
+    """A validate scenario builds several host connectors of 256 MiB each: zeroing them took most of
+    its time. The store comes from calloc: zero, committed page by page as it is written."""
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = resident_bytes()
+    store = zeroed_host_bytes(1 << 30, pin=False)
+    assert resident_bytes() - before < 64 << 20            # a zero-filled GiB would be resident
+    assert store.shape == (1 << 30,) and store.dtype == torch.uint8
+    assert int(store[:: 1 << 16].count_nonzero()) == 0 and int(store[-4096:].count_nonzero()) == 0
+    store[: 1 << 20] = 7
+    assert int(store[: 1 << 20].sum()) == 7 << 20

@@ -160,7 +160,7 @@ def _whole_number(text: str) -> int:
 
 
 def _tier_bytes(options: ReplayOptions) -> int:
-    """The host-memory tier a point allocates whole (its `capacity=` in bytes); 0 for the others."""
+    """The host-memory tier a point may fill whole (its `capacity=` in bytes); 0 for the others."""
     if SIZED_TIERS.get(options.connector) != "bytes":
         return 0
     return next((parse_size(o.partition("=")[2]) for o in options.connector_opt if o.startswith("capacity=")), 0)
@@ -181,8 +181,8 @@ def _jobs_that_fit(point_options: list[ReplayOptions], jobs: int) -> int:
 
 
 def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: list[SweepPoint]) -> None:
-    """OutOfMemoryError before any replay when a point's host-memory tier (allocated whole when the
-    connector starts) is larger than this machine's memory, naming the capacities that fit."""
+    """OutOfMemoryError before any replay when a point's host-memory tier (which the replay may fill
+    whole) is larger than this machine's memory, naming the capacities that fit."""
     size = _tier_bytes(options)
     if point.capacity_tokens is None or not size:
         return
