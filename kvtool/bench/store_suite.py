@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvtool.bench.protocol_engine import commit_stores
 from kvtool.bench.timing import Timing, time_repeats
 from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.loader import ConnectorSpec
@@ -127,6 +128,7 @@ def _setup(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, b
     llm_args = rank_llm_args(manager, spec, options, 0, 1)
     scheduler, worker = spec.scheduler_class(llm_args), spec.worker_class(llm_args)
     worker.register_kv_cache_layout(manager.layout)
+    commit_stores([worker])
     generator = torch.Generator().manual_seed(tpb)
     for group in manager.layout.layer_groups:
         for region in group.regions:
