@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 
-from kvtool.atomic_file import publish
+from kvtool.atomic_file import TEMPORARY_GLOB, publish
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.block_codec import CorruptBlock, decode_block, encode_block, layout_signature
@@ -58,7 +58,7 @@ def sweep_stale_temp_files(root: Path, older_than_seconds: float = STALE_TEMP_SE
     than `older_than_seconds` may belong to a writer still running (another process), so it stays."""
     swept = 0
     cutoff = time.time() - older_than_seconds
-    for tmp in root.glob("*/.*.tmp"):
+    for tmp in root.glob(f"*/{TEMPORARY_GLOB}"):
         try:
             if tmp.stat().st_mtime < cutoff:
                 tmp.unlink()

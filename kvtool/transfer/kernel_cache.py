@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from kvtool.atomic_file import publish
+from kvtool.atomic_file import publish, temporaries_of
 
 FORMAT = b"kvtool-cubin-2"
 """Part of every key: changing how binaries are built here makes every older entry a miss."""
@@ -87,7 +87,7 @@ def _cached(path: Path) -> bytes | None:
 def _compiling(path: Path):
     """Hold `path`'s compile lock (`NAME.lock` beside it) while the block runs: one process compiles
     a key at a time, and the others find its binary once it is stored. Holding it, the temporaries
-    of `path` (`atomic_file`'s `.NAME.XXXX.tmp`) can only be what killed writers left: removed
+    of `path` (`atomic_file.temporaries_of`) can only be what killed writers left: removed
     where this user may. No lock (each process compiles for itself) when the folder cannot be
     written, or after `NVCC_TIMEOUT_S` of waiting (a holder stuck in nvcc)."""
     handle = _lock_handle(path)
@@ -97,7 +97,7 @@ def _compiling(path: Path):
         yield
         return
     try:
-        for left in path.parent.glob(f".{path.name}.*.tmp"):
+        for left in temporaries_of(path):
             with contextlib.suppress(OSError):      # another user's, in a shared folder
                 left.unlink()
         yield
