@@ -277,17 +277,13 @@ def test_rounds_give_a_median_and_its_spread(connector_file, tmp_path):
     assert [(r["rounds"], r["spread"]) for r in _all_rows(tmp_path / "one")] == [(1, None)] * 4
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_a_benchmarked_host_store_is_written_whole_before_anything_is_timed():
     """Its pages come from calloc and are committed by the first write into each: without
     `commit_stores` a timed cold save would pay those page faults (0.6 GB/s against 2-3 GB/s on the
     2-core CPU)."""
     from kvtool.bench.protocol_engine import build_engine
     from kvtool.connectors.registry import load_connector
+    from tests.helpers.memory import resident_bytes
     gc.collect()                # an earlier test's garbage freed meanwhile would lower the count
     before = resident_bytes()
     engine = build_engine(load_connector("host"), {"capacity": "512MiB"}, "tiny", 16, QUICK, "cpu")

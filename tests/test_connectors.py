@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -21,6 +20,7 @@ from kvtool.errors import InputError
 from kvtool.manager import KvCacheManagerConfig, ReuseScope
 from kvtool.manager.block_keys import chained_block_keys
 from kvtool.models import load_model
+from tests.helpers.memory import resident_bytes
 
 SHARED = list(range(1000, 1040))
 
@@ -185,9 +185,6 @@ def test_a_connector_writing_to_the_wrong_slot_is_caught():
 def test_an_unpinned_host_store_is_zeros_and_costs_no_memory_until_written():
     """A validate scenario builds several host connectors of 256 MiB each: zeroing them took most of
     its time. The store comes from calloc: zero, committed page by page as it is written."""
-    def resident_bytes() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     before = resident_bytes()
     store = zeroed_host_bytes(1 << 30, pin=False)
     assert resident_bytes() - before < 64 << 20            # a zero-filled GiB would be resident
