@@ -31,6 +31,13 @@ def nvcc_runs(monkeypatch, tmp_path):
     return runs
 
 
+def entry_path(sources: Path, options: list[str], arch: str) -> Path:
+    """Where copy_pages.cu from `sources` with `options` for `arch` is kept; its folder made."""
+    key = kernel_cache._key("copy_pages.cu", kernel_cache._sources(sources), options, arch, kernel_cache._nvcc())
+    kernel_cache.cache_dir().mkdir(parents=True, exist_ok=True)
+    return kernel_cache.cache_dir() / f"{key}.cubin"
+
+
 @pytest.fixture
 def sources(tmp_path) -> Path:
     """A copy of cuda/ that a test may edit."""
@@ -51,10 +58,8 @@ def test_the_second_ask_reads_the_binary_without_running_nvcc(nvcc_runs, sources
 @needs_nvcc
 def test_askers_that_miss_together_run_nvcc_once_and_sweep_what_a_killed_writer_left(nvcc_runs, sources):
     args = (sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=2"], "sm_90")
-    key = kernel_cache._key("copy_pages.cu", kernel_cache._sources(sources), args[1], args[2], kernel_cache._nvcc())
-    folder = kernel_cache.cache_dir()
-    folder.mkdir(parents=True)
-    left = folder / f".{key}.cubin.abc123.tmp"           # atomic_file's temporary of a writer killed mid-write
+    entry = entry_path(sources, *args[1:])
+    left = entry.with_name(f".{entry.name}.abc123.tmp")      # atomic_file's temporary of a writer killed mid-write
     left.write_bytes(b"half a binary")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         binaries = list(pool.map(lambda _: kernel_cache.cubin(*args), range(4)))
@@ -157,10 +162,8 @@ def test_a_missing_source_or_no_home_is_said_or_simply_not_cached(monkeypatch, n
 @needs_nvcc
 def test_a_holder_stuck_past_nvccs_timeout_is_not_waited_for_longer(monkeypatch, nvcc_runs, sources):
     args = (sources / "copy_pages.cu", ["-O3", "-DKVTOOL_UNROLL=8"], "sm_90")
-    key = kernel_cache._key("copy_pages.cu", kernel_cache._sources(sources), args[1], args[2], kernel_cache._nvcc())
-    folder = kernel_cache.cache_dir()
-    folder.mkdir(parents=True)
-    stuck = os.open(folder / f"{key}.cubin.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    entry = entry_path(sources, *args[1:])
+    stuck = os.open(entry.with_name(entry.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
     fcntl.flock(stuck, fcntl.LOCK_EX)                # another process, stuck inside nvcc
     monkeypatch.setattr(kernel_cache, "NVCC_TIMEOUT_S", 0.5)
     pool = concurrent.futures.ThreadPoolExecutor(1)
