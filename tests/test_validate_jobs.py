@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvtool.cli import app
@@ -22,6 +25,7 @@ from kvtool.connectors.registry import load_connector
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
+from kvtool.validate import runner as runner_module
 from kvtool.validate.harness import MAX_SLOTS, Context
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.results import CheckResult, Verdict
@@ -206,6 +210,49 @@ class HangsAtLoad(HostConnectorWorker):
         if self.meta.loads:
             time.sleep(3600)
         super().start_load_kv(stream)
+
+
+def _child_that_lingers(folder: Path, lingers_after: str, linger_s: float):
+    """A stand-in for `runner._child` (inherited by fork): runs the scenario and sends its results as
+    the real one does, each child first writing `started-PID`. The child of `lingers_after` then stays
+    alive up to `linger_s`: on a GPU a child's exit (its CUDA context torn down) takes this long. It
+    writes `overlapped` if another child started meanwhile, and its pid to `lingering-pid`."""
+    def child(send, name, ctx_blob, compat):
+        (folder / f"started-{os.getpid()}").touch()
+        torch.set_num_threads(1)     # as the real one: a forked child must not enter the parent's OpenMP pool
+        send.send(runner_module.run_scenario(name, pickle.loads(ctx_blob), collect=False))
+        send.close()
+        if name == lingers_after:
+            (folder / "lingering-pid").write_text(str(os.getpid()))
+            deadline = time.monotonic() + linger_s
+            while time.monotonic() < deadline:
+                if len(list(folder.glob("started-*"))) > 1:
+                    (folder / "overlapped").touch()
+                    break
+                time.sleep(0.01)
+        os._exit(0)
+    return child
+
+
+def test_the_next_scenario_starts_while_a_finished_one_is_still_ending(tmp_path, monkeypatch):
+    """With one job, the registration's process lingers after sending its results: the scenario
+    after it starts beside it, and the run ends with every process collected."""
+    monkeypatch.setattr(runner_module, "_child", _child_that_lingers(tmp_path, SETUP, 30))
+    results = run_all([Context(load_connector("host"), "tiny")], ["cold-warm"], 60, jobs=1)
+    assert not [r for r in results if r.verdict != Verdict.PASS]
+    assert (tmp_path / "overlapped").exists()
+    assert len(list(tmp_path.glob("started-*"))) == 2
+    assert not multiprocessing.active_children()
+
+
+def test_a_finished_scenario_that_never_ends_is_killed_after_the_grace(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_module, "_child", _child_that_lingers(tmp_path, "cold-warm", 3600))
+    monkeypatch.setattr(runner_module, "EXIT_GRACE_S", 0.5)
+    results = run_all([Context(load_connector("host"), "tiny")], ["cold-warm"], 60, jobs=2)
+    assert {r.scenario for r in results} == {SETUP, "cold-warm"} and {r.verdict for r in results} == {Verdict.PASS}
+    assert not multiprocessing.active_children()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "lingering-pid").read_text()), 0)
 
 
 def test_no_jobs_is_one_line_and_exit_2():

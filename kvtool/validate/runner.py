@@ -90,7 +90,10 @@ class ScenarioProcess:
         self.deadline = time.perf_counter() + timeout
 
     def result(self) -> list[CheckResult]:
-        """Wait for the child's results until the deadline; a timeout or a dead child is an ERROR result."""
+        """Wait for the child's results until the deadline; a timeout or a dead child is an ERROR result.
+        A child that sent its results is not waited for: it ends by itself (`reap` or `ended` collect it).
+        On a GPU its last step, the driver tearing down its CUDA context, is slow enough that waiting
+        for it held up the start of the next scenario."""
         results = None
         if self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
             try:
@@ -98,27 +101,41 @@ class ScenarioProcess:
             except EOFError:
                 results = None
         self.receive.close()
-        self.child.join(1.0)
-        self.stop()
         if results is not None:
             return results
+        self.reap(1.0)
         seconds = round(time.perf_counter() - self.started, 3)
         why = (f"did not finish within {self.timeout:g} s (a connector hook hung?)"
                if self.child.exitcode in (None, -9) else
                f"the scenario's process died (exit code {self.child.exitcode})")
         return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
 
-    def stop(self) -> None:
-        """Kill the child if it still runs."""
+    def ended(self) -> bool:
+        """Whether the child has ended (collected if so); never blocks."""
+        return not self.child.is_alive()
+
+    def reap(self, grace: float) -> None:
+        """Wait up to `grace` seconds for the child to end, then kill it if it still runs."""
+        self.child.join(grace)
         if self.child.is_alive():
             self.child.kill()
             self.child.join()
 
 
+EXIT_GRACE_S = 10.0
+"""How long a child that sent its results may take to end before it is killed. Its exit only
+releases memory (on a GPU, its CUDA context); a healthy one ends well within this."""
+
+
 def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | None = None) -> list[CheckResult]:
     """`run_scenario` in a child process; a timeout or a dead child is an ERROR result.
-    `start_method` defaults to forkserver where CUDA exists, fork elsewhere."""
-    return ScenarioProcess(name, ctx, timeout, start_method).result()
+    `start_method` defaults to forkserver where CUDA exists, fork elsewhere. Returns once the child
+    has ended."""
+    process = ScenarioProcess(name, ctx, timeout, start_method)
+    try:
+        return process.result()
+    finally:
+        process.reap(EXIT_GRACE_S)
 
 
 def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
@@ -279,19 +296,24 @@ def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, 
                    report: Callable[[list[list[CheckResult]]], None]) -> None:
     """Keep up to `jobs` scenario processes running until the schedule is done. Every process is
     started from this thread (no fork while another thread holds a lock); any still running when
-    this ends early (an interrupt, say) is killed."""
+    this ends early (an interrupt, say) is killed. Those that answered may end beside the next
+    scenarios; before this returns each has ended, or was killed after `EXIT_GRACE_S`."""
     flight: dict[Task, ScenarioProcess] = {}
+    ending: list[ScenarioProcess] = []     # answered, their processes not yet ended
     try:
         while not schedule.done:
             while len(flight) < jobs and (task := schedule.take()) is not None:
                 flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
             for task in _answered(flight):
                 results = flight[task].result()      # still in `flight` until answered: an interrupt kills it
-                del flight[task]
+                ending.append(flight.pop(task))
                 report(schedule.finish(task, results))
+            ending = [process for process in ending if not process.ended()]
     finally:
         for process in flight.values():
-            process.stop()
+            process.reap(0.0)
+        for process in ending:
+            process.reap(EXIT_GRACE_S)
 
 
 def _answered(flight: dict[Task, ScenarioProcess]) -> list[Task]:
