@@ -277,6 +277,21 @@ class CountingGc:
         return 0
 
 
+def test_a_scenario_process_asks_to_sleep_while_it_waits_for_the_gpu(tmp_path, monkeypatch):
+    """Without a CUDA driver, asking changes nothing (tests/gpu checks the flag on a GPU, and that
+    the child asked before its context was made)."""
+    from kvtool.validate import processes, runner
+
+    def asked() -> bool:
+        (tmp_path / "asked").touch()
+        return processes.sleep_while_waiting_for_the_gpu()
+    monkeypatch.setattr(runner, "sleep_while_waiting_for_the_gpu", asked)
+    isolated = run_isolated("cold-warm", Context(load_connector("host"), "tiny"), timeout=120, start_method="fork")
+    assert {r.verdict for r in isolated} == {Verdict.PASS}
+    assert (tmp_path / "asked").exists()
+    assert processes.sleep_while_waiting_for_the_gpu() is False
+
+
 def test_a_scenario_run_here_collects_its_garbage_and_one_in_its_own_process_leaves_that_to_its_end(
         tmp_path, monkeypatch):
     from kvtool.validate import runner

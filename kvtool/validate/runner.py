@@ -22,7 +22,7 @@ from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.harness import MAX_SLOTS, Context, registration_error, take_tracebacks
-from kvtool.validate.processes import scenario_processes
+from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
 
@@ -142,6 +142,7 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
     # A forked child must not enter the OpenMP pool its parent may have started (it would hang);
     # with one thread torch runs everything inline. The scenarios are small.
     torch.set_num_threads(1)
+    sleep_while_waiting_for_the_gpu()   # before anything uses CUDA: the flag is read when the context is made
     try:
         install_compat(compat)   # before the connector's classes are imported again by unpickling
         # no collection: this process ends at once (os._exit), its memory with it; on a GPU the

@@ -13,6 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connectors.host import HostConnectorScheduler
+from kvtool.validate.harness import Context
+from kvtool.validate.results import Verdict
+from kvtool.validate.runner import run_isolated
+from tests.helpers.context_waits import RECORD_OPTION, RecordsHowItWaits
+
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -115,3 +122,14 @@ def test_compat_modules_reach_fork_server_processes(small_runs):
 def test_a_connector_that_exits_at_import_is_exit_2_under_the_fork_server(small_runs):
     done = small_runs["exits-at-import"]
     assert done.returncode == 2 and "ended its process (exit code 0) while importing it" in done.stderr
+
+
+def test_a_scenario_process_sleeps_while_it_waits_for_the_gpu(tmp_path):
+    """CUDA spins a core for each wait by default; a scenario process (up to a core's worth share one
+    GPU) blocks instead, set before its context exists."""
+    record = tmp_path / "waits"
+    spec = ConnectorSpec("records", HostConnectorScheduler, RecordsHowItWaits, "tests.helpers.context_waits",
+                         {RECORD_OPTION: str(record)})
+    results = run_isolated("cold-warm", Context(spec, "tiny", device="cuda"), timeout=120, start_method="forkserver")
+    assert {r.verdict for r in results} == {Verdict.PASS}
+    assert record.read_text() == "blocking"
