@@ -19,6 +19,8 @@ def innermost_frames(path: str) -> tuple[int, collections.Counter]:
     total, frames = 0, collections.Counter()
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as lines:
         for line in lines:
+            if " " not in line.strip():
+                continue
             stack, count = line.rstrip().rsplit(" ", 1)
             stack_frames = [f for f in stack.split(";") if not f.startswith("process ")]
             if any("_serve_one" in f for f in stack_frames):

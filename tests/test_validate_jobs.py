@@ -7,7 +7,6 @@ import importlib
 import json
 import multiprocessing
 import os
-import pickle
 import random
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kvtool.cli import app
@@ -32,6 +30,7 @@ from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.runner import (SCENARIO_GPU_OVERHEAD_BYTES, SETUP, Schedule, Task, gpu_jobs_cap, max_jobs,
                                    next_task, plan, run_all)
 from tests.helpers.broken_connectors import BROKEN
+from tests.helpers.lingering_child import lingering_child, lingering_options
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parent.parent
@@ -212,44 +211,59 @@ class HangsAtLoad(HostConnectorWorker):
         super().start_load_kv(stream)
 
 
-def _child_that_lingers(folder: Path, lingers_after: str, linger_s: float):
-    """A stand-in for `runner._child` (inherited by fork): runs the scenario and sends its results as
-    the real one does, each child first writing `started-PID`. The child of `lingers_after` then stays
-    alive up to `linger_s`: on a GPU a child's exit (its CUDA context torn down) takes this long. It
-    writes `overlapped` if another child started meanwhile, and its pid to `lingering-pid`."""
-    def child(send, name, ctx_blob, compat):
-        (folder / f"started-{os.getpid()}").touch()
-        torch.set_num_threads(1)     # as the real one: a forked child must not enter the parent's OpenMP pool
-        send.send(runner_module.run_scenario(name, pickle.loads(ctx_blob), collect=False))
-        send.close()
-        if name == lingers_after:
-            (folder / "lingering-pid").write_text(str(os.getpid()))
-            deadline = time.monotonic() + linger_s
-            while time.monotonic() < deadline:
-                if len(list(folder.glob("started-*"))) > 1:
-                    (folder / "overlapped").touch()
-                    break
-                time.sleep(0.01)
-        os._exit(0)
-    return child
+def _lingering_host(options: dict[str, str]) -> ConnectorSpec:
+    return ConnectorSpec("host", HostConnectorScheduler, HostConnectorWorker, "kvtool.connectors.host", options)
 
 
 def test_the_next_scenario_starts_while_a_finished_one_is_still_ending(tmp_path, monkeypatch):
-    """With one job, the registration's process lingers after sending its results: the scenario
-    after it starts beside it, and the run ends with every process collected."""
-    monkeypatch.setattr(runner_module, "_child", _child_that_lingers(tmp_path, SETUP, 30))
-    results = run_all([Context(load_connector("host"), "tiny")], ["cold-warm"], 60, jobs=1)
+    """With one job, the registration's process lingers after sending its results (as a child's
+    CUDA teardown does): the scenario after it starts beside it, and every process is collected."""
+    monkeypatch.setattr(runner_module, "_child", lingering_child)
+    spec = _lingering_host(lingering_options(tmp_path, SETUP, 30))
+    results = run_all([Context(spec, "tiny")], ["cold-warm"], 60, jobs=1)
     assert not [r for r in results if r.verdict != Verdict.PASS]
     assert (tmp_path / "overlapped").exists()
     assert len(list(tmp_path.glob("started-*"))) == 2
     assert not multiprocessing.active_children()
 
 
-def test_a_finished_scenario_that_never_ends_is_killed_after_the_grace(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner_module, "_child", _child_that_lingers(tmp_path, "cold-warm", 3600))
+def test_a_finished_scenario_that_never_ends_is_killed_once_its_grace_has_passed(tmp_path, monkeypatch):
+    """Counted from its answer, checked while the run goes on (`ended`), not only at the run's end."""
+    monkeypatch.setattr(runner_module, "_child", lingering_child)
     monkeypatch.setattr(runner_module, "EXIT_GRACE_S", 0.5)
-    results = run_all([Context(load_connector("host"), "tiny")], ["cold-warm"], 60, jobs=2)
+    spec = _lingering_host(lingering_options(tmp_path, "cold-warm", 3600, until="never"))
+    process = runner_module.ScenarioProcess("cold-warm", Context(spec, "tiny"), 60)
+    assert {r.verdict for r in process.result()} == {Verdict.PASS}
+    assert not process.ended()
+    time.sleep(0.6)
+    assert process.ended()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "lingering-pid").read_text()), 0)
+
+
+def test_a_run_ends_with_every_lingering_scenario_process_gone(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_module, "_child", lingering_child)
+    monkeypatch.setattr(runner_module, "EXIT_GRACE_S", 0.5)
+    spec = _lingering_host(lingering_options(tmp_path, "cold-warm", 3600, until="never"))
+    results = run_all([Context(spec, "tiny")], ["cold-warm"], 60, jobs=1)
     assert {r.scenario for r in results} == {SETUP, "cold-warm"} and {r.verdict for r in results} == {Verdict.PASS}
+    assert not multiprocessing.active_children()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "lingering-pid").read_text()), 0)
+
+
+def test_an_interrupted_run_kills_the_finished_scenarios_at_once(tmp_path, monkeypatch):
+    """An interrupt gives no grace: the lingering child (answered, an hour to go) is killed at once."""
+    monkeypatch.setattr(runner_module, "_child", lingering_child)
+    spec = _lingering_host(lingering_options(tmp_path, SETUP, 3600, until="never"))
+
+    def interrupt(results):
+        if results[0].scenario == "cold-warm":
+            raise KeyboardInterrupt
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_all([Context(spec, "tiny")], ["cold-warm", "multi-turn"], 60, jobs=1, on_result=interrupt)
+    assert time.monotonic() - started < runner_module.EXIT_GRACE_S
     assert not multiprocessing.active_children()
     with pytest.raises(ProcessLookupError):
         os.kill(int((tmp_path / "lingering-pid").read_text()), 0)

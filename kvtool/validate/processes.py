@@ -34,7 +34,8 @@ def _context(start_method: str):
 def sleep_while_waiting_for_the_gpu() -> bool:
     """Set every GPU's primary context to block (sleep) rather than spin while a thread of this
     process waits for the GPU: a synchronising copy, a stream or event wait. Call it before the
-    process first uses CUDA. Returns whether it was set (False without a CUDA driver).
+    process first uses CUDA. Returns whether it was set (False without a CUDA driver, or with one
+    too old to have these entry points: the process then waits as CUDA's default has it).
 
     Why: with one context in a process, CUDA spins a CPU core for every wait by default. validate
     runs up to a core's worth of scenario processes on one GPU, whose small synchronising copies
@@ -42,8 +43,11 @@ def sleep_while_waiting_for_the_gpu() -> bool:
     (`results/h100-gpu-kit-study/`). A connector sees no difference but a wake-up's latency."""
     if not torch.cuda.is_available():
         return False
-    driver = ctypes.CDLL("libcuda.so.1")
-    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    except (OSError, AttributeError):
+        return False
     count = ctypes.c_int()
     if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
         return False

@@ -82,6 +82,8 @@ class ScenarioProcess:
         self.receive, send = mp.Pipe(duplex=False)
         # not a daemon: a scenario with several ranks starts its follower processes
         self.child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=False)
+        self.answered_at: float | None = None
+        """When its results arrived; None until then (or if they never do)."""
         self.started = time.perf_counter()
         self.child.start()
         # Closed at once, before any other child is forked: the child's end must be the only one, so that
@@ -91,9 +93,9 @@ class ScenarioProcess:
 
     def result(self) -> list[CheckResult]:
         """Wait for the child's results until the deadline; a timeout or a dead child is an ERROR result.
-        A child that sent its results is not waited for: it ends by itself (`reap` or `ended` collect it).
-        On a GPU its last step, the driver tearing down its CUDA context, is slow enough that waiting
-        for it held up the start of the next scenario."""
+        A child that sent its results is not waited for: it ends by itself within `EXIT_GRACE_S`
+        (`ended` and `close` collect it, or kill it past that). On a GPU its last step, the driver
+        tearing down its CUDA context, is slow enough that waiting for it held up the next scenario."""
         results = None
         if self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
             try:
@@ -102,6 +104,7 @@ class ScenarioProcess:
                 results = None
         self.receive.close()
         if results is not None:
+            self.answered_at = time.perf_counter()
             return results
         self.reap(1.0)
         seconds = round(time.perf_counter() - self.started, 3)
@@ -111,8 +114,19 @@ class ScenarioProcess:
         return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
 
     def ended(self) -> bool:
-        """Whether the child has ended (collected if so); never blocks."""
+        """Whether the child has ended (collected if so); one that answered more than `EXIT_GRACE_S`
+        ago is killed first. Never waits for the child."""
+        if self.answered_at is not None and time.perf_counter() > self.answered_at + EXIT_GRACE_S:
+            self.reap(0.0)
         return not self.child.is_alive()
+
+    def close(self, wait: bool = True) -> None:
+        """End the child: one that answered is given what is left of its `EXIT_GRACE_S` (none
+        unless `wait`); one that did not is killed at once."""
+        grace = 0.0
+        if wait and self.answered_at is not None:
+            grace = max(0.0, self.answered_at + EXIT_GRACE_S - time.perf_counter())
+        self.reap(grace)
 
     def reap(self, grace: float) -> None:
         """Wait up to `grace` seconds for the child to end, then kill it if it still runs."""
@@ -135,15 +149,15 @@ def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | No
     try:
         return process.result()
     finally:
-        process.reap(EXIT_GRACE_S)
+        process.close()
 
 
 def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
     # A forked child must not enter the OpenMP pool its parent may have started (it would hang);
     # with one thread torch runs everything inline. The scenarios are small.
     torch.set_num_threads(1)
-    sleep_while_waiting_for_the_gpu()   # before anything uses CUDA: the flag is read when the context is made
     try:
+        sleep_while_waiting_for_the_gpu()   # before anything uses CUDA: the flag is read when the context is made
         install_compat(compat)   # before the connector's classes are imported again by unpickling
         # no collection: this process ends at once (os._exit), its memory with it; on a GPU the
         # collection's finalizers (freeing pinned and device memory) took 0.6 s a process with 16
@@ -298,23 +312,25 @@ def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, 
     """Keep up to `jobs` scenario processes running until the schedule is done. Every process is
     started from this thread (no fork while another thread holds a lock); any still running when
     this ends early (an interrupt, say) is killed. Those that answered may end beside the next
-    scenarios; before this returns each has ended, or was killed after `EXIT_GRACE_S`."""
+    scenarios; each is killed once `EXIT_GRACE_S` have passed since it answered (at once if this
+    ends early), so every one has ended when this returns."""
     flight: dict[Task, ScenarioProcess] = {}
     ending: list[ScenarioProcess] = []     # answered, their processes not yet ended
+    completed = False
     try:
         while not schedule.done:
             while len(flight) < jobs and (task := schedule.take()) is not None:
                 flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
             for task in _answered(flight):
                 results = flight[task].result()      # still in `flight` until answered: an interrupt kills it
-                ending.append(flight.pop(task))
+                ending.append(flight[task])
+                del flight[task]
                 report(schedule.finish(task, results))
             ending = [process for process in ending if not process.ended()]
+        completed = True
     finally:
-        for process in flight.values():
-            process.reap(0.0)
-        for process in ending:
-            process.reap(EXIT_GRACE_S)
+        for process in [*flight.values(), *ending]:
+            process.close(wait=completed)
 
 
 def _answered(flight: dict[Task, ScenarioProcess]) -> list[Task]:
