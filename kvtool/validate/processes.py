@@ -56,4 +56,3 @@ def sleep_while_waiting_for_the_gpu() -> bool:
         if driver.cuDeviceGet(ctypes.byref(device), ordinal) or set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC):
             return False
     return True
-
