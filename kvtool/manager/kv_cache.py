@@ -321,10 +321,12 @@ class KvCache:
         if first >= end:
             return
         parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
-        keys = chain_keys(parent.key, tokens_bytes(self._committed[first * tpb:end * tpb]), tpb)
-        get_or_insert, committed, nodes = self._context.tree.get_or_insert, self._committed, self._nodes
-        for j, key in enumerate(keys, first):   # one loop, no call per block: a prefill commits thousands
-            parent = get_or_insert(parent, committed[j * tpb:(j + 1) * tpb], key)
+        packed = tokens_bytes(self._committed[first * tpb:end * tpb])
+        keys = chain_keys(parent.key, packed, tpb)
+        get_or_insert, nodes, step = self._context.tree.get_or_insert, self._nodes, 4 * tpb
+        for i, key in enumerate(keys):   # one loop, no call per block: a prefill commits thousands
+            j = first + i
+            parent = get_or_insert(parent, packed[i * step:(i + 1) * step], key)
             self._attach_pages(parent, j)
             parent.num_users += 1
             nodes.append(parent)
@@ -345,7 +347,7 @@ class KvCache:
             tree = self._context.tree
             parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
             tokens = self._committed[num_full * tpb:]
-            node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
+            node = tree.get_or_insert(parent, tokens_bytes(tokens), block_key(parent.key, tokens))
             self._attach_pages(node, num_full)
             tree.prune(node)
 
