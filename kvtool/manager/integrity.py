@@ -63,13 +63,13 @@ def _require_listed(manager: KvCacheManager, page: Page, user: object) -> None:
 def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: Counter) -> None:
     allocator = manager.page_table.allocators[pg]
     pages = manager.page_table.pages_of(pg)
-    free = np.asarray(allocator.free_slots(), dtype=np.int64)
-    if len(free) != len(np.unique(free)):
-        raise LogicError(f"pool group {pg}: a slot is in the free list twice")
+    free = allocator.free_slot_array()
     # Slot sets as masks over the pool: a pool of millions of slots is checked without a set of them.
+    if len(free) and (free.min() < 0 or free.max() >= allocator.num_slots or
+                      np.bincount(free, minlength=allocator.num_slots).max() > 1):
+        raise LogicError(f"pool group {pg}: a slot is in the free list twice")
     with_page = _mask(pages, allocator.num_slots)
-    owned = _mask(allocator.owned(), allocator.num_slots)
-    if with_page is None or owned is None or with_page[free].any() or not np.array_equal(owned, with_page):
+    if with_page is None or with_page[free].any() or not np.array_equal(allocator.owned_mask(), with_page):
         raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
     droppable = manager.page_table.droppable_pages(pg)
     if len({id(p) for p in droppable}) != len(droppable):

@@ -79,7 +79,16 @@ class SlotAllocator:
         self._freed.rotate(count)
 
     def owned(self) -> set[PageIndex]:
-        return set(np.flatnonzero(np.frombuffer(self._owned, dtype=np.uint8)).tolist())
+        return set(np.flatnonzero(self.owned_mask()).tolist())
+
+    def owned_mask(self) -> np.ndarray:
+        """A read-only boolean per slot: owned."""
+        return np.frombuffer(self._owned, dtype=np.bool_)
+
+    def free_slot_array(self) -> np.ndarray:
+        """`free_slots()` as an int64 array, in the same order."""
+        freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
+        return np.concatenate([np.arange(self._next_fresh, self.num_slots, dtype=np.int64), freed])
 
     def free_slots(self) -> list[PageIndex]:
         return [*range(self._next_fresh, self.num_slots), *self._freed]  # type: ignore[list-item]
