@@ -280,7 +280,21 @@ class KvCache:
         return all(n <= self._table.num_available(pg) for pg, n in needed.items())
 
     def _apply(self, plan: _ResizePlan, num_blocks: int) -> None:
+        old = self._snapshot
+        lengths = {gid: len(pages) for gid, pages in self._pages.items()}
+        if not (plan.releases or plan.copies or plan.allocations) and all(n == num_blocks for n in lengths.values()):
+            return   # a decode step inside its last block: the page lists, and their snapshot, stay
         self._snapshot = None
+        self._apply_changes(plan, num_blocks)
+        if old is not None and not (plan.releases or plan.copies) and \
+                all(j >= lengths[gid] for gid, j, _ in plan.allocations):
+            # Pages only appended: the snapshot grows by the new tail instead of being rebuilt from
+            # every block (a long request's decode would otherwise cost O(blocks) a new block).
+            self._snapshot = GroupPages(
+                old[i] + tuple(BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[gid][lengths[gid]:])
+                for i, gid in enumerate(sorted(self._pages)))
+
+    def _apply_changes(self, plan: _ResizePlan, num_blocks: int) -> None:
         for gid, j, page in plan.releases:
             self._pages[gid][j] = None
             if self._shared_partial.get(gid) is page:
