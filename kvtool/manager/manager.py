@@ -122,9 +122,11 @@ class KvCacheManager:
             node = child
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if rest else None
-        candidates = ([Match(path, partial[0], partial[1])] if partial else []) + \
-            [Match(path[:k]) for k in range(len(path), -1, -1)]
-        return next(m for m in candidates if self._usable(m))
+        if partial and self._usable(Match(path, partial[0], partial[1])):
+            return Match(path, partial[0], partial[1])
+        # Shorter matches are built only as they are tried: with full attention the first one is
+        # usable, and building every prefix of a long path up front costs O(blocks^2).
+        return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])

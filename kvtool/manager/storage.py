@@ -11,6 +11,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtool.errors import LogicError, OutOfMemoryError, OutOfPagesError
@@ -31,49 +32,66 @@ class SlotAllocator:
     """Free list of one pool group's slots: allocation takes the head, freeing appends.
 
     Invariant: every slot is either in the free list or owned, never both, never twice.
+
+    The free list is kept as the slots never handed out (`_next_fresh` and above, in order: the
+    head of the list until they run out) followed by the freed ones (a deque): a pool of millions
+    of slots costs nothing until it is used, and ownership is one byte a slot.
     """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free: deque[PageIndex] = deque(PageIndex(i) for i in range(num_slots))
-        self._owned: set[PageIndex] = set()
+        self._next_fresh = 0
+        self._freed: deque[PageIndex] = deque()
+        self._owned = bytearray(num_slots)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_slots - self._next_fresh + len(self._freed)
 
     def allocate(self) -> PageIndex:
-        if not self._free:
-            raise OutOfPagesError("no free slot")
-        slot = self._free.popleft()
-        self._owned.add(slot)
-        return slot
+        return self.allocate_many(1)[0]
 
     def allocate_many(self, count: int) -> list[PageIndex]:
         """The next `count` slots, as `count` calls of `allocate` would hand them out."""
-        if count > len(self._free):
-            raise OutOfPagesError(f"{count} slots asked, {len(self._free)} free")
-        popleft = self._free.popleft
-        slots = [popleft() for _ in range(count)]
-        self._owned.update(slots)
-        return slots
+        if count > self.num_free:
+            raise OutOfPagesError(f"{count} slots asked, {self.num_free} free" if count > 1 else "no free slot")
+        fresh = min(count, self.num_slots - self._next_fresh)
+        slots = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        popleft = self._freed.popleft
+        slots += [popleft() for _ in range(count - fresh)]
+        owned = self._owned
+        for slot in slots:
+            owned[slot] = 1
+        return slots  # type: ignore[return-value]
 
     def free(self, slot: PageIndex) -> None:
-        if slot not in self._owned:
+        if not 0 <= slot < self.num_slots or not self._owned[slot]:
             raise LogicError(f"slot {slot} freed but not owned")
-        self._owned.remove(slot)
-        self._free.append(slot)
+        self._owned[slot] = 0
+        self._freed.append(slot)
 
     def hand_out_last_first(self, count: int) -> None:
         """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
         there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
-        self._free.rotate(count)
+        self._freed = deque(self.free_slots())
+        self._next_fresh = self.num_slots
+        self._freed.rotate(count)
 
     def owned(self) -> set[PageIndex]:
-        return set(self._owned)
+        return set(np.flatnonzero(self.owned_mask()).tolist())
+
+    def owned_mask(self) -> np.ndarray:
+        """A read-only boolean per slot: owned."""
+        return np.frombuffer(self._owned, dtype=np.bool_)
+
+    def free_slot_array(self) -> np.ndarray:
+        """`free_slots()` as an int64 array, in the same order."""
+        freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
+        return np.concatenate([np.arange(self._next_fresh, self.num_slots, dtype=np.int64), freed])
 
     def free_slots(self) -> list[PageIndex]:
-        return list(self._free)
+        return [*range(self._next_fresh, self.num_slots), *self._freed]  # type: ignore[list-item]
 
 
 @dataclass(frozen=True)
