@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from kvtool.connector.raised import describe_error, format_error
+from kvtool.connector.raised import describe_error, format_error, stops_kvtool
 from kvtool.connector.request import Request
 from kvtool.errors import ConnectorError
 from kvtool.group_pages import GroupPages
@@ -116,7 +116,9 @@ class ConnectorRuntime:
         """Run a connector hook; (False, None) and a recorded failure when it raises."""
         try:
             return True, fn(*args)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit included)
+        except BaseException as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit, native panics)
+            if stops_kvtool(exc):
+                raise
             self.failures.append(HookFailure(hook, request_id, describe_error(exc), format_error(exc)))
             return False, None
 

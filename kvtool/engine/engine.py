@@ -16,7 +16,7 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.connector.raised import describe_construction_error, describe_error
+from kvtool.connector.raised import describe_construction_error, describe_error, stops_kvtool
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
@@ -185,7 +185,9 @@ class Engine:
                     workers.append(building(self.llm_args(spec, options, rank)))
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
+        except BaseException as exc:  # noqa: BLE001 - a constructor failure is the connector's (native panics too)
+            if stops_kvtool(exc):
+                raise
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
                                     f"{describe_construction_error(exc, building)}") from None
         rank_workers = [self._registered(spec, rank, worker) for rank, worker in enumerate(workers)]
@@ -205,7 +207,9 @@ class Engine:
             return RankWorker(rank, worker, ask_end_of_pass(worker, rank))
         except ConnectorError as exc:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - native panics too
+            if stops_kvtool(exc):
+                raise
             raise InputError(f"connector {spec.name!r}: registering the KV cache failed: {describe_error(exc)}") from None
 
     @property
