@@ -83,7 +83,7 @@ def test_pause_replay_catches_a_worker_page_table_that_keeps_a_replayed_requests
     from kvtool.validate.runner import run_all
     from kvtool.validate.scenarios import SCENARIOS
     spec = load_connector(PAGE_TABLE, {})
-    results = run_all([Context(spec, m, load_timeout=1.0) for m in ("tiny", "tiny-vswa")], list(SCENARIOS), 60,
+    results = run_all([Context(spec, m) for m in ("tiny", "tiny-vswa")], list(SCENARIOS), 60,
                       isolated=False)
     assert {(r.scenario, r.model, r.check) for r in results if r.failed} == \
         {("pause-replay", "tiny", "integrity"), ("pause-replay", "tiny-vswa", "integrity")}
