@@ -23,20 +23,25 @@ from kvtool.manager.layout import (
     PoolLayout,
 )
 from kvtool.manager.pool_groups import PoolGroupSpec, place_pools
+from kvtool.manager.slot_order import Fifo, SlotOrder
 from kvtool.types import MemAddress, PageIndex, PoolIndex
 from kvtool.units import format_size
 
 
 class SlotAllocator:
-    """Free list of one pool group's slots: allocation takes the head, freeing appends.
+    """Free list of one pool group's slots: freeing appends; allocation takes what `order` says
+    (the head by default), after any slots `hand_out_last_first` put first.
 
     Invariant: every slot is either in the free list or owned, never both, never twice.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, order: SlotOrder | None = None) -> None:
         self.num_slots = num_slots
         self._free: deque[PageIndex] = deque(PageIndex(i) for i in range(num_slots))
         self._owned: set[PageIndex] = set()
+        self._order = order or Fifo()
+        self._first: list[PageIndex] = []
+        """Free slots handed out before the order applies, last one first."""
 
     @property
     def num_free(self) -> int:
@@ -45,16 +50,23 @@ class SlotAllocator:
     def allocate(self) -> PageIndex:
         if not self._free:
             raise OutOfPagesError("no free slot")
-        slot = self._free.popleft()
+        slot = self._take()
         self._owned.add(slot)
         return slot
+
+    def _take(self) -> PageIndex:
+        if self._first:
+            slot = self._first.pop()
+            self._free.remove(slot)
+            return slot
+        return self._order.take(self._free)
 
     def allocate_many(self, count: int) -> list[PageIndex]:
         """The next `count` slots, as `count` calls of `allocate` would hand them out."""
         if count > len(self._free):
             raise OutOfPagesError(f"{count} slots asked, {len(self._free)} free")
-        popleft = self._free.popleft
-        slots = [popleft() for _ in range(count)]
+        take = self._free.popleft if isinstance(self._order, Fifo) and not self._first else self._take
+        slots = [take() for _ in range(count)]
         self._owned.update(slots)
         return slots
 
@@ -67,7 +79,7 @@ class SlotAllocator:
     def hand_out_last_first(self, count: int) -> None:
         """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
         there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
-        self._free.rotate(count)
+        self._first = sorted(self._free)[-count:][::-1] if count else []   # popped from the end
 
     def owned(self) -> set[PageIndex]:
         return set(self._owned)

@@ -109,11 +109,11 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                   max_batch_size: int, pause_to_grow: bool = False) -> EngineConfig:
     """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time."""
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
-                                   poison_new_pages=True)
+                                   poison_new_pages=True, keep_reusable_pages=local_reuse, slot_order="lifo")
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
-                        max_saving_seconds=ctx.save_timeout,
+                        max_saving_seconds=ctx.save_timeout, gate_async_work=True,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 

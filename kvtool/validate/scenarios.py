@@ -414,9 +414,15 @@ def async_load(ctx: Context) -> list[CheckResult]:
 
 
 def async_save(ctx: Context) -> list[CheckResult]:
+    """Request 0's last pass completes a block (its save is in flight when `request_finished`
+    answers), and get_finished is polled right after: a connector that reports the save before
+    its copy landed has its pages released and poisoned at once, and request 2, which continues
+    the conversation, loads that block. Request 1 repeats the prompt while nothing is in flight."""
     T = ctx.tokens_per_block
-    prompt = tokens(80, 7 * T + 1)
-    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt, arrival=2.0)]
+    prompt = tokens(80, 7 * T - 1)
+    first = Req(0, prompt)       # the last pass computes position 7T - 1: it completes block 6
+    answer = reference_tokens(ctx, [first])[0]
+    reqs = [first, Req(1, prompt, arrival=1.0), Req(2, prompt + tuple(answer) + tokens(81, T + 1), arrival=2.0)]
     r = run(ctx, reqs)
     checks = judge_async("async-save", ctx, r)
     if not any(c.check == "finished-ids" for c in checks):
