@@ -22,11 +22,12 @@ from typing import Iterator
 
 
 HOOK_GRACE_S = 0.02
-"""How long a connector hook run while the gate is closed may take before the connector's threads
-are let through, if the runtime's thread is then asleep (on Linux: its state in /proc; elsewhere
-the time alone decides): a hook that waits for its own threads (a get_finished that blocks until
-its copies landed) would otherwise wait forever. A hook that is only slow (a loaded machine
-preempted it: its thread is runnable, not asleep) keeps the gate shut."""
+"""How long the runtime's thread must be seen asleep without a break, inside a connector hook run
+while the gate is closed, before the connector's threads are let through (Linux: its state in
+/proc, sampled five times a grace; elsewhere the time alone decides). A hook that waits for its
+own threads (a get_finished that blocks until its copies landed) would otherwise wait forever;
+one that is only slow (preempted on a loaded machine: runnable, not asleep; or a moment's wait
+for the GIL) keeps the gate shut."""
 
 
 class AsyncGate:
@@ -72,9 +73,12 @@ class AsyncGate:
 
     def _trace(self, frame, event: str, arg):
         if event == "call" and threading.get_ident() != self._owner:
+            asleep_since = None
             while not self._open.wait(HOOK_GRACE_S / 5):
-                since = self._hook_since
-                if since is not None and time.monotonic() - since > HOOK_GRACE_S and self._owner_asleep():
+                now = time.monotonic()
+                in_hook = self._hook_since is not None
+                asleep_since = (asleep_since or now) if in_hook and self._owner_asleep() else None
+                if asleep_since is not None and now - asleep_since > HOOK_GRACE_S:
                     break
         return None
 

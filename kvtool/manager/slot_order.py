@@ -17,15 +17,24 @@ from kvtool.types import PageIndex
 
 
 class SlotOrder(Protocol):
-    """Takes the next slot out of a non-empty free list (freed slots are appended on the right)."""
+    """Takes the next slot out of a non-empty free list (freed slots are appended on the right);
+    slots never used are handed out lowest first (the highest stay free: a write through
+    BAD_PAGE_INDEX, slot -1, hits a canary there rather than a request)."""
 
     name: str
+
+    def initial(self, num_slots: int) -> deque[PageIndex]:
+        """The free list before any allocation."""
+        ...
 
     def take(self, free: deque[PageIndex]) -> PageIndex: ...
 
 
 class Fifo:
     name = "fifo"
+
+    def initial(self, num_slots: int) -> deque[PageIndex]:
+        return deque(PageIndex(i) for i in range(num_slots))
 
     def take(self, free: deque[PageIndex]) -> PageIndex:
         return free.popleft()
@@ -34,12 +43,16 @@ class Fifo:
 class Lifo:
     name = "lifo"
 
+    def initial(self, num_slots: int) -> deque[PageIndex]:
+        return deque(PageIndex(i) for i in reversed(range(num_slots)))
+
     def take(self, free: deque[PageIndex]) -> PageIndex:
         return free.pop()
 
 
-class SeededRandom:
-    """A free slot drawn from a generator seeded once: the same seed, the same slots."""
+class SeededRandom(Fifo):
+    """A free slot drawn from a generator seeded once: the same seed, the same slots (never-used
+    slots too: the lowest first holds only for the other orders)."""
 
     name = "random"
 

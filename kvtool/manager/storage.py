@@ -37,9 +37,9 @@ class SlotAllocator:
 
     def __init__(self, num_slots: int, order: SlotOrder | None = None) -> None:
         self.num_slots = num_slots
-        self._free: deque[PageIndex] = deque(PageIndex(i) for i in range(num_slots))
-        self._owned: set[PageIndex] = set()
         self._order = order or Fifo()
+        self._free: deque[PageIndex] = self._order.initial(num_slots)
+        self._owned: set[PageIndex] = set()
         self._first: list[PageIndex] = []
         """Free slots handed out before the order applies, last one first."""
 
@@ -79,7 +79,12 @@ class SlotAllocator:
     def hand_out_last_first(self, count: int) -> None:
         """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
         there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
-        self._first = sorted(self._free)[-count:][::-1] if count else []   # popped from the end
+        self.hand_out_first(sorted(self._free)[-count:] if count else [])
+
+    def hand_out_first(self, slots: list[PageIndex]) -> None:
+        """Make the next allocations take these free `slots`, in this order, before the order
+        applies (kvtool validate: exactly the slots a failure released, to a sentinel)."""
+        self._first = list(reversed(slots))   # popped from the end
 
     def owned(self) -> set[PageIndex]:
         return set(self._owned)

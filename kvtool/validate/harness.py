@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -20,6 +21,7 @@ from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
 from kvtool.validate.results import CheckResult, Verdict, verdict
+from kvtool.validate.schedule import schedule_for, settle
 
 CANARY_ID = -424242
 
@@ -35,6 +37,7 @@ class Context:
     tokens_per_block: int = 4
     options: tuple[tuple[str, str], ...] = ()
     seed: int = 0
+    """Seeds the fingerprints and the schedule (`schedule.schedule_for`)."""
     device: str = "cpu"
     """Where the KV pages live: "cpu", or "cuda" (pages, poisoning, canary and checks on the GPU)."""
     load_timeout: float = 5.0
@@ -107,22 +110,34 @@ class Run:
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
                   max_batch_size: int, pause_to_grow: bool = False) -> EngineConfig:
-    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time."""
+    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time;
+    slot order and idle polls from the seed's schedule."""
+    schedule = schedule_for(ctx.seed)
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
-                                   poison_new_pages=True, keep_reusable_pages=local_reuse, slot_order="lifo")
+                                   poison_new_pages=True, keep_reusable_pages=local_reuse,
+                                   slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True,
+                        idle_wait_seconds=schedule.idle_wait_seconds,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 
-def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
-        local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64, connector: bool = True,
+DEFAULT_SLOTS, DEFAULT_BATCH = 256, 64
+
+
+def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, chunk_size: int | None = None,
+        local_reuse: bool = False, canary: bool = False, max_batch_size: int = DEFAULT_BATCH, connector: bool = True,
         setup: Callable[[Engine], None] | None = None,
         on_iteration: Callable[[Engine], None] | None = None, pause_to_grow: bool = False) -> Run:
     """Replay `requests`; the connector under test is attached unless `connector` is False;
-    `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow)."""
+    `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow).
+    A run that leaves its shape free (pool, chunks and batch as defaulted) takes the seed's batch
+    cap and chunk size; async work is let run where the seed's schedule says (`schedule.settle`)."""
+    schedule = schedule_for(ctx.seed)
+    if num_slots == DEFAULT_SLOTS and chunk_size is None and max_batch_size == DEFAULT_BATCH:
+        chunk_size, max_batch_size = schedule.chunk_size, schedule.max_batch_size or max_batch_size
     config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
@@ -138,6 +153,9 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
             check_canary()
         if on_iteration:
             on_iteration(e)
+        pause = settle(schedule, e.iteration)
+        if pause:
+            time.sleep(pause)   # the gate is open: the connector's threads run meanwhile
 
     try:
         # An idle iteration waiting on a load or save sleeps 0.5 ms: allow enough of them for the timeouts.

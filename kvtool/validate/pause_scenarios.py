@@ -12,6 +12,7 @@ from kvtool.types import BAD_PAGE_INDEX
 from kvtool.validate.harness import (Context, Req, Scenario, judge_integrity, judge_warm_hit, reference_tokens,
                                      result, run, tokens)
 from kvtool.validate.results import CheckResult
+from kvtool.validate.schedule import schedule_for
 from kvtool.validate.sizing import squeeze_slots
 
 NUM_GROWING = 3
@@ -31,7 +32,8 @@ def pause_replay(ctx: Context) -> list[CheckResult]:
     answers = reference_tokens(ctx, growing)
     again = [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id][:-1]), arrival=5.0 + q.request_id)
              for q in growing]   # one at a time: each finds room for its whole offer
-    room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1)
+    room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1
+                         - schedule_for(ctx.seed).pause_room_delta)
     pages: dict[int, list] = {}
     r = run(ctx, growing + again, num_slots=room, pause_to_grow=True, on_iteration=lambda e: _note_pages(e, pages))
     pauses = {} if r.error else {rid: s.num_pauses for rid, s in r.states.items() if s.num_pauses}
