@@ -3,17 +3,25 @@ before its copy landed, loads written into the pages of an allocation a pause to
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_scenario
-from tests.helpers.early_report_connectors import (EarlyReport, EarlyReportWorker, RecordsAllocations,
+from kvtool.validate.schedule import schedule_for
+from tests.helpers.early_report_connectors import (ClaimsOneBlockMore, EarlyReport, EarlyReportWorker, RecordsAllocations,
                                                    ReplaysIntoOldPages, ReportsLanded,
                                                    WaitsInGetFinished, Worker)
 
 MODULE = "tests.helpers.early_report_connectors"
+cli = CliRunner()
 EARLY = ConnectorSpec("early-report", EarlyReport, EarlyReportWorker, MODULE)
 
 
@@ -84,3 +92,47 @@ def test_host_passes_the_lifetime_scenarios(scheduler):
     spec = ConnectorSpec("host", scheduler, Worker, MODULE)
     for scenario in ("pause-replay", "free-before-delivery", "final-pass-blocks"):
         assert {v for _, _, _, v in verdicts(spec, scenario)} <= {"pass", "skip"}, scenario
+
+
+# ---- evidence that names the cause ---------------------------------------------------------------
+def _integrity(spec: ConnectorSpec, scenario: str):
+    (check,) = [r for r in run_scenario(scenario, Context(spec, "tiny")) if r.check == "integrity"]
+    assert check.failed
+    return check.evidence
+
+
+def test_an_early_report_is_said_to_come_before_the_bytes_were_in_the_store():
+    evidence = _integrity(EARLY, "async-save")
+    assert any("get_finished reported that save at iteration" in e and "before its bytes were in the store" in e
+               for e in evidence), evidence
+    assert not any("answer True from request_finished" in e for e in evidence)
+
+
+def test_an_offer_of_a_block_nobody_stored_says_the_index_claimed_it():
+    evidence = _integrity(ConnectorSpec("claims", ClaimsOneBlockMore, Worker, MODULE), "cold-warm")
+    assert any(re.search(r"block \d+, nor had any earlier engine: no request stored block \d+, yet the connector's "
+                         "index claimed it", e) for e in evidence), evidence
+    assert not any("earlier engine saved" in e for e in evidence)
+
+
+# ---- --seed and --explore on the command line ------------------------------------------------
+def test_the_seed_is_in_the_summary_json_and_junit(tmp_path):
+    result = cli.invoke(app, ["validate", "host", "--scenario", "clamp", "--model", "tiny", "--seed", "7",
+                              "--format", "json", "--junit", str(tmp_path / "j.xml")])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["seed"] == 7 and document["schedule"] == schedule_for(7).describe()
+    assert "; seed 7" in result.stderr
+    assert '<property name="seed" value="7" />' in (tmp_path / "j.xml").read_text()
+
+
+def test_explore_stops_a_scenario_at_its_first_failure_and_prints_the_reproduce_command():
+    target = "tests/helpers/early_report_connectors.py:EarlyReport:EarlyReportWorker"
+    result = cli.invoke(app, ["validate", target, "--scenario", "async-save", "--scenario", "clamp", "--model", "tiny",
+                              "--explore", "3", "--seed", "4", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert result.stderr.count("async-save[tiny]") == 2      # seed 4's progress line and the finding; not 5, 6
+    assert result.stderr.count("clamp[tiny]") == 3
+    assert (f"async-save[tiny] failed integrity at seed 4 ({schedule_for(4).describe()}); reproduce: kvtool validate "
+            f"{target} --scenario async-save --model tiny --seed 4 --device cpu") in result.stderr
+    assert "seeds 4..6 explored, 1 scenario failed" in result.stderr

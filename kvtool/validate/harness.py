@@ -20,6 +20,7 @@ from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
+from kvtool.validate.cause_evidence import note_engine_blocks, released_page_loads, unknown_block_offer
 from kvtool.validate.results import CheckResult, Verdict, verdict
 from kvtool.validate.schedule import schedule_for, settle
 
@@ -167,6 +168,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
         engine.close()
         for failure in engine.connector.failures if engine.connector is not None else ():
             _note_traceback(failure.describe(), failure.traceback)
+    if connector:
+        note_engine_blocks(engine, computed_blocks(result))
     return result
 
 
@@ -257,6 +260,7 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
         evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r) + offers_from_elsewhere(r)
+        evidence[:0] = released_page_loads(r)
         expected = reference_tokens(ctx, requests)
         for rid, state in r.states.items():
             if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
@@ -298,7 +302,8 @@ def late_deliveries_gone_wrong(r: Run) -> list[str]:
 
 def offers_from_elsewhere(r: Run) -> list[str]:
     """Offers holding a block whose tokens no request of this engine had computed (at any position)
-    before the ask: the connector serves what an earlier engine saved. Every engine of a scenario
+    before the ask, said by `cause_evidence.unknown_block_offer`: the connector serves what an
+    earlier engine saved, or what no engine stored. Every engine of a scenario
     starts with a cold store, and a store lives no longer than one engine (its scheduler and worker
     objects): one kept in a module or class attribute survives from one engine to the next in rank
     0's process, while each follower rank is a new process with every engine, so it serves bytes
@@ -318,13 +323,22 @@ def offers_from_elsewhere(r: Run) -> list[str]:
             start, end = event.num_computed_tokens, event.num_computed_tokens + event.num_offered_tokens
             unknown = [j for j in range(start // tpb, end // tpb) if tuple(prompt[j * tpb:(j + 1) * tpb]) not in blocks]
             if unknown:
-                out.append(f"request {event.request_id} was offered tokens [{start}, {end}) at iteration "
-                           f"{event.iteration}, but no request of this engine had computed the tokens of its block "
-                           f"{unknown[0]}: the connector serves what an earlier engine saved. A store must live no "
-                           "longer than the connector objects (one engine): keep it on the scheduler and worker, "
-                           "not in a module or class attribute (each engine of a scenario starts with a cold store, "
-                           "and with --num-ranks the other ranks' processes are new with every engine)")
+                j = unknown[0]
+                out.append(unknown_block_offer(r.engine, event.request_id, start, end, event.iteration, j,
+                                               tuple(prompt[j * tpb:(j + 1) * tpb])))
     return out
+
+
+def computed_blocks(r: Run) -> set[tuple[int, ...]]:
+    """The tokens of every full block a request of `r` computed."""
+    tpb = r.engine.manager.tokens_per_block
+    blocks: set[tuple[int, ...]] = set()
+    for event in r.events.of(PassDone):
+        for rid, _, end in event.items:
+            if rid in r.states:
+                tokens_so_far = r.states[rid].request.get_tokens()
+                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(end // tpb))
+    return blocks
 
 
 def failed_by_connector(r: Run) -> list[str]:

@@ -382,14 +382,7 @@ def final_pass_blocks(ctx: Context) -> list[CheckResult]:
     r = run(ctx, reqs, on_iteration=_release_reusable_pages)
     out = [judge_integrity("final-pass-blocks", ctx, [(r, reqs)]),
            judge_warm_hit("final-pass-blocks", ctx, r, [q.request_id for q in again])]
-    if not r.error:
-        repeats = {q.request_id for q in again}
-        released = sorted({i.request_id for i in r.engine.fake.issues if i.request_id in repeats
-                           and i.found.startswith("a released page")})
-        out[0].evidence[:0] = [f"request {rid} loaded a released page's bytes: the connector copied a block after "
-                               "its request's last pass released its pages (save a block in the pass that completes "
-                               "it, or answer True from request_finished to keep the pages until get_finished "
-                               "reports the save)" for rid in released]
+    if not r.error:     # a load of released-page bytes is named by judge_integrity (`released_page_loads`)
         out[0].evidence += [f"tokens served to the repeats of prompts whose last blocks were completed in their "
                             f"request's last pass: { {q.request_id: r.state(q.request_id).num_external for q in again} }"]
     return out + _common("final-pass-blocks", ctx, r)

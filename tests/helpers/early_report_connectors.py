@@ -84,3 +84,22 @@ class RecordsAllocations(HostConnectorScheduler):
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
         self.allocations.append((request.request_id, [list(p) for p in block_ids_by_layer_group]))
         super().update_state_after_alloc_by_layer_group(request, block_ids_by_layer_group)
+
+
+class ClaimsOneBlockMore(HostConnectorScheduler):
+    """The defect: an off-by-one in the matched count. Where the index holds a prefix, one block
+    past it is offered too; its load reads a store entry nobody wrote."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        num, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if num == 0:
+            return num, is_async
+        tpb = self.tokens_per_block
+        extra = min(tpb, request.prompt_len - 1 - num_computed_tokens - num)
+        tracker = self._trackers[request.request_id]
+        if extra > 0 and tracker.planned:
+            j = max(b for b, _ in tracker.planned) + 1
+            for g in {g for _, g in tracker.planned}:
+                tracker.planned[(j, g)] = tracker.planned[(j - 1, g)]   # the entry of the block before it
+                self.pin(tracker.planned[(j, g)])
+        return num + max(extra, 0), is_async
