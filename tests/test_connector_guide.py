@@ -6,17 +6,27 @@ and this file together."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 from kvtool.connector.request import Request
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.request_state import Phase
 from kvtool.types import BAD_PAGE_INDEX
+from kvtool.validate.harness import Context
+from kvtool.validate.runner import run_all, run_isolated
+from kvtool.validate.user_store import engine_store_folders
+from tests.helpers import module_store_connector
 from tests.helpers.connectors import OracleWorker
 from tests.helpers.engines import make_engine, scripted
 
-GUIDE = Path(__file__).parents[1] / "docs" / "connector-guide.md"
+ROOT = Path(__file__).parents[1]
+GUIDE = ROOT / "docs" / "connector-guide.md"
+EXAMPLE = ROOT / "examples" / "dict_connector.py"
 T = 4                                  # tokens per block
 LAYERS = 4                             # the "tiny" preset
 LOG: list[tuple] = []
@@ -310,9 +320,81 @@ def test_S3_an_id_returned_before_it_was_given_is_a_violation():
 
 # ---- the store ----------------------------------------------------------------------------------
 
-def test_T1_validate_gives_every_engine_a_cold_store():
-    from tests.test_validate_gate import test_every_engine_of_a_scenario_starts_with_a_cold_store as cold
-    cold()
+MODULE_STORE = "tests.helpers.module_store_connector:ModuleStoreScheduler:ModuleStoreWorker"
+EARLIER_ENGINE = ("the connector serves what an earlier engine saved. A store must live no longer than the "
+                  "connector objects (one engine)")
+RANK_1_LACKS = "rank 1's store lacks what the scheduler's index (kept from an earlier engine) offered: request"
+
+
+def _evidence(results, check):
+    (found,) = [r for r in results if r.check == check]
+    assert found.failed, found
+    return found.evidence
+
+
+def test_T1_a_store_in_module_dicts_serves_an_earlier_engine_on_one_rank_said_in_words():
+    module_store_connector.forget()
+    results = run_isolated("chunked-prefill", Context(load_connector(MODULE_STORE), "tiny"), timeout=120)
+    assert any(EARLIER_ENGINE in e for e in _evidence(results, "integrity"))
+
+
+def test_T1_on_two_ranks_rank_1_lacks_what_the_index_kept_from_an_earlier_engine_claims():
+    """A bare KeyError on rank 1 used to be all the evidence, in chunked-prefill and hook-raises."""
+    module_store_connector.forget()
+    ctx = Context(load_connector(MODULE_STORE), "tiny", num_ranks=2, tp_size=2)
+    results = run_all([ctx], ["chunked-prefill", "hook-raises"], 120)
+    for scenario, check in (("chunked-prefill", "integrity"), ("hook-raises", "survives-hook-failure")):
+        evidence = _evidence([r for r in results if r.scenario == scenario], check)
+        assert evidence[0].startswith(RANK_1_LACKS), evidence
+        assert "no request of this engine had computed block" in evidence[0]
+        assert "rank 1's start_load_kv raised KeyError" in evidence[0]
+        assert not [e for e in evidence[1:] if "KeyError" in e], evidence   # the bare line is gone
+
+
+def test_T1_the_example_on_two_ranks_is_not_said_to_keep_a_store():
+    """The shipped example keeps its store on its objects: nothing of the above is said about it."""
+    ctx = Context(load_connector(f"{EXAMPLE}:DictConnectorScheduler:DictConnectorWorker"), "tiny", num_ranks=2,
+                  tp_size=2)
+    results = run_all([ctx], ["chunked-prefill", "hook-raises"], 120)
+    assert not [r for r in results if r.failed], [r for r in results if r.failed]
+
+
+def test_T1_a_user_set_connector_cache_folder_is_said_once_and_each_engine_gets_its_own(tmp_path):
+    """TensorRT-LLM's file examples read CONNECTOR_CACHE_FOLDER; one set by the user would be one
+    store for every engine of the run. The verdicts are those of a run without it, and the user's
+    folder stays empty."""
+    target = f"{ROOT / 'tests/helpers/cache_folder_connector.py'}:CacheFolderLeader:BlockFilesWorker"
+    user = tmp_path / "user-folder"
+    user.mkdir()
+    runs = {}
+    for name, extra in (("without", {}), ("with", {"CONNECTOR_CACHE_FOLDER": str(user)})):
+        env = {k: v for k, v in os.environ.items() if k != "CONNECTOR_CACHE_FOLDER"} | extra
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        runs[name] = subprocess.run([sys.executable, "-m", "kvtool", "validate", "--compat", "trtllm", target,
+                                     "--model", "tiny", "--scenario", "chunked-prefill", "--scenario", "cold-warm",
+                                     "--format", "json"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                                    env=env)
+    verdicts = {name: [(r["scenario"], r["check"], r["verdict"]) for r in json.loads(done.stdout)["results"]]
+                for name, done in runs.items()}
+    assert verdicts["with"] == verdicts["without"]
+    assert ("cold-warm", "warm-hit", "pass") in verdicts["with"]
+    said = [line for line in runs["with"].stderr.splitlines() if "CONNECTOR_CACHE_FOLDER=" in line]
+    assert said == [f"kvtool: CONNECTOR_CACHE_FOLDER={user} is set: a connector keeping its store in that folder "
+                    "would share one store between every engine this run starts, and each must start with a cold "
+                    "store (an earlier engine's blocks would be served, or fail to load, on a later one); validate "
+                    "points it at a fresh folder of each engine's own instead, and leaves yours untouched"]
+    assert "CONNECTOR_CACHE_FOLDER" not in runs["without"].stderr
+    assert list(user.iterdir()) == []
+
+
+def test_T1_engine_store_folders_point_inside_the_current_folder_and_restore(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONNECTOR_CACHE_FOLDER", "/somewhere/of/yours")
+    monkeypatch.delenv("TLLM_CONNECTOR_CACHE_FOLDER", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with engine_store_folders():
+        assert os.environ["CONNECTOR_CACHE_FOLDER"] == str(tmp_path / "connector_cache_folder")
+        assert (tmp_path / "connector_cache_folder").is_dir() and "TLLM_CONNECTOR_CACHE_FOLDER" not in os.environ
+    assert os.environ["CONNECTOR_CACHE_FOLDER"] == "/somewhere/of/yours"
 
 
 # ---- the guide and this file --------------------------------------------------------------------

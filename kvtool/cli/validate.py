@@ -30,6 +30,7 @@ from kvtool.validate.runner import SCENARIO_GPU_OVERHEAD_BYTES, gpu_jobs_cap, ma
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
+from kvtool.validate.user_store import user_store_folders, user_store_notice
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
 _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verdict.ERROR: "red",
@@ -123,6 +124,9 @@ def validate(
     if device == "cuda":
         jobs_at_once = _jobs_that_fit_the_gpu(jobs_at_once, models, tokens_per_block, num_ranks,
                                               asked=jobs.strip().lower() != "auto")
+    notice = user_store_notice(user_store_folders())
+    if notice:
+        say(notice)
     # The target is imported and built in a child first: one that exits or hangs there is exit 2.
     preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
               compat, timeout)
