@@ -11,7 +11,8 @@ The rules it follows (each one a check of `kvtool validate`):
 - Page lists are one list per layer group (position = group id), one entry per block ordinal;
   an entry of BAD_PAGE_INDEX (-1) has no page: `valid_page_slots` skips it, `slot_tensor` refuses it.
 - Loads go into the pages of the offer that is left after `cancel_load` trimmed it.
-- `computed_position` excludes what the connector loads; a pass saves each block it completes
+- `computed_position` excludes what the connector loads (its loads are synchronous; after an
+  asynchronous load the first report includes the loaded tokens); a pass saves each block it completes
   (later prefill chunks and decode steps arrive in `cached_requests` as append-deltas).
 - A save counts as stored once its pass is over (the next `build_connector_meta`); the saves
   of a request that ended early may not have landed and are forgotten.

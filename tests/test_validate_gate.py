@@ -14,7 +14,6 @@ from kvtool.connectors.registry import load_connector
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_all, run_isolated, run_scenario
 from kvtool.validate.scenarios import MAX_SIZED_POOL_BYTES, SCENARIOS, window_sized
-from tests.helpers import module_store_connector
 
 BROKEN = "tests.helpers.broken_connectors"
 DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
@@ -110,21 +109,7 @@ def test_a_save_never_reported_fails_within_the_save_timeout_naming_it():
     assert seconds >= 2, seconds   # it waited the save timeout out
 
 
-# ---- a store that outlives the engine ------------------------------------------------------------
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_store_that_outlives_the_engine_is_said_in_words(ranks):
-    """A module-level dict serves the second engine of a scenario what the first saved: correct bytes
-    on one rank (the same model), a failure on two (the follower's process is new). Either way
-    validate says why."""
-    module_store_connector.forget()
-    spec = load_connector("tests.helpers.module_store_connector:ModuleStoreScheduler:ModuleStoreWorker")
-    results = run_isolated("chunked-prefill", Context(spec, "tiny", num_ranks=ranks, tp_size=ranks), timeout=120)
-    (integrity,) = [r for r in results if r.check == "integrity"]
-    assert integrity.failed
-    assert any("the connector serves what an earlier engine saved. A store must live no longer than the connector "
-               "objects (one engine)" in e for e in integrity.evidence), integrity.evidence
-
-
+# ---- a store that outlives the engine: tests/test_connector_guide.py (rule T1) --------------------
 def test_every_engine_of_a_scenario_starts_with_a_cold_store():
     """The disk connector keeps its store in files: each engine of a scenario gets a folder of its
     own, so nothing it serves comes from an earlier engine."""

@@ -26,7 +26,8 @@ from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError, KvToolError
 from kvtool.models import load_model
-from kvtool.report.bench_report import bench_notes, default_output_dir, rows_table, write_run
+from kvtool.report.bench_report import bench_notes, column_legend, default_output_dir, rows_tables, write_run
+from kvtool.report.fit_table import report_width
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.transfer import available_backends
 from kvtool.transfer.registry import backend_names
@@ -302,4 +303,9 @@ def _print(rows: list[dict], format: Format, title: str, table_omits: set[str] =
         print(buffer.getvalue(), end="")
     else:
         shown = [{k: v for k, v in row.items() if k not in table_omits} for row in rows]
-        Console(width=max(150, Console().width)).print(rows_table(shown, title))
+        width = report_width(150)
+        console = Console(width=width)
+        for table in rows_tables(shown, title, width):
+            console.print(table)
+        if shown:
+            console.print(f"columns: {column_legend(list(shown[0]))}", highlight=False, markup=False)

@@ -20,6 +20,7 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model
+from kvtool.report.fit_table import report_width
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
 from kvtool.connector.compat import install_compat
 from kvtool.validate.harness import Context
@@ -32,6 +33,7 @@ from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
 from kvtool.validate.explore import SeedsRun, explore, reproduce_command
 from kvtool.validate.schedule import DEFAULT_SEED
+from kvtool.validate.user_store import user_store_folders, user_store_notice
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
 _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verdict.ERROR: "red",
@@ -132,6 +134,9 @@ def validate(
     if device == "cuda":
         jobs_at_once = _jobs_that_fit_the_gpu(jobs_at_once, models, tokens_per_block, num_ranks,
                                               asked=jobs.strip().lower() != "auto")
+    notice = user_store_notice(user_store_folders())
+    if notice:
+        say(notice)
     # The target is imported and built in a child first: one that exits or hangs there is exit 2.
     preflight(_absolute(target), _probe(models[0], tokens_per_block, connector_opt, compat, seed, device),
               compat, timeout)
@@ -282,7 +287,8 @@ def _reproduce_options(tokens_per_block: int, connector_opt: list[str], compat: 
 def _print_results(results: list[CheckResult], target: str, models: list[str], format: OutputFormat,
                    all_rows: bool = False, seeds: SeedsRun | None = None) -> None:
     if format is OutputFormat.table:
-        Console(width=max(140, Console().width)).print(_table(results, target, all_rows))
+        width = report_width(140)
+        Console(width=width).print(_table(results, target, all_rows, width))
     elif format is OutputFormat.json:
         print(json.dumps(_document(results, target, models, seeds), indent=2))
     else:
@@ -296,27 +302,43 @@ def _frame(results: list[CheckResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _table(results: list[CheckResult], target: str, all_rows: bool = False) -> Table:
+NARROW = 110
+"""Below this console width the table stacks scenario over model and check over verdict, so that
+the evidence keeps room and no name is folded."""
+
+
+def _table(results: list[CheckResult], target: str, all_rows: bool = False, width: int = 140) -> Table:
     """One row per check; without `all_rows`, the remote-* scenarios skipped for want of --remote
-    take one row together, at the end."""
-    table = Table(title=f"kvtool validate {target}")
-    for column in ("scenario", "model", "check", "verdict", "time", "evidence"):
-        table.add_column(column, overflow="fold")
+    take one row together, at the end. Names never fold (their columns are as wide as the longest),
+    the evidence does; below NARROW columns, scenario and model share a cell, and so do check,
+    verdict and time."""
     folded = [] if all_rows else [r for r in results if _needs_remote(r)]
-    for r in results:
-        if any(r is f for f in folded):
-            continue
-        evidence = "; ".join(r.evidence[:3]) if r.verdict is not Verdict.PASS else (r.evidence[0] if r.evidence else "")
-        table.add_row(r.scenario, r.model, r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
-                      f"{r.seconds:.2f}s", evidence[:400])
+    rows = [(r.scenario, r.model, r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]", f"{r.seconds:.2f}s",
+             _evidence_cell(r)) for r in results if not any(r is f for f in folded)]
     if folded:
         scenarios = list(dict.fromkeys(r.scenario for r in folded))
         models = list(dict.fromkeys(r.model for r in folded))
         what = f"{len(scenarios)} scenario{'s' * (len(scenarios) != 1)} × {len(models)} model{'s' * (len(models) != 1)}"
-        table.add_row(f"remote-* ({what})", ", ".join(models), "", f"[{_STYLE[Verdict.SKIP]}]skip[/]",
-                      f"{sum(r.seconds for r in folded):.2f}s", "skipped, needs --remote URL (--all-rows shows "
-                      "each)")
+        rows.append((f"remote-* ({what})", ", ".join(models), "", f"[{_STYLE[Verdict.SKIP]}]skip[/]",
+                     f"{sum(r.seconds for r in folded):.2f}s", "skipped, needs --remote URL (--all-rows shows each)"))
+    table = Table(title=f"kvtool validate {target}")
+    if width < NARROW:
+        rows = [(f"{a.replace(' (', chr(10) + '(', 1)}\n{b}", f"{c}\n{d} {e}".lstrip(), f) for a, b, c, d, e, f in rows]
+        columns = ("scenario / model", "check / verdict", "evidence")
+    else:
+        columns = ("scenario", "model", "check", "verdict", "time", "evidence")
+    for i, column in enumerate(columns[:-1]):
+        longest = max([len(column)] + [len(line) for row in rows for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
+        table.add_column(column, overflow="fold", min_width=longest)
+    table.add_column(columns[-1], overflow="fold", ratio=1)
+    for row in rows:
+        table.add_row(*row)
     return table
+
+
+def _evidence_cell(r: CheckResult) -> str:
+    evidence = "; ".join(r.evidence[:3]) if r.verdict is not Verdict.PASS else (r.evidence[0] if r.evidence else "")
+    return evidence[:400]
 
 
 _REMOTE_SCENARIOS = frozenset(s.name for s in REMOTE_SCENARIOS)

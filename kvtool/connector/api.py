@@ -44,8 +44,10 @@ class RequestData:
     - `new_block_ids_by_layer_group`: `List[List[int]]`, position = layer group id, each list
       positionally aligned (BAD_PAGE_INDEX in place). With one layer group `new_block_ids` is that
       group's list; with several it is `[]`, because a page index is scoped to its group.
-    - `computed_position`: tokens already in the cache before this pass. For a request reported for
-      the first time it excludes the tokens the connector will load (it is the local match).
+    - `computed_position`: tokens already in the cache before this pass. A first report in the
+      iteration of a synchronous load excludes the tokens the connector loads in it (it is the local
+      match); a request loading asynchronously is absent from the output while it loads, and its
+      first report, after the load, includes the loaded tokens (docs/connector-guide.md, D3 and D4).
     - `num_scheduled_tokens`: tokens the coming pass computes (1 for a decode step).
     - `block_hashes`: `[]` and `priorities`: None, as on TensorRT-LLM's V2 manager (not reported).
     - `cache_salt`: the request's salt (None without one); a connector mixes it into its keys.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +15,7 @@ from rich.table import Table
 from kvtool.bench.protocol_suite import REFERENCE_MARK
 from kvtool.errors import InputError
 from kvtool.report.bench_plot import plot
+from kvtool.report.fit_table import column_groups
 from kvtool.report.run_folder import device_info, write_meta
 
 ROW_KEYS = ("backend", "direction", "granularity", "model", "tokens_per_block", "chunk_bytes", "batch_bytes",
@@ -50,24 +52,66 @@ _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "mode
           "slowdown_during_saves": "slowdown saving", "engine_slowdown": "slowdown engine",
           "products_during_saves": "n saving", "products_dropped": "n dropped",
           "save_gbps_with_compute": "save GB/s loaded",
-          "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone"}
+          "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone",
+          # --suite store
+          "block_bytes": "block", "raw_gbps": "raw GB/s", "vs_reference": "vs ref"}
 LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
           "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
           "chunk: bytes per page copy; batch: bytes per timed batch; ratio: GB/s / peak GB/s, where the peak is "
           "one contiguous pinned copy of the same size in the same run; ±peak: (p90 - p10) / median of the "
           "peak's repeats; ok: every byte verified")
 _SIZES = {"chunk_bytes", "batch_bytes"}
-_TEXT = {"backend", "direction", "granularity", "model", "operation", "connector", "products"}
+_TEXT = {"backend", "direction", "granularity", "model", "operation", "connector", "products", "variant"}
+
+
+NAMING = ("connector", "backend", "operation", "variant", "direction", "tokens_per_block")
+"""Columns that say which row is which: repeated on every table when the rows take several."""
+NAME_WIDTH = 24
+"""The most a text column takes before it folds (a connector's name folds onto more lines, never cut)."""
+
+
+def rows_tables(rows: list[dict], title: str, width: int = 150) -> list[Table]:
+    """The rows as tables no wider than `width`: one, or several with the naming columns repeated.
+    No cell is cut: numbers never wrap, text folds."""
+    keys = list(rows[0]) if rows else list(ROW_KEYS)
+    cells = [[_cell(k, row[k]) for k in keys] for row in rows]
+    widths = {k: max([len(_SHORT.get(k, k))] + [len(_plain(c[i])) for c in cells]) for i, k in enumerate(keys)}
+    widths.update({k: min(w, NAME_WIDTH) for k, w in widths.items() if k in _TEXT})
+    groups = column_groups(widths, [k for k in keys if k in NAMING], width)
+    tables = []
+    for n, group in enumerate(groups):
+        part = f" ({n + 1} of {len(groups)})" if len(groups) > 1 else ""
+        table = Table(title=title + part)
+        for key in group:
+            text = key in _TEXT
+            table.add_column(_SHORT.get(key, key), justify="left" if text else "right", overflow="fold",
+                             no_wrap=not text, min_width=widths[key])
+        for row in cells:
+            table.add_row(*[row[keys.index(k)] for k in group])
+        tables.append(table)
+    return tables
+
+
+_MEANING = {"tokens_per_block": "tokens per block", "block_bytes": "bytes of one block", "gbps": "GB/s moved",
+            "spread": "(max - min) / median of the rounds' GB/s", "raw_gbps": "the baseline: one contiguous copy "
+            "(or the store's raw loop) of the same bytes", "ratio": "GB/s / raw GB/s",
+            "vs_reference": "GB/s / kvtool's host connector's GB/s in the same run",
+            "verified": "every byte verified", "p50_us": "median µs per request (per block for a store's own "
+            "paths)", "p99_us": "99th percentile µs", "direction": "save (pages -> store) or load (store -> pages)"}
+
+
+def column_legend(keys: list[str]) -> str:
+    """What each shortened header of `keys` means, for the line under a table."""
+    return "; ".join(f"{_SHORT.get(k, k)}: {_MEANING[k]}" for k in keys if k in _MEANING)
 
 
 def rows_table(rows: list[dict], title: str) -> Table:
-    table = Table(title=title)
-    keys = list(rows[0]) if rows else list(ROW_KEYS)
-    for key in keys:
-        table.add_column(_SHORT.get(key, key), justify="left" if key in _TEXT else "right")
-    for row in rows:
-        table.add_row(*[_cell(k, row[k]) for k in keys])
-    return table
+    """The rows as one table (wide: `rows_tables` fits a console)."""
+    return rows_tables(rows, title, width=10**6)[0]
+
+
+def _plain(cell: str) -> str:
+    return re.sub(r"\[/?[a-z ]*\]", "", cell)
 
 
 def _cell(key: str, value: Any) -> str:

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from kvtool.engine.events import SaveFinished, SaveStarted
 
+KEEP_IT_ON_THE_OBJECTS = ("A store must live no longer than the connector objects (one engine): keep it on the "
+                          "scheduler and worker, not in a module or class attribute (each engine of a scenario starts "
+                          "with a cold store, and with --num-ranks the other ranks' processes are new with every "
+                          "engine)")
+
 _BLOCKS_BY_ENGINE: dict[int, set[tuple[int, ...]]] = {}
 """Blocks (their tokens) each engine with a connector computed in this process (by `id`) since
 the last `forget_engines`: what a store kept beyond its engine could serve another."""
@@ -34,10 +39,7 @@ def unknown_block_offer(engine: object, request_id: int, start: int, end: int, i
     offered = (f"request {request_id} was offered tokens [{start}, {end}) at iteration {iteration}, but no request "
                f"of this engine had computed the tokens of its block {block}")
     if any(block_tokens in blocks for other, blocks in _BLOCKS_BY_ENGINE.items() if other != id(engine)):
-        return (f"{offered}: the connector serves what an earlier engine saved. A store must live no longer than "
-                "the connector objects (one engine): keep it on the scheduler and worker, not in a module or class "
-                "attribute (each engine of a scenario starts with a cold store, and with --num-ranks the other "
-                "ranks' processes are new with every engine)")
+        return f"{offered}: the connector serves what an earlier engine saved. {KEEP_IT_ON_THE_OBJECTS}"
     return (f"{offered}, nor had any earlier engine: no request stored block {block}, yet the connector's index "
             "claimed it (an off-by-one in the matched count, or a key that names another block?)")
 

@@ -20,7 +20,8 @@ from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
-from kvtool.validate.cause_evidence import note_engine_blocks, released_page_loads, unknown_block_offer
+from kvtool.validate.cause_evidence import note_engine_blocks, released_page_loads
+from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine
 from kvtool.validate.results import CheckResult, Verdict, verdict
 from kvtool.validate.schedule import schedule_for, settle
 
@@ -301,32 +302,10 @@ def late_deliveries_gone_wrong(r: Run) -> list[str]:
 
 
 def offers_from_elsewhere(r: Run) -> list[str]:
-    """Offers holding a block whose tokens no request of this engine had computed (at any position)
-    before the ask, said by `cause_evidence.unknown_block_offer`: the connector serves what an
-    earlier engine saved, or what no engine stored. Every engine of a scenario
-    starts with a cold store, and a store lives no longer than one engine (its scheduler and worker
-    objects): one kept in a module or class attribute survives from one engine to the next in rank
-    0's process, while each follower rank is a new process with every engine, so it serves bytes
-    on one rank and fails on several (and would serve another model's bytes in a real process)."""
-    tpb = r.engine.manager.tokens_per_block
-    computed: dict[int, int] = {}
-    blocks: set[tuple[int, ...]] = set()
-    out = []
-    for event in r.events.events:
-        if isinstance(event, PassDone):
-            for rid, _, end in event.items:
-                tokens_so_far = r.states[rid].request.get_tokens() if rid in r.states else []
-                first, computed[rid] = computed.get(rid, 0) // tpb, max(computed.get(rid, 0), end)
-                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(first, computed[rid] // tpb))
-        elif isinstance(event, Ask) and event.num_offered_tokens and event.request_id in r.states:
-            prompt = r.states[event.request_id].request.get_tokens()
-            start, end = event.num_computed_tokens, event.num_computed_tokens + event.num_offered_tokens
-            unknown = [j for j in range(start // tpb, end // tpb) if tuple(prompt[j * tpb:(j + 1) * tpb]) not in blocks]
-            if unknown:
-                j = unknown[0]
-                out.append(unknown_block_offer(r.engine, event.request_id, start, end, event.iteration, j,
-                                               tuple(prompt[j * tpb:(j + 1) * tpb])))
-    return out
+    """Offers of blocks no request of this engine had computed: the store outlived an earlier
+    engine, or the index claimed a block nobody stored (`outlived_store` and `cause_evidence`,
+    where the words are)."""
+    return store_outlived_engine(r)
 
 
 def computed_blocks(r: Run) -> set[tuple[int, ...]]:
@@ -346,7 +325,8 @@ def failed_by_connector(r: Run) -> list[str]:
     counts against it. Not counted here: an abort a scenario asked for, and a load that never
     landed (`load-completes` judges that)."""
     return [f"request {rid} failed ({state.error}): a request the connector fails is not served correctly"
-            for rid, state in r.states.items() if state.failure not in _NOT_INTEGRITY_FAILURES]
+            for rid, state in r.states.items() if state.failure not in _NOT_INTEGRITY_FAILURES
+            and follower_store_lacks(r, rid) is None]   # that one is said in words (offers_from_elsewhere)
 
 
 _NOT_INTEGRITY_FAILURES = (None, FailureReason.ABORTED, FailureReason.STUCK_IN_TRANSMISSION)

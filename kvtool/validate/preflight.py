@@ -20,6 +20,7 @@ from kvtool.connectors.registry import load_connector
 from kvtool.errors import ConstructionError, InputError
 from kvtool.validate.harness import Context, registration_error
 from kvtool.validate.processes import scenario_processes
+from kvtool.validate.user_store import engine_store_folders
 
 IMPORTING, CHECKING, CONSTRUCTING = "importing it", "checking its options", "constructing its scheduler and worker"
 
@@ -79,7 +80,8 @@ def _child(send, target: str, ctx_blob: bytes, compat: str | None, construct: bo
             enter(CONSTRUCTING)
             with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir:
                 os.chdir(workdir)
-                registration_error(replace(ctx, spec=spec))
+                with engine_store_folders():
+                    registration_error(replace(ctx, spec=spec))
         send.send(("ok", None))
     except SystemExit as exc:
         send.send(("error", f"connector {target!r} called sys.exit({exc.code!r}) while {stage}: "

@@ -26,6 +26,7 @@ from kvtool.validate.harness import MAX_SLOTS, Context, registration_error, take
 from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
+from kvtool.validate.user_store import engine_store_folders
 
 SETUP = "setup"
 
@@ -41,7 +42,8 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
     with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir, store_namespace(label="validate"):
         os.chdir(workdir)
         try:
-            results = _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
+            with engine_store_folders():   # a user-set store folder would outlive the scenario
+                results = _run_here(name, ctx)
         except Exception as exc:  # noqa: BLE001 - the scenario's failure is the finding
             error = describe_error(exc)
             results = [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, 0.0, [error],
@@ -58,6 +60,10 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
         r.seconds = seconds
     _attach_tracebacks(results, take_tracebacks())
     return results
+
+
+def _run_here(name: str, ctx: Context) -> list[CheckResult]:
+    return _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
 
 
 def _attach_tracebacks(results: list[CheckResult], tracebacks: list[str]) -> None:

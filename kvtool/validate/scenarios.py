@@ -30,6 +30,7 @@ from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judg
                                      judge_integrity, judge_warm_hit, knock_on, reference_tokens, result, run,
                                      skipped, tokens)
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
+from kvtool.validate.outlived_store import follower_store_lacks
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.sizing import squeeze_slots
@@ -532,7 +533,8 @@ def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[i
                  and baseline.state(rid).request.generated_token_ids == expected[rid]]
     evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.states.items() if s.is_live]
     failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
-    evidence += [f"request {rid} was admitted after the failure and failed only when it happened ({r.state(rid).error}):"
+    evidence += [follower_store_lacks(r, rid) or
+                 f"request {rid} was admitted after the failure and failed only when it happened ({r.state(rid).error}):"
                  " did the connector offer blocks of the failed pass, whose saves never landed?"
                  for rid in failed if rid not in admitted and r.state(rid).failure in CONNECTOR_RAISED
                  and baseline.state(rid).phase is not Phase.FAILED]
