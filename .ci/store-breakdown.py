@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import json
 import statistics
 import sys
@@ -64,7 +67,13 @@ class TimedBackend:
         return getattr(self._inner, name)
 
     def copy(self, ops, stream=None):
-        return clocked("enqueue", self._inner.copy)(ops, stream)
+        if PROFILER:
+            PROFILER[0].enable()
+        try:
+            return clocked("enqueue", self._inner.copy)(ops, stream)
+        finally:
+            if PROFILER:
+                PROFILER[0].disable()
 
     def synchronize(self, stream=None):
         return clocked("sync", self._inner.synchronize)(stream)
@@ -77,6 +86,28 @@ def instrument() -> None:
     Engine.step = clocked("pass", Engine.step)
     FakeEngine.forward_layer = clocked("forward", FakeEngine.forward_layer)
     BlockStoreScheduler.build_connector_meta = clocked("meta", BlockStoreScheduler.build_connector_meta)
+
+
+def backend_variant(name: str):
+    """(backend name, constructor options) for a name of this script: `staged-gather` is the staged
+    backend with its direct path off (every host batch gathered), as it was before issue 41."""
+    return ("staged", {"direct_run_bytes": 0}) if name == "staged-gather" else (name, {})
+
+
+def gather_only(name: str) -> None:
+    """Make the host connector's staged backends gather every batch (or not) from now on."""
+    try:
+        from kvtool.transfer import staged_backend
+    except ImportError:         # no PyCUDA: no staged backend to set
+        return
+    default = GATHER_DEFAULT.setdefault("bytes", staged_backend.DEFAULT_DIRECT_RUN_BYTES)
+    staged_backend.DEFAULT_DIRECT_RUN_BYTES = 0 if name == "staged-gather" else default
+
+
+GATHER_DEFAULT: dict[str, int] = {}
+PROFILE = False
+PROFILER: list = []
+"""While a protocol run is profiled: the profiler, enabled inside the backend's copy only."""
 
 
 def median_seconds(run, repeats: int) -> float:
@@ -108,7 +139,8 @@ def raw_batches(out: Path, backends: list[str], page_sizes: list[int], counts: l
                                                          .tolist()))):
                 for name in backends:
                     try:
-                        backend = get_backend(name)
+                        real, kwargs = backend_variant(name)
+                        backend = get_backend(real, **kwargs)
                     except Exception as exc:  # noqa: BLE001 - a diagnostic: say it and go on
                         print(f"raw {name}: {exc}", flush=True)
                         continue
@@ -135,22 +167,28 @@ def raw_batches(out: Path, backends: list[str], page_sizes: list[int], counts: l
 
 
 def protocol_runs(out: Path, backends: list[str], workloads: list[Workload], sizes: list[int], model: str,
-                  device: str) -> None:
+                  device: str, modes: list[str]) -> None:
     for workload in workloads:
         for tpb in sizes:
-            for name in backends:
+            for name, mode in ((n, m) for m in modes for n in backends):
                 spec = BUILTIN_CONNECTORS["host"]
                 probe = (workload.prompts * workload.blocks + 8) * block_bytes(model, tpb)
-                options = {"backend": name, "capacity": str(2 * probe)}
+                options = {"backend": backend_variant(name)[0], "capacity": str(2 * probe),
+                           "mode": mode}
+                gather_only(name)
                 PHASES.clear()
                 start = time.perf_counter()
+                PROFILER[:] = [cProfile.Profile()] if PROFILE else []
                 try:
                     result = protocol_suite._run_block_size(spec, options, "host", model, tpb, workload, device)
+                    if PROFILER:
+                        write_profile(PROFILER[0], out / f"profile-{name}-{mode}-{workload.prompts}x{workload.blocks}"
+                                                     f"x{workload.per_pass}-{tpb}.txt")
                 except Exception:  # noqa: BLE001 - a diagnostic: say it and go on
                     print(traceback.format_exc(), flush=True)
                     continue
                 wall = time.perf_counter() - start
-                row = {"backend": name, "prompts": workload.prompts, "blocks": workload.blocks,
+                row = {"backend": name, "mode": mode, "prompts": workload.prompts, "blocks": workload.blocks,
                        "per_pass": workload.per_pass, "tpb": tpb, "block_bytes": result.block_bytes,
                        "issue": result.issue, "wall_s": round(wall, 3),
                        **{f"phase_{k}_ms": round(v * 1e3, 2) for k, v in sorted(PHASES.items())}}
@@ -161,6 +199,14 @@ def protocol_runs(out: Path, backends: list[str], workloads: list[Workload], siz
                     row[f"{direction}_hooks_ms"] = round(measured.seconds * 1e3, 2)
                     row[f"{direction}_gbps"] = round(moved / measured.seconds / 1e9, 2) if measured.seconds else 0
                 emit(out / "protocol.jsonl", row)
+
+
+def write_profile(profiler: cProfile.Profile, path: Path) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(text.getvalue())
 
 
 def block_bytes(model: str, tpb: int) -> int:
@@ -182,16 +228,23 @@ def main() -> None:
     parser.add_argument("--backends", default="staged,torch,memcpy,batch,kernel")
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", default="sync")
+    parser.add_argument("--profile", action="store_true", help="cProfile each protocol run (OUT_DIR/profile-*.txt)")
+    parser.add_argument("--raw-pages", default="16384,2097152,4194304")
+    parser.add_argument("--raw-counts", default="4,32,128")
     parser.add_argument("--workloads", default="8x4x1,8x4x8,8x16x8,8x32x8", help="PROMPTSxBLOCKSxPER_PASS,...")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     backends = args.backends.split(",")
+    global PROFILE
+    PROFILE = args.profile
     instrument()
     if args.part in ("raw", "all"):
-        raw_batches(args.out, backends, [16 << 10, 2 << 20, 4 << 20], [4, 32, 128])
+        raw_batches(args.out, backends, [int(p) for p in args.raw_pages.split(",")],
+                    [int(c) for c in args.raw_counts.split(",")])
     if args.part in ("protocol", "all"):
         workloads = [Workload(*map(int, w.split("x"))) for w in args.workloads.split(",")]
-        protocol_runs(args.out, backends, workloads, [16, 32], args.model, args.device)
+        protocol_runs(args.out, backends, workloads, [16, 32], args.model, args.device, args.modes.split(","))
 
 
 if __name__ == "__main__":

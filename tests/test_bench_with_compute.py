@@ -110,14 +110,14 @@ def test_saves_beside_products_get_a_row_per_connector(slow_file, tmp_path_facto
         ("dict_connector.py:Sched:SlowSavingWorker", "tiny", 16, "fp32 256³ on cpu", True),
         (REFERENCE, "tiny", 16, "fp32 256³ on cpu", True)]
     slow = rows[0]
-    # four requests, each saving for at least SAVE_PAUSE_S: products run inside those saves
-    assert slow["products_during_saves"] >= 4
+    # the four requests share one pass (QUICK's per_pass), whose saves take at least SAVE_PAUSE_S
+    assert slow["products_during_saves"] >= 1
     assert slow["matmul_ms_alone"] > 0 and slow["matmul_ms_during_saves"] > 0
     saving, engine = slow["matmul_ms_during_saves"], slow["matmul_ms_engine_only"]
     assert slow["slowdown_during_saves"] == pytest.approx(saving / engine - 1, abs=0.002)
     assert slow["engine_slowdown"] == pytest.approx(engine / slow["matmul_ms_alone"] - 1, abs=0.002)
-    # the pause bounds the save's rate: four requests of four 8 KiB blocks, each at least SAVE_PAUSE_S
-    assert 0 < slow["save_gbps_with_compute"] < 4 * 8192 / SAVE_PAUSE_S / 1e9 * 1.01
+    # the pause bounds the save's rate: one pass of four requests of four 8 KiB blocks takes SAVE_PAUSE_S
+    assert 0 < slow["save_gbps_with_compute"] < 4 * 4 * 8192 / SAVE_PAUSE_S / 1e9 * 1.01
     assert slow["save_ratio_with_compute"] == pytest.approx(slow["save_gbps_with_compute"] / slow["save_gbps"],
                                                             rel=0.01)
     assert (out / "compute.csv").read_text().splitlines()[0] == ",".join(COMPUTE_COLUMNS)

@@ -39,11 +39,14 @@ SAVE_HOOKS = ("save_kv_layer", "wait_for_save")
 @dataclass(frozen=True)
 class Workload:
     """N prompts of K full blocks each (plus half a block the connector never sees whole), at most
-    `per_pass` of them in one pass (TensorRT-LLM's max batch size)."""
+    `per_pass` of them in one pass (TensorRT-LLM's max batch size). By default a round's prompts
+    share one pass, as a serving engine's batch does: a connector that batches a pass's copies
+    moves them at the link (results/protocol-store-bench: one prompt a pass paid the per-pass
+    costs eight times over)."""
 
     prompts: int = 8
     blocks: int = 4
-    per_pass: int = 1
+    per_pass: int = 8
 
     def fresh_prompts(self, tokens_per_block: int) -> list[list[int]]:
         """Random prompts, never drawn before: a store that outlives its engine (files, a server)

@@ -73,8 +73,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         if meta.loads and self.mode is not StoreMode.LAYERWISE:
             self._wait_for_background_saves()
             self.load(meta.loads)
-        for request_id, transfers in meta.async_loads.items():
-            self._loading[request_id] = self._background().submit(self.load, transfers)
+        self._submit(self._loading, self.load, meta.async_loads)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
@@ -100,8 +99,16 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             self.save(meta.saves)
         if meta.async_saves and stream is not None:
             stream.synchronize()   # the background thread reads what this pass's kernels wrote
-        for request_id, transfers in meta.async_saves.items():
-            self._saving[request_id] = self._background().submit(self.save, transfers)
+        self._submit(self._saving, self.save, meta.async_saves)
+
+    def _submit(self, futures: dict[int, Future], copy: Callable[[Sequence[PageTransfer]], None],
+                by_request: dict[int, list[PageTransfer]]) -> None:
+        """One background copy for every request of the pass (one batch per pass and direction,
+        as the synchronous path): each request's future is that batch's, so it is reported once
+        the whole batch has landed, and a failed batch fails each of its requests."""
+        if by_request:
+            future = self._background().submit(copy, [t for transfers in by_request.values() for t in transfers])
+            futures.update(dict.fromkeys(by_request, future))
 
     def get_finished(self, finished_gen_req_ids: list[int],
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:

@@ -8,6 +8,7 @@ to the byte kernel.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,6 +97,55 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def paired_runs(host_slots: Sequence[int], gpu_slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(host slot, gpu slot, length) of each run of pairs, taken in host-slot order, where both
+    sides go up by one from pair to pair: one copy-engine call can carry a run whole, with no
+    gather (a run of one pair is one page)."""
+    host, gpu = np.asarray(host_slots, dtype=np.int64), np.asarray(gpu_slots, dtype=np.int64)
+    order = np.argsort(host, kind="stable")
+    host, gpu = host[order], gpu[order]
+    if not len(host):
+        return []
+    breaks = np.nonzero((np.diff(host) != 1) | (np.diff(gpu) != 1))[0] + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(host)]])
+    return [(int(host[s]), int(gpu[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
+class PitchedCopy:
+    """One copy-engine call: `rows` rows of `width` bytes, each row `*_pitch` bytes after the last."""
+
+    dst: int
+    dst_pitch: int
+    src: int
+    src_pitch: int
+    width: int
+    rows: int
+
+    @property
+    def is_flat(self) -> bool:
+        """Back to back on both sides (or one row): one plain copy of width x rows bytes."""
+        return self.rows == 1 or self.dst_pitch == self.src_pitch == self.width
+
+
+def direct_copies(op: CopyOp, min_run_bytes: int) -> list[PitchedCopy] | None:
+    """`op` as one copy per run of `paired_runs` (host slot order), where those runs hold at least
+    `min_run_bytes` on average; None where they do not (or `min_run_bytes` is 0): then a gather
+    into staging is worth its cost. Exactly one side of `op` must be host memory."""
+    dst_host = op.dst.device.type == "cpu"
+    host_slots, gpu_slots = (op.dst_slots, op.src_slots) if dst_host else (op.src_slots, op.dst_slots)
+    runs = paired_runs(host_slots, gpu_slots)
+    if not min_run_bytes or not runs or op.nbytes * len(host_slots) < min_run_bytes * len(runs):
+        return None
+    copies = []
+    for host_slot, gpu_slot, rows in runs:
+        src_slot, dst_slot = (gpu_slot, host_slot) if dst_host else (host_slot, gpu_slot)
+        copies.append(PitchedCopy(op.dst.address(dst_slot, op.dst_offset), op.dst.stride,
+                                  op.src.address(src_slot, op.src_offset), op.src.stride, op.nbytes, rows))
+    return copies
+
+
 def pipeline_chunks(num_rows: int, row_bytes: int, first_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
     """(first row, rows) of each chunk of a pipelined staged copy: the first chunk about
     `first_bytes`, each next one twice the last, up to `max_bytes` (0: one chunk of every row).
@@ -114,6 +164,13 @@ def pipeline_chunks(num_rows: int, row_bytes: int, first_bytes: int, max_bytes: 
         first += rows
         size = min(size * 2, cap)
     return chunks
+
+
+def reference_pitched_copies(copies: Sequence[PitchedCopy]) -> None:
+    """What the copy engine does with `copies`, by the CPU on live host addresses (tests use it)."""
+    for copy in copies:
+        for row in range(copy.rows):
+            ctypes.memmove(copy.dst + row * copy.dst_pitch, copy.src + row * copy.src_pitch, copy.width)
 
 
 def reference_copy(memory: np.ndarray, table: DescriptorTable, base: int) -> None:

@@ -10,6 +10,11 @@ SMs left free by cuBLAS's carve-out, was starved: 0.35-0.48 of the link), and th
 gathers a 64 MiB batch in about 35 µs. The host side is copied in runs of consecutive slots (one
 copy per run), so it is fast when a connector gives a batch consecutive store slots.
 
+Why no gather for large pages: where the pages of a host batch come in runs consecutive on both
+sides of at least `direct_run_bytes` on average (a 2 MiB page of every layer is one such run by
+itself), the copy engine carries each run straight between the pages and the host, one call per
+run: a gather would only copy every byte once more and cost a descriptor table per batch.
+
 A save's launch orders the caller's later work after the gathers only: the pages may be written
 again from then on, while the copy engine still carries the staged bytes to the host; `join` or
 `synchronize` waits for those. That is what lets a prepared save launched again and again keep the
@@ -30,12 +35,15 @@ from kvtool.errors import LogicError
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp, PageSpace
 from kvtool.transfer.cuda_base import CudaBackendBase
-from kvtool.transfer.descriptors import pipeline_chunks, slot_runs
+from kvtool.transfer.descriptors import PitchedCopy, direct_copies, pipeline_chunks, slot_runs
 from kvtool.transfer.kernel_backend import KernelBackend
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_FIRST_CHUNK_BYTES = 1 << 20
 DEFAULT_GATHER_SMS = None
+DEFAULT_DIRECT_RUN_BYTES = 512 << 10
+"""Mean bytes per run from which a host batch goes straight through the copy engine (results/
+protocol-store-bench: a copy-engine call costs a few µs, which 512 KiB take about 10 µs to cross)."""
 GATHER_BLOCKS_PER_SM = 2
 
 
@@ -43,6 +51,7 @@ class _PlanKind(enum.Enum):
     DEVICE = "device"     # GPU to GPU: the kernel alone
     SAVE = "save"         # kernel gathers a chunk into staging, a copy engine moves it to the host
     LOAD = "load"         # a copy engine moves a chunk into staging, the kernel scatters it
+    DIRECT = "direct"     # a copy engine moves each run of pages between the pages and the host
 
 
 def _event():
@@ -52,8 +61,8 @@ def _event():
 @dataclass
 class _Chunk:
     kernel: list                                  # the prepared gather / scatter launch
-    runs: list[tuple[int, int, int, int]]
-    """(host address, host pitch, staging address, rows) of each run of consecutive host slots."""
+    runs: list[PitchedCopy]
+    """The copy-engine calls between staging and the host, one per run of consecutive host slots."""
     ready: object = field(default_factory=_event)
 
 
@@ -71,8 +80,9 @@ class _Slot:
 class _Plan:
     kind: _PlanKind
     slots: list[_Slot]
-    row_bytes: int = 0
     turn: int = 0
+    runs: list[PitchedCopy] = field(default_factory=list)
+    """A DIRECT plan's copies."""
 
     def next_slot(self) -> _Slot:
         slot = self.slots[self.turn % len(self.slots)]
@@ -85,14 +95,18 @@ class StagedBackend(CudaBackendBase):
 
     def __init__(self, priority: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  gather_sms: int | None = DEFAULT_GATHER_SMS, graphed: bool = False,
-                 first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES, ring: int = 1) -> None:
+                 first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES, ring: int = 1,
+                 direct_run_bytes: int | None = None) -> None:
         """Chunks grow from `first_chunk_bytes` to `chunk_bytes` (0: one chunk per batch, no
         pipelining); `gather_sms` None: the gather uses the whole GPU; `ring`: staging buffers
-        per prepared plan, used in turn (a graph replays one, so graphed needs ring 1)."""
+        per prepared plan, used in turn (a graph replays one, so graphed needs ring 1);
+        `direct_run_bytes` (None: DEFAULT_DIRECT_RUN_BYTES, read when constructed; 0: always
+        gather): the mean run size from which a host batch skips staging."""
         if graphed and ring != 1:
             raise LogicError("a graphed staged plan replays one staging buffer: ring must be 1")
         super().__init__(priority, graphed)
         self.ring = ring
+        self.direct_run_bytes = DEFAULT_DIRECT_RUN_BYTES if direct_run_bytes is None else direct_run_bytes
         self.chunk_bytes = chunk_bytes
         self.first_chunk_bytes = first_chunk_bytes
         self.gather_sms = gather_sms
@@ -111,8 +125,11 @@ class StagedBackend(CudaBackendBase):
             raise LogicError("the staged backend moves data to or from the GPU")
         if not src_host and not dst_host:
             return _Plan(_PlanKind.DEVICE, [_Slot([_Chunk(self._device.build([op]), [])])])
+        direct = direct_copies(op, self.direct_run_bytes)
+        if direct is not None:
+            return _Plan(_PlanKind.DIRECT, [], runs=direct)
         return _Plan(_PlanKind.SAVE if dst_host else _PlanKind.LOAD,
-                     [self._slot(op, dst_host) for _ in range(self.ring)], op.nbytes)
+                     [self._slot(op, dst_host) for _ in range(self.ring)])
 
     def _slot(self, op: CopyOp, dst_host: bool) -> _Slot:
         """A staging buffer for `op`, and per chunk its gather (or scatter) and host runs."""
@@ -126,8 +143,8 @@ class StagedBackend(CudaBackendBase):
         for first, count in pipeline_chunks(len(order), op.nbytes, self.first_chunk_bytes, self.chunk_bytes):
             rows = tuple(range(first, first + count))
             chunk_order = order[first:first + count]
-            runs = [(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
-                     staging.address(first + start), length)
+            runs = [_host_run(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
+                              staging.address(first + start), op.nbytes, length, dst_host)
                     for start, length in slot_runs(host_slots[chunk_order])]
             gpu = tuple(gpu_slots[chunk_order].tolist())
             kernel_op = (CopyOp(op.src, staging, gpu, rows, op.nbytes, op.src_offset, 0) if dst_host else
@@ -139,12 +156,14 @@ class StagedBackend(CudaBackendBase):
         for plan in prepared:
             if plan.kind is _PlanKind.DEVICE:
                 self._device.enqueue(plan.slots[0].chunks[0].kernel, self.stream)
+            elif plan.kind is _PlanKind.DIRECT:
+                _copy_runs(plan.runs, int(self.stream.handle))
             elif plan.kind is _PlanKind.SAVE:
-                self._save(plan.next_slot(), plan.row_bytes)
+                self._save(plan.next_slot())
             else:
-                self._load(plan.next_slot(), plan.row_bytes)
+                self._load(plan.next_slot())
 
-    def _save(self, slot: _Slot, row_bytes: int) -> None:
+    def _save(self, slot: _Slot) -> None:
         """Gather chunk i on the backend's stream once the slot's last copies are done; the copy
         stream moves it once it is gathered. The backend's stream does not wait for the copies."""
         self.stream.wait_for_event(slot.free)
@@ -152,16 +171,16 @@ class StagedBackend(CudaBackendBase):
             self._gather.enqueue(chunk.kernel, self.stream)
             chunk.ready.record(self.stream)
             self._copy_stream.wait_for_event(chunk.ready)
-            self._host_copies(chunk, row_bytes, to_host=True)
+            _copy_runs(chunk.runs, int(self._copy_stream.handle))
         slot.free.record(self._copy_stream)
 
-    def _load(self, slot: _Slot, row_bytes: int) -> None:
+    def _load(self, slot: _Slot) -> None:
         """Copy chunk i into staging on the copy stream once earlier work is done (the slot's last
         scatter included); the backend's stream scatters it once landed."""
         slot.free.record(self.stream)
         self._copy_stream.wait_for_event(slot.free)
         for chunk in slot.chunks:
-            self._host_copies(chunk, row_bytes, to_host=False)
+            _copy_runs(chunk.runs, int(self._copy_stream.handle))
             chunk.ready.record(self._copy_stream)
             self.stream.wait_for_event(chunk.ready)
             self._gather.enqueue(chunk.kernel, self.stream)
@@ -169,15 +188,19 @@ class StagedBackend(CudaBackendBase):
     def streams(self) -> list[torch.cuda.Stream]:
         return [self.torch_stream, self._copy_torch_stream]
 
-    def _host_copies(self, chunk: _Chunk, row_bytes: int, to_host: bool) -> None:
-        """One copy-engine call per run: a plain copy where the host rows are back to back, a
-        strided 2D copy otherwise."""
-        handle = int(self._copy_stream.handle)
-        for host, pitch, staging, rows in chunk.runs:
-            if pitch == row_bytes:
-                dst, src = (host, staging) if to_host else (staging, host)
-                rt.memcpy_async(dst, src, row_bytes * rows, handle)
-            elif to_host:
-                rt.memcpy_2d_async(host, pitch, staging, row_bytes, row_bytes, rows, handle)
-            else:
-                rt.memcpy_2d_async(staging, row_bytes, host, pitch, row_bytes, rows, handle)
+
+def _host_run(host: int, host_pitch: int, staging: int, row_bytes: int, rows: int, to_host: bool) -> PitchedCopy:
+    """The copy of `rows` rows between the host (rows `host_pitch` apart) and staging (back to back)."""
+    if to_host:
+        return PitchedCopy(host, host_pitch, staging, row_bytes, row_bytes, rows)
+    return PitchedCopy(staging, row_bytes, host, host_pitch, row_bytes, rows)
+
+
+def _copy_runs(runs: list[PitchedCopy], stream_handle: int) -> None:
+    """One copy-engine call per run on the given stream: a plain copy where the rows are back to
+    back on both sides (or one row), a strided 2D copy otherwise."""
+    for run in runs:
+        if run.is_flat:
+            rt.memcpy_async(run.dst, run.src, run.width * run.rows, stream_handle)
+        else:
+            rt.memcpy_2d_async(run.dst, run.dst_pitch, run.src, run.src_pitch, run.width, run.rows, stream_handle)
