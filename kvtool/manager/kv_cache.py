@@ -338,10 +338,16 @@ class KvCache:
         packed = tokens_bytes(self._committed[first * tpb:end * tpb])
         keys = chain_keys(parent.key, packed, tpb)
         get_or_insert, nodes, step = self._context.tree.get_or_insert, self._nodes, 4 * tpb
+        groups, priority = list(self._pages.items()), self.priority
         for i, key in enumerate(keys):   # one loop, no call per block: a prefill commits thousands
             j = first + i
             parent = get_or_insert(parent, packed[i * step:(i + 1) * step], key)
-            self._attach_pages(parent, j)
+            for gid, pages in groups:   # _attach_pages, inlined (its tests are these, in this order)
+                page = pages[j] if j < len(pages) else None
+                if page is not None and page.node is None and not page.is_scratch and gid not in parent.pages:
+                    page.priority = priority
+                    page.node = parent
+                    parent.pages[gid] = page
             parent.num_users += 1
             nodes.append(parent)
 
