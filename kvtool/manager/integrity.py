@@ -72,18 +72,18 @@ def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: C
     if with_page is None or with_page[free].any() or not np.array_equal(allocator.owned_mask(), with_page):
         raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
     droppable = manager.page_table.droppable_pages(pg)
-    if len({id(p) for p in droppable}) != len(droppable):
+    listed = set(droppable)   # a page's hash is its identity
+    if len(listed) != len(droppable):
         raise LogicError(f"pool group {pg}: a page is listed for eviction twice")
-    listed = {id(p) for p in droppable}
     in_use = 0
     for page in pages.values():   # no status property, no Counter default: millions of pages
         key = id(page)
         if page.num_active or page.num_held:
             in_use += 1
-            if (page.num_active, page.num_held) != (active.get(key, 0), held.get(key, 0)) or key in listed:
-                _page_error(page, active, held, listed)
-        elif key in active or key in held or page.node is None or key not in listed:
-            _page_error(page, active, held, listed)
+            if (page.num_active, page.num_held) != (active.get(key, 0), held.get(key, 0)) or page in listed:
+                _page_error(page, active, held)
+        elif key in active or key in held or page.node is None or page not in listed:
+            _page_error(page, active, held)
     if len(free) + len(droppable) + in_use != allocator.num_slots:
         raise LogicError(f"pool group {pg}: free {len(free)} + cached {len(droppable)} + in use {in_use} "
                          f"!= total {allocator.num_slots}")
@@ -99,7 +99,7 @@ def _mask(slots, num_slots: int) -> np.ndarray | None:
     return mask
 
 
-def _page_error(page: Page, active: Counter, held: Counter, listed: set[int]) -> None:
+def _page_error(page: Page, active: Counter, held: Counter) -> None:
     """Raise what is wrong with `page` (found wrong by the fast test)."""
     key = id(page)
     if (page.num_active, page.num_held) != (active[key], held[key]):
