@@ -35,7 +35,8 @@ THIS_TREE = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().with_name("replay_child.py")
 _RUN_CHILD = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 """Runs replay_child.py by path without putting its folder on sys.path (kvtool/cli/trace.py would
-shadow the standard library's `trace`), so an older tree that lacks the file runs it too."""
+shadow the standard library's `trace`), so an older tree that lacks the file runs it too. `-P` and
+a neutral working directory keep the current one off sys.path: PYTHONPATH alone picks the tree."""
 
 
 class LoadSampler:
@@ -67,15 +68,18 @@ class LoadSampler:
 
 def replay_under(tree: Path, head: Path, args: argparse.Namespace) -> dict:
     """One replay of `head` by the kvtool of `tree`, in a fresh process: replay_child's row."""
-    command = [sys.executable, "-c", _RUN_CHILD, str(CHILD), str(head), str(args.tokens_per_block),
+    command = [sys.executable, "-P", "-c", _RUN_CHILD, str(CHILD), str(head), str(args.tokens_per_block),
                str(args.num_slots), args.connector, *([args.capacity] if args.capacity else [])]
     if args.core is not None and shutil.which("taskset"):
         command = ["taskset", "-c", str(args.core), *command]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=head.parent)
     if done.returncode != 0:
         raise SystemExit(f"replay under {tree} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if Path(row.get("kvtool", tree / "kvtool")).resolve() != (tree / "kvtool").resolve():
+        raise SystemExit(f"the replay meant for {tree} ran {row['kvtool']}")
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
