@@ -26,6 +26,7 @@ def replay(trace: Path, tokens_per_block: int, num_slots: int, connector: str, c
     """Replay `trace` and describe it (the peak RSS is this process's: run one replay a process)."""
     import torch
 
+    import kvtool
     from kvtool.cli.trace_setup import ReplayOptions, build_replay
     from kvtool.engine.trace import run_trace
 
@@ -43,6 +44,7 @@ def replay(trace: Path, tokens_per_block: int, num_slots: int, connector: str, c
     return {"seconds": round(seconds, 3), "tokens_per_second": round(summary["prompt_tokens"] / seconds),
             "us_per_block": round(1e6 * seconds / blocks, 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "kvtool": str(Path(kvtool.__file__).parent),
             "counts": {key: summary[key] for key in COUNTS}}
 
 

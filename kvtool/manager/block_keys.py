@@ -74,19 +74,27 @@ def chain_keys(previous: bytes, packed: bytes, tokens_per_block: int) -> list[by
 
 def chained_block_keys(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope,
                        include_partial: bool = False) -> Iterator[tuple[Sequence[int], bytes]]:
-    """(block tokens, key) for each full block, then the trailing partial one if asked.
+    """(block tokens, key) for each full block, then the trailing partial one if asked."""
+    for i, key in enumerate(chained_keys(tokens, tokens_per_block, scope, include_partial)):
+        yield tokens[i * tokens_per_block:(i + 1) * tokens_per_block], key
+
+
+def chained_keys(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope,
+                 include_partial: bool = False) -> Iterator[bytes]:
+    """The key of each full block, then of the trailing partial one if asked; no block's tokens
+    are sliced out (a match needs only keys).
 
     The tokens are packed a window of blocks at a time: a caller that stops at the first block
     it does not know (a match) packs little more than it hashes."""
     previous = root_key(scope)
     end = len(tokens) if include_partial else len(tokens) - len(tokens) % tokens_per_block
     sha256 = hashlib.sha256
-    window = _PACK_WINDOW_BLOCKS * tokens_per_block
+    window, step = _PACK_WINDOW_BLOCKS * tokens_per_block, 4 * tokens_per_block
     for window_start in range(0, end, window):
         packed = tokens_bytes(tokens[window_start:min(window_start + window, end)])
-        for start in range(0, len(packed) // 4, tokens_per_block):
-            previous = sha256(previous + packed[4 * start:4 * (start + tokens_per_block)]).digest()
-            yield tokens[window_start + start:window_start + start + tokens_per_block], previous
+        for start in range(0, len(packed), step):
+            previous = sha256(previous + packed[start:start + step]).digest()
+            yield previous
 
 
 _PACK_WINDOW_BLOCKS = 64

@@ -72,20 +72,18 @@ def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: C
     if with_page is None or with_page[free].any() or not np.array_equal(allocator.owned_mask(), with_page):
         raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
     droppable = manager.page_table.droppable_pages(pg)
-    if len({id(p) for p in droppable}) != len(droppable):
+    listed = set(droppable)   # a page's hash is its identity
+    if len(listed) != len(droppable):
         raise LogicError(f"pool group {pg}: a page is listed for eviction twice")
-    listed = {id(p) for p in droppable}
     in_use = 0
-    for page in pages.values():
-        if (page.num_active, page.num_held) != (active[id(page)], held[id(page)]):
-            raise LogicError(f"{page}: counts (active {page.num_active}, held {page.num_held}) but caches and "
-                             f"holds reference it (active {active[id(page)]}, held {held[id(page)]})")
-        is_droppable = page.status is PageStatus.DROPPABLE
-        if is_droppable and page.node is None:
-            raise LogicError(f"{page} is referenced by nobody and was not freed")
-        if is_droppable != (id(page) in listed):
-            raise LogicError(f"{page}: eviction list and status disagree")
-        in_use += not is_droppable
+    for page in pages.values():   # no status property, no Counter default: millions of pages
+        key = id(page)
+        if page.num_active or page.num_held:
+            in_use += 1
+            if (page.num_active, page.num_held) != (active.get(key, 0), held.get(key, 0)) or page in listed:
+                _page_error(page, active, held)
+        elif key in active or key in held or page.node is None or page not in listed:
+            _page_error(page, active, held)
     if len(free) + len(droppable) + in_use != allocator.num_slots:
         raise LogicError(f"pool group {pg}: free {len(free)} + cached {len(droppable)} + in use {in_use} "
                          f"!= total {allocator.num_slots}")
@@ -101,18 +99,35 @@ def _mask(slots, num_slots: int) -> np.ndarray | None:
     return mask
 
 
+def _page_error(page: Page, active: Counter, held: Counter) -> None:
+    """Raise what is wrong with `page` (found wrong by the fast test)."""
+    key = id(page)
+    if (page.num_active, page.num_held) != (active[key], held[key]):
+        raise LogicError(f"{page}: counts (active {page.num_active}, held {page.num_held}) but caches and "
+                         f"holds reference it (active {active[key]}, held {held[key]})")
+    if page.status is PageStatus.DROPPABLE and page.node is None:
+        raise LogicError(f"{page} is referenced by nobody and was not freed")
+    raise LogicError(f"{page}: eviction list and status disagree")
+
+
 def _check_tree(manager: KvCacheManager) -> None:
+    """Every page a node holds points back at it and owns its slot; and as many pages point at a
+    node as nodes hold (so the two sets are one: no page points at a node that does not hold it)."""
+    tables = {pg.pool_group_index: manager.page_table.pages_of(pg.pool_group_index) for pg in manager.pool_groups}
+    held_by_nodes = 0
     for node in manager.tree.nodes():
         if not node.is_full and node.children:
             raise LogicError(f"{node}: a partial block has children")
         for group_id, page in node.pages.items():
             if page.node is not node or page.layer_group_id != group_id or page.is_scratch:
                 raise LogicError(f"{node} and {page} disagree about each other")
-            _require_listed(manager, page, node)
-    for pg in manager.pool_groups:
-        for page in manager.page_table.pages_of(pg.pool_group_index).values():
-            if page.node is not None and page.node.pages.get(page.layer_group_id) is not page:
-                raise LogicError(f"{page} points at a node that does not hold it")
-
-
-
+            if tables[page.pool_group_index].get(page.slot) is not page:
+                raise LogicError(f"{node} uses {page}, whose slot is not owned by that page")
+            held_by_nodes += 1
+    pointing = sum(page.node is not None for table in tables.values() for page in table.values())
+    if pointing != held_by_nodes:
+        for table in tables.values():
+            for page in table.values():
+                if page.node is not None and page.node.pages.get(page.layer_group_id) is not page:
+                    raise LogicError(f"{page} points at a node that does not hold it")
+        raise LogicError(f"{pointing} pages point at a node, {held_by_nodes} are held by the tree's nodes")

@@ -337,11 +337,14 @@ class KvCache:
         parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
         packed = tokens_bytes(self._committed[first * tpb:end * tpb])
         keys = chain_keys(parent.key, packed, tpb)
-        get_or_insert, nodes, step = self._context.tree.get_or_insert, self._nodes, 4 * tpb
-        for i, key in enumerate(keys):   # one loop, no call per block: a prefill commits thousands
-            j = first + i
-            parent = get_or_insert(parent, packed[i * step:(i + 1) * step], key)
-            self._attach_pages(parent, j)
+        groups, priority, nodes = list(self._pages.items()), self.priority, self._nodes
+        for j, parent in enumerate(self._context.tree.extend(parent, packed, keys), first):
+            for gid, pages in groups:   # _attach_pages, inlined (its tests are these, in this order)
+                page = pages[j] if j < len(pages) else None
+                if page is not None and page.node is None and not page.is_scratch and gid not in parent.pages:
+                    page.priority = priority
+                    page.node = parent
+                    parent.pages[gid] = page
             parent.num_users += 1
             nodes.append(parent)
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from kvtool.errors import UnsupportedTierError
-from kvtool.manager.block_keys import ReuseScope, chained_block_keys
+from kvtool.manager.block_keys import ReuseScope, chained_keys
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
@@ -117,7 +117,7 @@ class KvCacheManager:
         if node is None:
             return Match()
         path: list[RadixNode] = []
-        for chunk, key in chained_block_keys(tokens, tpb, scope):
+        for key in chained_keys(tokens, tpb, scope):
             child = node.children.get(key)
             if child is None or not child.is_full:
                 break

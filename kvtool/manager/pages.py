@@ -55,7 +55,7 @@ class PageTable:
         self._pool_group_of = pool_group_of
         self._tree = tree
         self._pages: list[dict[PageIndex, Page]] = [{} for _ in allocators]
-        self._droppable: list[dict[Priority, OrderedDict[int, Page]]] = [{} for _ in allocators]
+        self._droppable: list[dict[Priority, OrderedDict[Page, Page]]] = [{} for _ in allocators]
         self.num_evictions = 0
         self.on_allocate: Callable[[Page], None] | None = None
         self.on_free: Callable[[Page], None] | None = None
@@ -125,6 +125,7 @@ class PageTable:
     def release_many(self, pages: Iterable[Page], active: bool) -> None:
         """`release` of each page, in order (one call for a closing cache's thousands)."""
         droppable = self._droppable
+        bucket, bucket_of = None, None   # a cache's pages mostly share one (pool group, priority)
         for page in pages:
             if active:
                 if page.num_active <= 0:
@@ -136,12 +137,15 @@ class PageTable:
                 page.num_held -= 1
             if page.num_active or page.num_held:
                 continue
-            if page.node is not None and not self.keep_reusable:
-                self._drop(page)
-            elif page.node is not None:
-                droppable[page.pool_group_index].setdefault(page.priority, OrderedDict())[id(page)] = page
-            else:
+            if page.node is None:
                 self._free(page)
+            elif not self.keep_reusable:
+                self._drop(page)
+            else:
+                if bucket_of != (page.pool_group_index, page.priority):
+                    bucket_of = (page.pool_group_index, page.priority)
+                    bucket = droppable[page.pool_group_index].setdefault(page.priority, OrderedDict())
+                bucket[page] = page   # keyed by the page itself: its hash is its identity
 
     def set_active(self, page: Page, active: bool) -> None:
         """Move one user between suspended (HELD) and active (LOCKED)."""
@@ -179,7 +183,7 @@ class PageTable:
 
     def _unlist_droppable(self, page: Page) -> None:
         bucket = self._droppable[page.pool_group_index][page.priority]
-        del bucket[id(page)]
+        del bucket[page]
         if not bucket:
             del self._droppable[page.pool_group_index][page.priority]
 

@@ -79,6 +79,28 @@ class RadixTree:
                     parent.heads.setdefault(child.packed[:4], []).append(child)
         return node
 
+    def extend(self, parent: RadixNode, packed: bytes, keys: list[bytes]) -> list[RadixNode]:
+        """`get_or_insert` of consecutive full blocks (their tokens `packed` back to back, one key
+        each; trailing bytes are ignored), each the child of the one before: the chain's nodes. Past the first block the tree
+        did not know, every block is new (a new node has no children), so the rest are made
+        without looking: a prefill commits thousands of blocks."""
+        step, nodes = 4 * self.tokens_per_block, []
+        i = 0
+        while i < len(keys):
+            known = parent.children.get(keys[i])
+            parent = known if known is not None else self.get_or_insert(parent, packed[i * step:(i + 1) * step],
+                                                                         keys[i])
+            nodes.append(parent)
+            i += 1
+            if known is None:
+                break
+        for j in range(i, len(keys)):
+            node = RadixNode(keys[j], parent, packed[j * step:(j + 1) * step], True)
+            parent.children[keys[j]] = node
+            nodes.append(node)
+            parent = node
+        return nodes
+
     def best_partial(self, parent: RadixNode, chunk: Sequence[int]) -> tuple[RadixNode, int] | None:
         """The child sharing the longest token prefix with `chunk` (shorter than a block), if any."""
         best: tuple[RadixNode, int] | None = None

@@ -268,15 +268,17 @@ def _pycuda_version() -> str | None:
         return None
 
 
-def git_commit() -> str | None:
-    """HEAD (with -dirty), or $KVTOOL_COMMIT where the checkout has no .git (the GPU machine)."""
-    if os.environ.get("KVTOOL_COMMIT"):
+def git_commit(where: Path | None = None) -> str | None:
+    """HEAD (with -dirty) of this checkout, or of the one at `where`; $KVTOOL_COMMIT where this
+    checkout has no .git (the GPU machine)."""
+    if where is None and os.environ.get("KVTOOL_COMMIT"):
         return os.environ["KVTOOL_COMMIT"]
+    cwd = where if where is not None else Path(__file__).resolve().parent
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
+                              cwd=cwd)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+                               text=True, timeout=10, cwd=cwd).stdout.strip()
         return done.stdout.strip() + ("-dirty" if dirty else "") if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
