@@ -2,7 +2,7 @@
 # NVIDIA Dynamo KVBM 1.6.1's TensorRT-LLM connector under `kvtool validate --compat trtllm` on GPU
 # pages: the run a CPU-only machine cannot make (docs/field-connectors.md says what stops it there).
 # LMCache 0.5.6 is not in this run: its kit alone (numba's libllvmlite: 40,445,148 B packed) and
-# KVBM's (26,814,360 B) exceed one call's 64 MiB carry together (docs/field-connectors.md).
+# KVBM's (28,319,388 B) exceed one call's 64 MiB carry together (docs/field-connectors.md).
 #
 # 1. Where the package index is reachable: bash .ci/field-kit.sh kvbm   -> .field/kit-kvbm.tar.xz
 # 2. Through the device tool, carrying .field (and .whl, the device wheels), one call:
