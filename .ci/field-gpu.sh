@@ -10,7 +10,8 @@
 #    within DEADLINE_S (390 s) of its start. Results: $OUT/field-gpu.tgz (every run folder: results.json,
 #    results.csv, meta.json, tracebacks/; each step's log), and beside it steps.txt (one line a step:
 #    rc and seconds) and summary.csv (every verdict row, with the run it came from).
-# The validate runs are batches of scenarios, each its own folder, so a batch cut by the deadline
+# First a probe (.ci/field-kvbm-probe.py) builds KVBM alone and times it; should it hang, its stack is
+# logged and only one batch runs (60 s). The validate runs are batches of scenarios, each its own folder, so a batch cut by the deadline
 # loses only itself; each batch gets its own KVBM ZMQ ports, so a leftover process cannot block the
 # next. FIELD_DEVICE=cpu runs the same steps on CPU pages (a check of this script's plumbing only:
 # there KVBM's worker cannot be built). Exit 2: no GPU, or no kit; else 0 (the verdicts are in
@@ -65,6 +66,10 @@ print('gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else Non
 # G2 (host memory) must be given a size, or the leader panics at construction ("At least one cache
 # tier must be configured"); the KV-event consolidator wants TensorRT-LLM's own event publisher.
 export DYN_KVBM_CPU_CACHE_GB=1 DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false RUST_BACKTRACE=1 NO_COLOR=1
+export DYN_KVBM_LEADER_ZMQ_PUB_PORT=56091 DYN_KVBM_LEADER_ZMQ_ACK_PORT=56092
+step kvbm-probe 60 python3 .ci/field-kvbm-probe.py "$device"   # construction + registration alone, timed
+hung=0; grep -q "^Timeout (" "$work/kvbm-probe.log" && hung=1   # faulthandler's stack dump: a hang
+
 kvbm=kvbm.trtllm_integration.connector:DynamoKVBMConnectorLeader:DynamoKVBMConnectorWorker
 port=56101
 validate() {   # NAME SECONDS ARGS...: one validate run of KVBM into runs/NAME
@@ -80,14 +85,16 @@ scenarios() { local s; for s in "$@"; do printf -- '--scenario %s ' "$s"; done; 
 # telling scenarios first, so that what the deadline cuts is the least.
 # shellcheck disable=SC2046
 {
-validate tpb32-a 150 --model tiny --tokens-per-block 32 $(scenarios cold-warm async-save async-load contract multi-turn)
+validate tpb32-a $((hung ? 60 : 150)) --model tiny --tokens-per-block 32 $(scenarios cold-warm async-save async-load contract multi-turn)
+if [ "$hung" = 0 ]; then
 validate tpb32-b 150 --model tiny --tokens-per-block 32 $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
 validate tpb32-c 150 --model tiny --tokens-per-block 32 $(scenarios free-before-delivery local-prefix moved-blocks final-pass-blocks hook-raises)
 validate tpb32-d 150 --model tiny --tokens-per-block 32 $(scenarios cache-salt concurrency pause-replay draft-tokens vswa-live-pages)
+fi
 # Several layer groups: KVBM has only the flat hooks, so kvtool (like TensorRT-LLM) must refuse it.
 validate vswa-refused 40 --model tiny-vswa --tokens-per-block 32 $(scenarios cold-warm)
 # kvtool's default, 4 tokens a block (many blocks a prompt), with what time is left.
-validate tpb4-a 120 --model tiny $(scenarios cold-warm async-save multi-turn concurrency)
+[ "$hung" = 0 ] && validate tpb4-a 120 --model tiny $(scenarios cold-warm async-save multi-turn concurrency)
 }
 note "field-gpu: done $(date -u +%FT%TZ)"
 pack
