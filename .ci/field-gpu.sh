@@ -1,60 +1,101 @@
 #!/usr/bin/env bash
-# The field's TensorRT-LLM connectors on GPU pages: NVIDIA Dynamo KVBM 1.6.1 (and LMCache 0.5.6's
-# in-process adapter, when its kit was carried too). Neither can run on a CPU-only machine
-# (docs/field-connectors.md says what stops each there); this is the run the GPU machine can make.
+# NVIDIA Dynamo KVBM 1.6.1's TensorRT-LLM connector under `kvtool validate --compat trtllm` on GPU
+# pages: the run a CPU-only machine cannot make (docs/field-connectors.md says what stops it there).
+# LMCache 0.5.6 is not in this run: its kit alone (numba's libllvmlite: 40,445,148 B packed) and
+# KVBM's (28,319,388 B) exceed one call's 64 MiB carry together (docs/field-connectors.md).
 #
-# 1. Where the package index is reachable (any CPU machine): bash .ci/field-kit.sh kvbm
-#    -> .field/kit-kvbm.tar.xz (25.6 MiB; the wheels themselves are 78 MiB and do not fit the carry).
-# 2. Through the device tool, carrying .field, in one call (about 6 minutes at most):
-#      export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 && bash .ci/field-gpu.sh
-#    Everything lands in $OUT/field-gpu.tgz: one folder per validate run (results.json, results.csv,
-#    meta.json, tracebacks/), its log, steps.txt (one line per run: rc and seconds), nvidia-smi.csv.
-# The KVBM leader binds ZMQ ports 56001 and 56002 on 127.0.0.1 (its defaults) in each scenario's
-# process, so the scenarios run one after another (--jobs 1).
+# 1. Where the package index is reachable: bash .ci/field-kit.sh kvbm   -> .field/kit-kvbm.tar.xz
+# 2. Through the device tool, carrying .field (and .whl, the device wheels), one call:
+#      export KVTOOL_COMMIT=<HEAD here>; bash .ci/field-gpu.sh
+#    within DEADLINE_S (390 s) of its start. Results: $OUT/field-gpu.tgz (every run folder: results.json,
+#    results.csv, meta.json, tracebacks/; each step's log), and beside it steps.txt (one line a step:
+#    rc and seconds) and summary.csv (every verdict row, with the run it came from).
+# First a probe (.ci/field-kvbm-probe.py) builds KVBM alone and times it; should it hang, its stack is
+# logged and only one batch runs (60 s). The validate runs are batches of scenarios, each its own folder, so a batch cut by the deadline
+# loses only itself; each batch gets its own KVBM ZMQ ports, so a leftover process cannot block the
+# next. FIELD_DEVICE=cpu runs the same steps on CPU pages (a check of this script's plumbing only:
+# there KVBM's worker cannot be built). Exit 2: no GPU, or no kit; else 0 (the verdicts are in
+# summary.csv, each step's rc in steps.txt).
 set -uo pipefail
-out="${OUT:?run through the device tool, which sets OUT}/field-gpu"
-mkdir -p "$out"
-deadline=$(($(date +%s) + ${DEADLINE_S:-560}))
-pack() { tar czf "$OUT/field-gpu.tgz" -C "$OUT" field-gpu; }
-step() {   # NAME SECONDS COMMAND...: run within min(SECONDS, what is left), log it, pack
-    local name=$1 limit=$2 t0 left; shift 2; t0=$(date +%s); left=$((deadline - t0))
-    if [ "$left" -lt 20 ]; then echo "$name not run: deadline" >>"$out/steps.txt"; return; fi
-    timeout "$((limit < left ? limit : left))" "$@" >"$out/$name.log" 2>&1
-    echo "$name rc=$? $(($(date +%s) - t0))s" >>"$out/steps.txt"
-    pack
+device=${FIELD_DEVICE:-cuda}
+kit=${FIELD_KIT:-.field/kit-kvbm.tar.xz}
+[ -n "${OUT:-}" ] || { echo "field-gpu: OUT is not set: run it through the device tool, which sets it" >&2; exit 2; }
+work=/tmp/field-gpu && rm -rf "$work" && mkdir -p "$work"
+deadline=$(($(date +%s) + ${DEADLINE_S:-390}))
+note() { echo "$*" | tee -a "$work/steps.txt" >&2; }
+pack() {
+    tar czf "$OUT/field-gpu.tgz" -C /tmp field-gpu
+    local small; for small in steps.txt summary.csv errors.txt; do [ -f "$work/$small" ] && cp "$work/$small" "$OUT/"; done
+    return 0
 }
-nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/nvidia-smi.csv" 2>&1
-git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || echo "${KVTOOL_COMMIT:-unknown}" >"$out/commit.txt"
+step() {   # NAME SECONDS COMMAND...: run within min(SECONDS, what is left before the deadline), log it, pack
+    local name=$1 limit=$2 t0 left rc; shift 2; t0=$(date +%s); left=$((deadline - t0 - 5))
+    if [ "$left" -lt 15 ]; then note "$name not run: deadline"; return 1; fi
+    timeout -k 5 "$((limit < left ? limit : left))" "$@" >"$work/$name.log" 2>&1; rc=$?
+    note "$name rc=$rc $(($(date +%s) - t0))s$([ $rc = 124 ] && echo ' (cut by its time limit)')"
+    pack; return $rc
+}
+summarize() {   # every verdict row of every run folder, prefixed by the run's name
+    local csv; echo "run,scenario,model,check,verdict,seconds,evidence,purpose" >"$work/summary.csv"
+    for csv in "$work"/runs/*/results.csv; do
+        [ -f "$csv" ] && tail -n +2 "$csv" | sed "s|^|$(basename "$(dirname "$csv")"),|" >>"$work/summary.csv"
+    done
+}
 
-unpack() {   # WHAT: .field/kit-WHAT.tar.xz -> /tmp/field-WHAT/site, put first on PYTHONPATH
-    mkdir -p "/tmp/field-$1" && tar -C "/tmp/field-$1" -xJf ".field/kit-$1.tar.xz" || return 1
-    export PYTHONPATH="/tmp/field-$1/site:${PYTHONPATH:-$PWD}"
-}
-validate() {   # NAME TARGET ARGS...: one validate run on device pages
-    step "$1" 170 python3 -m kvtool validate "$2" --compat trtllm --device cuda --jobs 1 --timeout 60 \
-        --load-timeout 20 --save-timeout 20 --format csv --output "$out/$1" "${@:3}"
-}
+note "field-gpu: device=$device kit=$kit deadline ${DEADLINE_S:-390}s, started $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/nvidia-smi.csv" 2>&1
+echo "${KVTOOL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >"$work/commit.txt"
+if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    note "field-gpu: no CUDA GPU here (torch.cuda.is_available() is False); KVBM's worker needs one. Nothing run."
+    pack; exit 2
+fi
+if [ ! -f "$kit" ]; then
+    note "field-gpu: no kit at $kit: build it with .ci/field-kit.sh kvbm and carry .field. Nothing run."
+    pack; exit 2
+fi
+site=/tmp/field-gpu-kit && rm -rf "$site" && mkdir -p "$site" && tar -C "$site" -xJf "$kit" || { note "field-gpu: cannot unpack $kit"; pack; exit 2; }
+export PYTHONPATH="$site/site:${PYTHONPATH:-$PWD}" KVTOOL_COMMIT="$(cat "$work/commit.txt")"
+du -sb "$site/site" >"$work/kit-size.txt"   # unpacked outside $work: never packed back
+
+step kvbm-import 45 python3 -c "
+import sys, torch, nixl, kvbm, kvbm._core
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)
+print('kvbm', kvbm.__file__, 'nixl', nixl.__file__)
+print('gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+
+# G2 (host memory) must be given a size, or the leader panics at construction ("At least one cache
+# tier must be configured"); the KV-event consolidator wants TensorRT-LLM's own event publisher.
+export DYN_KVBM_CPU_CACHE_GB=1 DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false RUST_BACKTRACE=1 NO_COLOR=1
+export DYN_KVBM_LEADER_ZMQ_PUB_PORT=56091 DYN_KVBM_LEADER_ZMQ_ACK_PORT=56092
+step kvbm-probe 60 python3 .ci/field-kvbm-probe.py "$device"   # construction + registration alone, timed
+hung=0; grep -q "^Timeout (" "$work/kvbm-probe.log" && hung=1   # faulthandler's stack dump: a hang
 
 kvbm=kvbm.trtllm_integration.connector:DynamoKVBMConnectorLeader:DynamoKVBMConnectorWorker
-if unpack kvbm; then
-    step kvbm-import 60 python3 -c "import kvbm, nixl, torch; print(kvbm.__file__, nixl.__file__, torch.__version__)"
-    # G2 (host memory) must be given a size, or the leader panics at construction; the event
-    # consolidator needs a port of TensorRT-LLM's own KV-event publisher, which kvtool has not.
-    export DYN_KVBM_CPU_CACHE_GB=1 DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false RUST_BACKTRACE=0
-    validate kvbm-tiny-tpb32 "$kvbm" --model tiny --tokens-per-block 32    # TensorRT-LLM's usual block
-    validate kvbm-default "$kvbm"                                           # tiny and tiny-vswa, 4 tokens a block
-    unset DYN_KVBM_CPU_CACHE_GB DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR
-else
-    echo "kvbm kit missing: run .ci/field-kit.sh kvbm and carry .field" >>"$out/steps.txt"
+port=56101
+validate() {   # NAME SECONDS ARGS...: one validate run of KVBM into runs/NAME
+    export DYN_KVBM_LEADER_ZMQ_PUB_PORT=$port DYN_KVBM_LEADER_ZMQ_ACK_PORT=$((port + 1)); port=$((port + 10))
+    step "$1" "$2" python3 -m kvtool validate "$kvbm" --compat trtllm --device "$device" --jobs 1 \
+        --timeout 30 --load-timeout 15 --save-timeout 15 --format csv --output "$work/runs/$1" "${@:3}"
+    [ -f "$work/runs/$1/results.csv" ] ||   # no run folder: validate stopped before a scenario (exit 2)
+        echo "$1: $(grep -a 'kvtool: error' "$work/$1.log" | tail -1)" >>"$work/errors.txt"
+    summarize; pack
+}
+scenarios() { local s; for s in "$@"; do printf -- '--scenario %s ' "$s"; done; }
+# TensorRT-LLM's usual 32 tokens a block, the flat (one layer group) model KVBM supports; the most
+# telling scenarios first, so that what the deadline cuts is the least.
+# shellcheck disable=SC2046
+{
+validate tpb32-a $((hung ? 60 : 150)) --model tiny --tokens-per-block 32 $(scenarios cold-warm async-save async-load contract multi-turn)
+if [ "$hung" = 0 ]; then
+validate tpb32-b 150 --model tiny --tokens-per-block 32 $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
+validate tpb32-c 150 --model tiny --tokens-per-block 32 $(scenarios free-before-delivery local-prefix moved-blocks final-pass-blocks hook-raises)
+validate tpb32-d 150 --model tiny --tokens-per-block 32 $(scenarios cache-salt concurrency pause-replay draft-tokens vswa-live-pages)
 fi
-
-lmcache=lmcache.integration.tensorrt_llm.tensorrt_adapter:LMCacheKvConnectorScheduler:LMCacheKvConnectorWorker
-if [ -f .field/kit-lmcache.tar.xz ] && unpack lmcache; then
-    # The adapter reads the model through transformers' AutoConfig.from_pretrained(llm_args.model):
-    # kvtool's llm_args.model is the config's _name_or_path, so point it at the config's own folder.
-    hf=/tmp/field-lmcache/hf/tiny-llama && mkdir -p "$hf"
-    printf '{"_name_or_path": "%s", "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 32000, "torch_dtype": "bfloat16"}\n' "$hf" >"$hf/config.json"
-    export HF_HUB_OFFLINE=1 LMCACHE_CHUNK_SIZE=32 LMCACHE_LOCAL_CPU=True LMCACHE_MAX_LOCAL_CPU_SIZE=1
-    validate lmcache-tpb32 "$lmcache" --model "$hf/config.json" --tokens-per-block 32
-fi
+# Several layer groups: KVBM has only the flat hooks, so kvtool (like TensorRT-LLM) must refuse it.
+validate vswa-refused 40 --model tiny-vswa --tokens-per-block 32 $(scenarios cold-warm)
+# kvtool's default, 4 tokens a block (many blocks a prompt), with what time is left.
+[ "$hung" = 0 ] && validate tpb4-a 120 --model tiny $(scenarios cold-warm async-save multi-turn concurrency)
+}
+note "field-gpu: done $(date -u +%FT%TZ)"
 pack
+exit 0
