@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 MAX_PROBED_REQUESTS = 64
 """The request counts tried go 1, 2, 4, ... up to this (no scenario lists more)."""
+MAX_PROBED_TOKENS = 8
+"""Output caps tried: 1, 2, 4, 8 (the scenarios generate a few tokens a request)."""
+MAX_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -63,15 +66,24 @@ def reproduces(results: Iterable["CheckResult"], scenario: str, checks: Sequence
 def shrink(ctx: "Context", scenario: str, checks: Sequence[str], run_one: RunOne) -> Cut:
     """The smallest cut of `scenario` at `ctx` (the failing seed's context) that fails all of
     `checks` again: the fewest requests first (1, 2, 4, ... then halving between the last that
-    passed and the first that failed), then, with that many, the shortest outputs (1, 2, 4, ...).
+    passed and the first that failed), then, with that many, the shortest outputs (1, 2, 4, ...),
+    and again while a round finds a smaller case (shorter outputs can make fewer requests fail).
     Cut() when nothing smaller fails."""
+    tried: dict[Cut, bool] = {}
 
     def fails(cut: Cut) -> bool:
-        return reproduces(run_one(replace(ctx, cut=cut)), scenario, checks)
+        if cut not in tried:
+            tried[cut] = reproduces(run_one(replace(ctx, cut=cut)), scenario, checks)
+        return tried[cut]
 
-    requests = _smallest(lambda k: fails(Cut(max_requests=k)))
-    tokens = _smallest(lambda m: fails(Cut(requests, m)), limit=8)
-    return Cut(requests, tokens)
+    cut = Cut()
+    for _ in range(MAX_ROUNDS):
+        requests = _smallest(lambda k: fails(Cut(k, cut.max_new_tokens)))
+        tokens = _smallest(lambda m: fails(Cut(requests, m)), limit=MAX_PROBED_TOKENS)
+        if Cut(requests, tokens) == cut:
+            break
+        cut = Cut(requests, tokens)
+    return cut
 
 
 def _smallest(fails: Callable[[int], bool], limit: int = MAX_PROBED_REQUESTS) -> int | None:
