@@ -12,11 +12,10 @@ judge naming a request the cut removed) does not count.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-if TYPE_CHECKING:
-    from kvtool.validate.harness import Context, Req
-    from kvtool.validate.results import CheckResult
+# harness imports this module: its Context and Req, and results' CheckResult, are named in words.
+Context = Req = CheckResult = Any
 
 MAX_PROBED_REQUESTS = 64
 """The request counts tried go 1, 2, 4, ... up to this (no scenario lists more)."""
@@ -33,7 +32,7 @@ class Cut:
     max_requests: int | None = None
     max_new_tokens: int | None = None
 
-    def apply(self, requests: Sequence["Req"]) -> list["Req"]:
+    def apply(self, requests: Sequence[Req]) -> list[Req]:
         kept = list(requests[:self.max_requests] if self.max_requests is not None else requests)
         if self.max_new_tokens is None:
             return kept
@@ -54,16 +53,16 @@ class Cut:
         return f"{requests} of each run, {outputs}"
 
 
-RunOne = Callable[["Context"], list["CheckResult"]]
+RunOne = Callable[[Context], list[CheckResult]]
 
 
-def reproduces(results: Iterable["CheckResult"], scenario: str, checks: Sequence[str]) -> bool:
+def reproduces(results: Iterable[CheckResult], scenario: str, checks: Sequence[str]) -> bool:
     """Every one of `checks` failed again in `scenario`'s results."""
     failed = {r.check for r in results if r.scenario == scenario and r.failed}
     return set(checks) <= failed
 
 
-def shrink(ctx: "Context", scenario: str, checks: Sequence[str], run_one: RunOne) -> Cut:
+def shrink(ctx: Context, scenario: str, checks: Sequence[str], run_one: RunOne) -> Cut:
     """The smallest cut of `scenario` at `ctx` (the failing seed's context) that fails all of
     `checks` again: the fewest requests first (1, 2, 4, ... then halving between the last that
     passed and the first that failed), then, with that many, the shortest outputs (1, 2, 4, ...),
