@@ -32,6 +32,7 @@ from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
 from kvtool.validate.explore import SeedsRun, explore, reproduce_command
+from kvtool.validate.shrink import Cut
 from kvtool.validate.schedule import DEFAULT_SEED
 from kvtool.validate.user_store import user_store_folders, user_store_notice
 
@@ -77,7 +78,13 @@ def validate(
     explore_seeds: Annotated[int, typer.Option("--explore", metavar="N", help="Run every scenario under N seeds "
                                                "(--seed, --seed + 1, ...), each a different schedule; a scenario "
                                                "stops at its first failure, printed with its seed and the command "
-                                               "that reproduces it.")] = 0,
+                                               "that reproduces it, then shrunk: the smallest case that still "
+                                               "fails, with its command.")] = 0,
+    max_requests: Annotated[Optional[int], typer.Option(metavar="K", help="Only the first K requests of each "
+                                                        "engine run of a scenario (what --explore's shrink step "
+                                                        "reports).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(metavar="M", help="At most M generated tokens a request "
+                                                          "(what --explore's shrink step reports).")] = None,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
     num_ranks: Annotated[int, typer.Option(help="Ranks per run: rank 0 in the scenario's process, the others as "
@@ -146,12 +153,15 @@ def validate(
         raise InputError(f"--save-timeout must be a positive number of seconds, got {save_timeout}")
     if explore_seeds < 0:
         raise InputError(f"--explore must be a number of seeds (0: off), got {explore_seeds}")
+    cut = _cut(max_requests, max_new_tokens)
     contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
-                        strict, save_timeout=save_timeout) for m in models]
+                        strict, save_timeout=save_timeout, cut=cut) for m in models]
     console = Console(stderr=True)
 
     def run_seeded(cs: list[Context], names: list[str]) -> list[CheckResult]:
         prefix = f"seed {cs[0].seed} " if explore_seeds else ""
+        if explore_seeds and cs[0].cut != cut:   # a probe of the shrink step
+            prefix += f"shrink to {cs[0].cut.short()}: "
         return run_all(cs, names, timeout, jobs=jobs_at_once,
                        on_result=lambda rs: console.print(prefix + _progress_line(rs), highlight=False, markup=False))
 
@@ -163,8 +173,10 @@ def validate(
     seeds = SeedsRun(seed, explore_seeds, findings)
     repro = _reproduce_options(tokens_per_block, connector_opt, compat, device, num_ranks, tp, remote, strict)
     for finding in findings:
-        console.print(finding.line(reproduce_command(target, finding, repro)), highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(finding.line(reproduce_command(target, finding, repro, cut or Cut())), highlight=False,
+                      markup=False, soft_wrap=True)
+        console.print(finding.smallest_line(reproduce_command(target, finding, repro, finding.smallest)),
+                      highlight=False, markup=False, soft_wrap=True)
     _print_results(results, target, models, format, all_rows, seeds)
     if junit:
         write_file(junit, junit_xml(results, target, seeds.properties()))
@@ -182,6 +194,14 @@ def validate(
     if failed:
         raise fail(f"{summary_line(results)}; {seeds.words()}", ExitCode.CHECK_FAILED)
     Console(stderr=True).print(f"{summary_line(results)}; {seeds.words()}", highlight=False, markup=False)
+
+
+def _cut(max_requests: int | None, max_new_tokens: int | None) -> Cut | None:
+    """--max-requests and --max-new-tokens as a cut (None: neither given); InputError unless positive."""
+    for flag, value in (("--max-requests", max_requests), ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be a positive integer, got {value}")
+    return Cut(max_requests, max_new_tokens) if (max_requests, max_new_tokens) != (None, None) else None
 
 
 def _jobs(value: str, num_ranks: int) -> int:

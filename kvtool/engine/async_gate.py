@@ -1,13 +1,15 @@
 """When a connector's own threads may run: the runtime's side of a race, made deterministic.
 
-A connector that copies in the background races the runtime. Between the end of a pass's
-`wait_for_save` and the moment the pages of the saves `get_finished` reported are released (and
+A connector that copies in the background races the runtime. Between a pass's first save hook
+(`save_kv_layer`, else `wait_for_save`: where saves are submitted) and the moment the pages of the saves `get_finished` reported are released (and
 poisoned), the gate is closed: every Python thread started while it is installed (a connector's
 copy thread) stops at its next function call until the gate opens again. Inside a connector hook
 it stays shut unless the hook runs longer than HOOK_GRACE_S (it may be waiting for its own
 threads: they are let through, so it never deadlocks). A save reported finished
 is therefore judged on what the store held at the moment of the report, whoever would have won
-the race: a copy still queued then reads poison.
+the race: a copy still queued then reads poison. When the gate opens, the runtime waits until the
+work it held has run (`drain`: no gated thread held or calling for QUIET_S), so that what lands
+before the next pass's saves does not depend on the GIL either.
 
 Threads are stopped only at Python function calls: work already inside one C call (one torch
 copy, a CUDA stream's queue) runs on; threads started before `install` are not gated.
@@ -30,8 +32,19 @@ one that is only slow (preempted on a loaded machine: runnable, not asleep; or a
 for the GIL) keeps the gate shut."""
 
 
+QUIET_S = 0.002
+"""How long no gated thread may have made a call, none being held, before the work let through at
+`open` counts as done (a thread waiting on its queue makes no calls)."""
+DRAIN_LIMIT_S = 0.2
+"""The longest `open` waits for the gated threads to go quiet (a connector that polls in a loop never does)."""
+
+SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
+"""The hooks that submit a pass's saves: the gate closes before the first of them runs, so that a
+copy submitted there cannot land before the report (or not) depending on the GIL's whim."""
+
+
 class AsyncGate:
-    """Closed (`close`) from the end of a pass's saves until `open`; a hook that runs longer than
+    """Closed (`close`, or a save hook: `before_hook`) until `open`; a hook that runs longer than
     HOOK_GRACE_S meanwhile opens it for the rest of its run."""
 
     def __init__(self) -> None:
@@ -42,6 +55,10 @@ class AsyncGate:
         self._owner = threading.get_ident()
         self._owner_native = threading.get_native_id()
         self._installed = False
+        self._num_held = 0
+        self._count_lock = threading.Lock()
+        self._last_call = 0.0
+        """When a gated thread last made a call (monotonic seconds)."""
 
     def install(self) -> None:
         """Gate every thread started from now on (`threading.settrace`: a check at each call)."""
@@ -52,15 +69,30 @@ class AsyncGate:
         if self._installed:
             threading.settrace(None)   # type: ignore[arg-type]
             self._installed = False
-        self.open()
+        self.open(drain=False)
 
     def close(self) -> None:
         self._closed_by_runtime = True
         self._open.clear()
 
-    def open(self) -> None:
+    def before_hook(self, hook: str) -> None:
+        """Told the worker hook about to run: a save hook closes the gate."""
+        if hook in SAVE_HOOKS:
+            self.close()
+
+    def open(self, drain: bool = True) -> None:
+        """Let the gated threads run; `drain`: and wait until they went quiet (at most DRAIN_LIMIT_S)."""
         self._closed_by_runtime = False
         self._open.set()
+        if drain:
+            self._drain()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while (now := time.monotonic()) < deadline:
+            if not self._num_held and now - self._last_call > QUIET_S:
+                return
+            time.sleep(QUIET_S / 4)
 
     @contextmanager
     def hook(self) -> Iterator[None]:
@@ -73,14 +105,27 @@ class AsyncGate:
 
     def _trace(self, frame, event: str, arg):
         if event == "call" and threading.get_ident() != self._owner:
-            asleep_since = None
-            while not self._open.wait(HOOK_GRACE_S / 5):
-                now = time.monotonic()
-                in_hook = self._hook_since is not None
-                asleep_since = (asleep_since or now) if in_hook and self._owner_asleep() else None
-                if asleep_since is not None and now - asleep_since > HOOK_GRACE_S:
-                    break
+            self._last_call = time.monotonic()
+            if not self._open.is_set():
+                with self._count_lock:
+                    self._num_held += 1
+                try:
+                    self._hold()
+                finally:
+                    with self._count_lock:
+                        self._num_held -= 1
+                    self._last_call = time.monotonic()
         return None
+
+    def _hold(self) -> None:
+        """Wait until the gate opens, or the runtime's thread sleeps in a hook for HOOK_GRACE_S."""
+        asleep_since = None
+        while not self._open.wait(HOOK_GRACE_S / 5):
+            now = time.monotonic()
+            in_hook = self._hook_since is not None
+            asleep_since = (asleep_since or now) if in_hook and self._owner_asleep() else None
+            if asleep_since is not None and now - asleep_since > HOOK_GRACE_S:
+                return
 
     def _owner_asleep(self) -> bool:
         """Whether the runtime's thread sleeps (waits for a lock, a future, I/O): True where the

@@ -86,7 +86,7 @@ class EngineConfig:
     acceptance: float = 0.7
     """With drafts: the probability a draft is accepted, given the ones before it were."""
     gate_async_work: bool = False
-    """The connector's threads wait from the end of a pass's saves until the reports of that
+    """The connector's threads wait from a pass's first save hook until the reports of that
     iteration's `get_finished` are acted on (`async_gate`): kvtool validate's deterministic race."""
     idle_wait_seconds: float = 0.0005
     """How long an iteration in which nothing ran waits for the connector's background work
@@ -144,8 +144,9 @@ class Engine:
         self.followers = self._start_followers(connector, connector_options or {})
         self.stream = forward_stream(self.manager.device)
         set_process_rank(0, config.num_ranks)
-        self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded)
         self.gate = AsyncGate() if config.gate_async_work and connector else None
+        self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded,
+                                 on_hook=self.gate.before_hook if self.gate is not None else lambda hook: None)
         if self.gate is not None:
             self.gate.install()
         try:

@@ -1,5 +1,6 @@
 """`kvtool validate --explore N`: every scenario under N seeds (each a schedule: `schedule`),
-stopped at its first failure, which is reported with the seed and a command that reproduces it."""
+stopped at its first failure, which is reported with the seed, the smallest case that still fails
+(`shrink`) and the commands that reproduce both."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.results import CheckResult
 from kvtool.validate.runner import SETUP
 from kvtool.validate.schedule import schedule_for
+from kvtool.validate.shrink import Cut, shrink
 
 
 @dataclass(frozen=True)
@@ -21,10 +23,18 @@ class Finding:
     model: str
     seed: int
     checks: tuple[str, ...]
+    smallest: Cut = Cut()
+    """The smallest cut of the scenario that still failed all of `checks` at `seed` (Cut(): none smaller)."""
 
     def line(self, reproduce: str) -> str:
         return (f"{self.scenario}[{self.model}] failed {', '.join(self.checks)} at seed {self.seed} "
                 f"({schedule_for(self.seed).describe()}); reproduce: {reproduce}")
+
+    def smallest_line(self, reproduce: str) -> str:
+        """The shrink step's outcome, with `reproduce` (the command with `smallest.options()`)."""
+        if self.smallest == Cut():
+            return f"{self.scenario}[{self.model}]: no smaller case fails (fewer requests or shorter outputs pass)"
+        return f"{self.scenario}[{self.model}] smallest failing case: {self.smallest.describe()}; reproduce: {reproduce}"
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,8 @@ class SeedsRun:
 
     def as_dict(self) -> dict:
         return {"seed": self.seed, "schedule": schedule_for(self.seed).describe(), "explore": self.num_explored,
-                "findings": [{"scenario": f.scenario, "model": f.model, "seed": f.seed, "checks": list(f.checks)}
+                "findings": [{"scenario": f.scenario, "model": f.model, "seed": f.seed, "checks": list(f.checks),
+                              "max_requests": f.smallest.max_requests, "max_new_tokens": f.smallest.max_new_tokens}
                              for f in self.findings]}
 
     def properties(self) -> dict[str, str]:
@@ -56,8 +67,9 @@ RunAll = Callable[[list[Context], list[str]], list[CheckResult]]
 def explore(contexts: list[Context], names: list[str], num_seeds: int,
             run_all: RunAll) -> tuple[list[CheckResult], list[Finding]]:
     """Seeds `ctx.seed`, `ctx.seed + 1`, ... (num_seeds of them) for every scenario of every
-    context; a (scenario, model) that fails is not run again. The results: each (scenario,
-    model)'s run at its failing seed, else at the first seed, in the first seed's order."""
+    context; a (scenario, model) that fails is not run again at other seeds, but shrunk at its
+    failing seed (`shrink`). The results: each (scenario, model)'s run at its failing seed (full
+    size), else at the first seed, in the first seed's order."""
     remaining = {ctx.model: [n for n in names if n != SETUP] for ctx in contexts}
     chosen: dict[tuple[str, str], list[CheckResult]] = {}
     findings: list[Finding] = []
@@ -73,7 +85,9 @@ def explore(contexts: list[Context], names: list[str], num_seeds: int,
                     chosen[key] = group
                 if failed and key[0] in todo:
                     todo.remove(key[0])
-                    findings.append(Finding(key[0], key[1], seed, tuple(failed)))
+                    at_seed = replace(ctx, seed=seed)
+                    smallest = shrink(at_seed, key[0], failed, lambda c, name=key[0]: run_all([c], [name]))
+                    findings.append(Finding(key[0], key[1], seed, tuple(failed), smallest))
     return [r for group in chosen.values() for r in group], findings
 
 
@@ -84,8 +98,8 @@ def _by_scenario(results: list[CheckResult]) -> dict[tuple[str, str], list[Check
     return groups
 
 
-def reproduce_command(target: str, finding: Finding, options: list[str]) -> str:
-    """`kvtool validate TARGET --scenario S --model M --seed K OPTIONS...`, quoted for a shell."""
+def reproduce_command(target: str, finding: Finding, options: list[str], cut: Cut = Cut()) -> str:
+    """`kvtool validate TARGET --scenario S --model M --seed K OPTIONS... CUT`, quoted for a shell."""
     words = ["kvtool", "validate", target, "--scenario", finding.scenario, "--model", finding.model,
-             "--seed", str(finding.seed), *options]
+             "--seed", str(finding.seed), *options, *cut.options()]
     return shlex.join(words)
