@@ -92,8 +92,8 @@ class GroupPages(Sequence[tuple[int, ...]]):
 
     def extended(self, delta: Sequence[Sequence[int]]) -> "GroupPages":
         """These lists with `delta[g]` appended to group `g` (the receiving side of `since`)."""
-        merged = [list(p) for p in self._lists]
-        merged += [[] for _ in range(len(delta) - len(merged))]
-        for g, pages in enumerate(delta):
-            merged[g].extend(pages)
-        return GroupPages(merged)
+        # Tuples joined, not lists rebuilt: a decode step's delta is a page or none, and converting
+        # every earlier entry again would cost a long request O(blocks) a step.
+        lists = self._lists + ((),) * max(len(delta) - len(self._lists), 0)
+        return GroupPages(p + tuple(map(int, delta[g])) if g < len(delta) and len(delta[g]) else p
+                          for g, p in enumerate(lists))

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvtool.manager import KvCacheManager
+from tests.helpers.failures_at_once import pytest_configure  # noqa: F401 - names failures as they happen
 from tests.helpers.managers import make_manager
 
 # tests/netns runs only inside the private network namespace test_mooncake_connector.py makes.

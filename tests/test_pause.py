@@ -83,13 +83,16 @@ def test_pause_replay_catches_a_worker_page_table_that_keeps_a_replayed_requests
     from kvtool.validate.runner import run_all
     from kvtool.validate.scenarios import SCENARIOS
     spec = load_connector(PAGE_TABLE, {})
-    results = run_all([Context(spec, m, load_timeout=1.0) for m in ("tiny", "tiny-vswa")], list(SCENARIOS), 60,
+    results = run_all([Context(spec, m) for m in ("tiny", "tiny-vswa")], list(SCENARIOS), 60,
                       isolated=False)
     assert {(r.scenario, r.model, r.check) for r in results if r.failed} == \
         {("pause-replay", "tiny", "integrity"), ("pause-replay", "tiny-vswa", "integrity")}
     for r in results:
         if r.scenario == "pause-replay" and r.check == "integrity":
-            assert re.match(r"request 12, layer group \d, block 4, .*: mismatch", r.evidence[0]), r.evidence[:2]
+            # the replay runs in other pages and is loaded by the connector (issue 39): its own loads,
+            # written into the old pages, are caught first, before the repeat loads the bad save
+            assert re.match(r"request 2, layer group \d, block \d, .*: mismatch .*loaded by the connector",
+                            r.evidence[0]), r.evidence[:2]
         if r.scenario == "pause-replay" and r.check == "warm-hit":
             assert r.verdict.value == "miss" and "bytes it loaded were wrong" in r.evidence[0]
 

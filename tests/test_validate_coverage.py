@@ -22,7 +22,7 @@ def cases_by_scenario() -> dict[str, set[str]]:
     produced = {}
     for name in SCENARIOS:
         hook_cases.RECORDED.clear()
-        results = run_all([Context(spec, m, load_timeout=1.0, options=SMALL_STORE) for m in ("tiny", "tiny-vswa")],
+        results = run_all([Context(spec, m, options=SMALL_STORE) for m in ("tiny", "tiny-vswa")],
                           [name], 60, isolated=False)
         assert not [r for r in results if r.failed], [(r.check, r.evidence) for r in results if r.failed]
         produced[name] = set(hook_cases.RECORDED)
@@ -70,6 +70,6 @@ def test_a_real_models_sliding_window_is_reached():
     config = Path(__file__).resolve().parent / "data" / "hf_configs" / "gemma3-1b-like-6-layers" / "config.json"
     spec = load_connector("tests.helpers.hook_cases:RecordingScheduler:RecordingWorker")
     hook_cases.RECORDED.clear()
-    results = run_all([Context(spec, str(config), load_timeout=1.0)], ["vswa-live-pages"], 60, isolated=False)
+    results = run_all([Context(spec, str(config))], ["vswa-live-pages"], 60, isolated=False)
     assert [(r.check, r.verdict.value) for r in results] == [("registration", "pass"), ("integrity", "pass")]
     assert "alloc: a page list holds BAD_PAGE_INDEX" in hook_cases.RECORDED

@@ -40,7 +40,7 @@ def line_marked(mark: str) -> int:
 
 def validate_tiny(scheduler, worker, scenarios, **context):
     spec = ConnectorSpec("under-test", scheduler, worker, MODULE)
-    return run_all([Context(spec, "tiny", load_timeout=1.0, **context)], scenarios, 60, isolated=False)
+    return run_all([Context(spec, "tiny", **context)], scenarios, 60, isolated=False)
 
 
 def only(results, scenario, check):

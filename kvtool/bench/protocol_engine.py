@@ -38,10 +38,12 @@ SAVE_HOOKS = ("save_kv_layer", "wait_for_save")
 
 @dataclass(frozen=True)
 class Workload:
-    """N prompts of K full blocks each (plus half a block the connector never sees whole)."""
+    """N prompts of K full blocks each (plus half a block the connector never sees whole), at most
+    `per_pass` of them in one pass (TensorRT-LLM's max batch size)."""
 
     prompts: int = 8
     blocks: int = 4
+    per_pass: int = 1
 
     def fresh_prompts(self, tokens_per_block: int) -> list[list[int]]:
         """Random prompts, never drawn before: a store that outlives its engine (files, a server)
@@ -130,12 +132,14 @@ class Measured:
 
 def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
-    """One request per pass, no local prefix reuse (the warm round must ask the connector), pages
+    """`workload.per_pass` requests per pass, no local prefix reuse (the warm round must ask the connector), pages
     poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for every
     prompt at once (asynchronous loads and saves hold pages outside the batch) plus a spare page."""
     slots = workload.prompts * (workload.blocks + 1) + 1
     manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
-    config = EngineConfig(manager, SchedulerConfig(max_batch_size=1, local_reuse=False),
+    tokens = workload.per_pass * (workload.blocks + 1) * tpb     # room for a whole batch in one prefill
+    scheduler = SchedulerConfig(max_batch_size=workload.per_pass, max_num_tokens=max(tokens, 8192), local_reuse=False)
+    config = EngineConfig(manager, scheduler,
                           max_transmission_seconds=60.0)
     engine = Engine(config, spec, options)
     commit_stores(rank.worker for rank in engine.driver.workers)

@@ -31,6 +31,8 @@ from kvtool.validate.runner import SCENARIO_GPU_OVERHEAD_BYTES, gpu_jobs_cap, ma
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
 from kvtool.validate.scenarios import SCENARIOS
+from kvtool.validate.explore import SeedsRun, explore, reproduce_command
+from kvtool.validate.schedule import DEFAULT_SEED
 from kvtool.validate.user_store import user_store_folders, user_store_notice
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -68,7 +70,14 @@ def validate(
     save_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous save "
                                                 "(request_finished answered True) may stay unreported by get_finished "
                                                 "before finished-ids fails it.")] = 5.0,
-    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints and of the schedule (page order, batch "
+                                      "and chunk sizes, poll delays, when async work may run, preemption "
+                                      "points): the same seed, the same verdicts. 0 is the canonical "
+                                      "schedule; see docs/validate-determinism.md.")] = DEFAULT_SEED,
+    explore_seeds: Annotated[int, typer.Option("--explore", metavar="N", help="Run every scenario under N seeds "
+                                               "(--seed, --seed + 1, ...), each a different schedule; a scenario "
+                                               "stops at its first failure, printed with its seed and the command "
+                                               "that reproduces it.")] = 0,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
     num_ranks: Annotated[int, typer.Option(help="Ranks per run: rank 0 in the scenario's process, the others as "
@@ -135,29 +144,44 @@ def validate(
     options = tuple(connector_options(spec, connector_opt).items())
     if not math.isfinite(save_timeout) or save_timeout <= 0:
         raise InputError(f"--save-timeout must be a positive number of seconds, got {save_timeout}")
+    if explore_seeds < 0:
+        raise InputError(f"--explore must be a number of seeds (0: off), got {explore_seeds}")
     contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
                         strict, save_timeout=save_timeout) for m in models]
     console = Console(stderr=True)
-    results = run_all(contexts, scenario or list(SCENARIOS), timeout,
-                      on_result=lambda rs: console.print(_progress_line(rs), highlight=False, markup=False),
-                      jobs=jobs_at_once)
-    _print_results(results, target, models, format, all_rows)
+
+    def run_seeded(cs: list[Context], names: list[str]) -> list[CheckResult]:
+        prefix = f"seed {cs[0].seed} " if explore_seeds else ""
+        return run_all(cs, names, timeout, jobs=jobs_at_once,
+                       on_result=lambda rs: console.print(prefix + _progress_line(rs), highlight=False, markup=False))
+
+    findings = []
+    if explore_seeds:
+        results, findings = explore(contexts, scenario or list(SCENARIOS), explore_seeds, run_seeded)
+    else:
+        results = run_seeded(contexts, scenario or list(SCENARIOS))
+    seeds = SeedsRun(seed, explore_seeds, findings)
+    repro = _reproduce_options(tokens_per_block, connector_opt, compat, device, num_ranks, tp, remote, strict)
+    for finding in findings:
+        console.print(finding.line(reproduce_command(target, finding, repro)), highlight=False, markup=False,
+                      soft_wrap=True)
+    _print_results(results, target, models, format, all_rows, seeds)
     if junit:
-        write_file(junit, junit_xml(results, target))
+        write_file(junit, junit_xml(results, target, seeds.properties()))
     if json_out:
-        write_file(json_out, json.dumps(_document(results, target, models), indent=2) + "\n")
+        write_file(json_out, json.dumps(_document(results, target, models, seeds), indent=2) + "\n")
     if folder is not None:
-        write_file(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
+        write_file(folder / "results.json", json.dumps(_document(results, target, models, seeds), indent=2) + "\n")
         write_file(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
-        write_file(folder / "junit.xml", junit_xml(results, target))
+        write_file(folder / "junit.xml", junit_xml(results, target, seeds.properties()))
         written = _write_tracebacks(folder, results)
         write_meta(folder, "validate", target=target, jobs=jobs_at_once)
         if written:
             console.print(f"tracebacks of {written} failures: {folder / TRACEBACKS}", highlight=False, markup=False)
     failed = [r for r in results if r.failed]
     if failed:
-        raise fail(summary_line(results), ExitCode.CHECK_FAILED)
-    Console(stderr=True).print(summary_line(results), highlight=False, markup=False)
+        raise fail(f"{summary_line(results)}; {seeds.words()}", ExitCode.CHECK_FAILED)
+    Console(stderr=True).print(f"{summary_line(results)}; {seeds.words()}", highlight=False, markup=False)
 
 
 def _jobs(value: str, num_ranks: int) -> int:
@@ -248,13 +272,25 @@ def _file_part(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "model"
 
 
+def _reproduce_options(tokens_per_block: int, connector_opt: list[str], compat: str | None, device: str,
+                       num_ranks: int, tp: int, remote: str | None, strict: bool) -> list[str]:
+    """The options of this run a reproduce command repeats (those that change what runs)."""
+    words = [] if tokens_per_block == 4 else ["--tokens-per-block", str(tokens_per_block)]
+    for option in connector_opt:
+        words += ["--connector-opt", option]
+    for flag, value, default in (("--compat", compat, None), ("--device", device, None), ("--num-ranks", num_ranks, 1),
+                                 ("--tp", tp, 1), ("--remote", remote, None)):
+        words += [flag, str(value)] if value != default else []
+    return words + (["--strict"] if strict else [])
+
+
 def _print_results(results: list[CheckResult], target: str, models: list[str], format: OutputFormat,
-                   all_rows: bool = False) -> None:
+                   all_rows: bool = False, seeds: SeedsRun | None = None) -> None:
     if format is OutputFormat.table:
         width = report_width(140)
         Console(width=width).print(_table(results, target, all_rows, width))
     elif format is OutputFormat.json:
-        print(json.dumps(_document(results, target, models), indent=2))
+        print(json.dumps(_document(results, target, models, seeds), indent=2))
     else:
         print(frame_text(_frame(results), format), end="")
 
@@ -313,8 +349,9 @@ def _needs_remote(r: CheckResult) -> bool:
     return r.scenario in _REMOTE_SCENARIOS and r.verdict is Verdict.SKIP and r.evidence == [NEEDS_REMOTE]
 
 
-def _document(results: list[CheckResult], target: str, models: list[str]) -> dict:
-    return {"target": target, "models": models, "passed": not any(r.failed for r in results),
+def _document(results: list[CheckResult], target: str, models: list[str], seeds: SeedsRun | None = None) -> dict:
+    return {"target": target, "models": models, **(seeds.as_dict() if seeds else {}),
+            "passed": not any(r.failed for r in results),
             "num_failed": sum(r.failed for r in results), "num_missed": sum(r.verdict is Verdict.MISS for r in results),
             "summary": summary_line(results), "results": [r.as_dict() for r in results]}
 

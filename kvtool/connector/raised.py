@@ -20,10 +20,20 @@ import sysconfig
 import traceback
 from pathlib import Path
 
+_STOPS_KVTOOL = (KeyboardInterrupt, GeneratorExit)
+
 _KVTOOL = Path(__file__).resolve().parents[1]
 _BUILT_IN_CONNECTORS = _KVTOOL / "connectors"
 _LIBRARIES = tuple({Path(p).resolve() for name in ("stdlib", "platstdlib", "purelib", "platlib")
                     if (p := sysconfig.get_paths().get(name))})
+
+
+def stops_kvtool(exc: BaseException) -> bool:
+    """True for what stops kvtool itself (Ctrl-C, a closed generator), which a hook guard raises
+    again. Everything else a connector raises is the connector's failure: an `Exception`, a
+    `SystemExit`, and the `BaseException`s of native extensions (a Rust panic reaches Python as
+    pyo3's `PanicException`, which derives from `BaseException`, as NVIDIA Dynamo's KVBM shows)."""
+    return isinstance(exc, _STOPS_KVTOOL)
 
 
 def _path(filename: str) -> Path | None:

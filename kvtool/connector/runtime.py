@@ -12,11 +12,12 @@ the asynchronous bookkeeping.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from kvtool.connector.raised import describe_error, format_error
+from kvtool.connector.raised import describe_error, format_error, stops_kvtool
 from kvtool.connector.request import Request
 from kvtool.errors import ConnectorError
 from kvtool.group_pages import GroupPages
@@ -101,6 +102,8 @@ class ConnectorRuntime:
         self.violations: list[ContractViolation] = []
         self.failures: list[HookFailure] = []
         self.num_cancelled_tokens = 0
+        self.around_hook: Callable[[], ContextManager[None]] = nullcontext
+        """Entered around every hook (the engine's `AsyncGate.hook`: the connector's threads may run)."""
         self.cancels: list[tuple[int, int, int]] = []
         self._new_loading: list[int] = []
         self._new_saving: list[int] = []
@@ -115,8 +118,11 @@ class ConnectorRuntime:
     def call(self, hook: str, fn: Callable[..., Any], *args: Any, request_id: int | None = None) -> tuple[bool, Any]:
         """Run a connector hook; (False, None) and a recorded failure when it raises."""
         try:
-            return True, fn(*args)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit included)
+            with self.around_hook():
+                return True, fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit, native panics)
+            if stops_kvtool(exc):
+                raise
             self.failures.append(HookFailure(hook, request_id, describe_error(exc), format_error(exc)))
             return False, None
 

@@ -16,9 +16,10 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.connector.raised import describe_construction_error, describe_error
+from kvtool.connector.raised import describe_construction_error, describe_error, stops_kvtool
 from kvtool.connector.rank_context import acting_as, set_process_rank
 from kvtool.connector.runtime import ConnectorRuntime, HookFailure, require_gpu_tier_only, require_grouped_hooks
+from kvtool.engine.async_gate import AsyncGate
 from kvtool.engine.events import (Arrived, EngineEvent, EventStream, Evicted, Finished, LoadFinished, PassDone, Paused,
                                   SaveFinished, SaveStarted)
 from kvtool.engine.drafts import DraftModel
@@ -84,6 +85,12 @@ class EngineConfig:
     """Draft tokens per generation step (speculative decoding; `kvtool.engine.drafts`); 0: off."""
     acceptance: float = 0.7
     """With drafts: the probability a draft is accepted, given the ones before it were."""
+    gate_async_work: bool = False
+    """The connector's threads wait from the end of a pass's saves until the reports of that
+    iteration's `get_finished` are acted on (`async_gate`): kvtool validate's deterministic race."""
+    idle_wait_seconds: float = 0.0005
+    """How long an iteration in which nothing ran waits for the connector's background work
+    before `get_finished` is polled again."""
 
 
 @dataclass
@@ -138,11 +145,16 @@ class Engine:
         self.stream = forward_stream(self.manager.device)
         set_process_rank(0, config.num_ranks)
         self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded)
+        self.gate = AsyncGate() if config.gate_async_work and connector else None
+        if self.gate is not None:
+            self.gate.install()
         try:
             self.connector = self._attach(connector, connector_options or {}) if connector else None
         except Exception:
             self.close()
             raise
+        if self.gate is not None:
+            self.connector.around_hook = self.gate.hook
         self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
         self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit, self.pause,
                                    self.drafts)
@@ -162,7 +174,9 @@ class Engine:
                                    self.manager.device.type))
 
     def close(self) -> None:
-        """Stop the follower ranks, if any (idempotent)."""
+        """Stop the follower ranks, if any, and the async gate (idempotent)."""
+        if self.gate is not None:
+            self.gate.uninstall()
         if self.followers is not None:
             self.followers.close()
 
@@ -185,7 +199,9 @@ class Engine:
                     workers.append(building(self.llm_args(spec, options, rank)))
         except InputError as exc:
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a constructor failure is the connector's
+        except BaseException as exc:  # noqa: BLE001 - a constructor failure is the connector's (native panics too)
+            if stops_kvtool(exc):
+                raise
             raise ConstructionError(f"connector {spec.name!r} could not be constructed: "
                                     f"{describe_construction_error(exc, building)}") from None
         rank_workers = [self._registered(spec, rank, worker) for rank, worker in enumerate(workers)]
@@ -205,7 +221,9 @@ class Engine:
             return RankWorker(rank, worker, ask_end_of_pass(worker, rank))
         except ConnectorError as exc:
             raise InputError(f"connector {spec.name!r}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - native panics too
+            if stops_kvtool(exc):
+                raise
             raise InputError(f"connector {spec.name!r}: registering the KV cache failed: {describe_error(exc)}") from None
 
     @property
@@ -441,6 +459,8 @@ class Engine:
                              self._pages_to_verify(items)))
         self._received = []
         ok = self.driver.run_pass(plan, metadata, items) and ok
+        if self.gate is not None:
+            self.gate.close()    # until this iteration's get_finished reports are acted on
         ok = self._merge(self._gather(), items) and ok
         if not ok:
             self._fail_pass(batch, self.connector.failures[-1].describe())
@@ -571,6 +591,8 @@ class Engine:
         """`get_finished` (with a connector or followers), then the checks of the iteration."""
         if self.connector is not None or self.followers is not None:
             self._collect_finished(batch)
+        if self.gate is not None:
+            self.gate.open()
         self._fail_stuck_transmissions()
         if self.config.verify_all_after_iteration:
             self.verify_all()
@@ -648,7 +670,7 @@ class Engine:
         if batch.num_requests or batch.received or progress_before != self._progress_mark():
             return
         if any(s.phase in (Phase.TRANSMISSION, Phase.SAVING) for s in self._started):
-            time.sleep(0.0005)   # let the connector's background copies run
+            time.sleep(self.config.idle_wait_seconds)   # let the connector's background copies run
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]
         if arrived and not any(s.request.arrival > self.clock for s in self.live_states):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.rank_context import acting_as
+from kvtool.connector.raised import stops_kvtool
 from kvtool.engine.worker_setup import made_current
 from kvtool.errors import ConnectorError
 
@@ -56,7 +57,9 @@ def ask_end_of_pass(worker: KvCacheConnectorWorker, rank: int) -> Callable[[], N
     try:
         with acting_as(rank):
             answer = worker.register_forward_pass_callable()
-    except Exception as exc:  # noqa: BLE001 - the connector's failure, said in one line
+    except BaseException as exc:  # noqa: BLE001 - the connector's failure (native panics too), said in one line
+        if stops_kvtool(exc):
+            raise
         raise ConnectorError(f"{hook} raised {type(exc).__name__}: {exc}") from None
     if answer is not None and not callable(answer):
         raise ConnectorError(f"{hook} returned {answer!r}, which is neither None nor callable")

@@ -28,7 +28,7 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
 from kvtool.connector.rank_context import set_process_rank
-from kvtool.connector.raised import describe_construction_error, describe_error, format_error
+from kvtool.connector.raised import describe_construction_error, describe_error, format_error, stops_kvtool
 from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
 from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
 from kvtool.errors import ConnectorError
@@ -302,7 +302,9 @@ def follow(rank: int, pickled_setup: bytes, hook_name) -> None:
         _init_group(rank, setup)
         hook_name.value = b"building its pools"
         executor = RankExecutor(rank, setup, hook_name)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - rank 0 says why in one line, no traceback here
+    except BaseException as exc:  # noqa: BLE001 - rank 0 says why in one line, no traceback here
+        if stops_kvtool(exc):
+            raise
         _note_setup_failure(hook_name, setup, exc)
         os._exit(1)
     while True:
@@ -392,7 +394,9 @@ class RankExecutor:
         """The follower's hook guard: a failure goes into the report for rank 0, which fails the pass."""
         try:
             return True, fn(*args)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to rank 0
+        except BaseException as exc:  # noqa: BLE001 - reported to rank 0 (sys.exit, native panics too)
+            if stops_kvtool(exc):
+                raise
             self._report.failures.append((hook, describe_error(exc)))
             self._report.tracebacks.append(format_error(exc))
             return False, None

@@ -47,6 +47,15 @@ def tokens_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_tokens(packed: bytes) -> tuple[int, ...]:
+    """The tokens `tokens_bytes` packed."""
+    unpacked = array(_UINT32)
+    unpacked.frombytes(packed)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return tuple(unpacked)
+
+
 def block_key(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(previous + tokens_bytes(tokens)).digest()
 

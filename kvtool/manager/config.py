@@ -31,6 +31,13 @@ class KvCacheManagerConfig:
     """Fill every slot with 0xA5 when it is handed out and with 0xDE when it is freed, so reading bytes
     nobody wrote (stale bytes of an earlier request, or a page read after its release) is caught, and
     the two can be told apart; kvtool validate turns it on."""
+    keep_reusable_pages: bool = True
+    """False: a page only the radix tree references is freed (and poisoned) as soon as its last user
+    lets it go (`PageTable.keep_reusable`): for runs that never reuse locally (kvtool validate)."""
+    slot_order: str = "fifo"
+    """Which free slot an allocation takes (`slot_order.SLOT_ORDERS`): fifo, lifo (the slot freed
+    last first) or random (seeded by `slot_order_seed`)."""
+    slot_order_seed: int = 0
     virtual: bool = False
     """No memory behind the pools (block fidelity): bases are offsets, pages hold no bytes, and
     poisoning and copy-on-write do nothing."""

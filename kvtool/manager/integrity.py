@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvtool.errors import LogicError
 from kvtool.manager.layout import check_layout
 from kvtool.manager.pages import Page
@@ -51,7 +53,9 @@ def _recount(manager: KvCacheManager) -> tuple[Counter, Counter]:
     return active, held
 
 
-def _require_listed(manager: KvCacheManager, page: Page, user: str) -> None:
+def _require_listed(manager: KvCacheManager, page: Page, user: object) -> None:
+    """`user` (a description, or the node holding the page) is put into words only on failure:
+    a tree of millions of nodes is checked without formatting each."""
     if manager.page_table.pages_of(page.pool_group_index).get(page.slot) is not page:
         raise LogicError(f"{user} uses {page}, whose slot is not owned by that page")
 
@@ -59,10 +63,13 @@ def _require_listed(manager: KvCacheManager, page: Page, user: str) -> None:
 def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: Counter) -> None:
     allocator = manager.page_table.allocators[pg]
     pages = manager.page_table.pages_of(pg)
-    free = allocator.free_slots()
-    if len(free) != len(set(free)):
+    free = allocator.free_slot_array()
+    # Slot sets as masks over the pool: a pool of millions of slots is checked without a set of them.
+    if len(free) and (free.min() < 0 or free.max() >= allocator.num_slots or
+                      np.bincount(free, minlength=allocator.num_slots).max() > 1):
         raise LogicError(f"pool group {pg}: a slot is in the free list twice")
-    if set(free) & set(pages) or allocator.owned() != set(pages):
+    with_page = _mask(pages, allocator.num_slots)
+    if with_page is None or with_page[free].any() or not np.array_equal(allocator.owned_mask(), with_page):
         raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
     droppable = manager.page_table.droppable_pages(pg)
     if len({id(p) for p in droppable}) != len(droppable):
@@ -84,6 +91,16 @@ def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: C
                          f"!= total {allocator.num_slots}")
 
 
+def _mask(slots, num_slots: int) -> np.ndarray | None:
+    """`slots` as a boolean mask over [0, num_slots); None when one lies outside."""
+    index = np.fromiter(slots, dtype=np.int64, count=len(slots))
+    if len(index) and (index.min() < 0 or index.max() >= num_slots):
+        return None
+    mask = np.zeros(num_slots, dtype=bool)
+    mask[index] = True
+    return mask
+
+
 def _check_tree(manager: KvCacheManager) -> None:
     for node in manager.tree.nodes():
         if not node.is_full and node.children:
@@ -91,7 +108,7 @@ def _check_tree(manager: KvCacheManager) -> None:
         for group_id, page in node.pages.items():
             if page.node is not node or page.layer_group_id != group_id or page.is_scratch:
                 raise LogicError(f"{node} and {page} disagree about each other")
-            _require_listed(manager, page, f"{node}")
+            _require_listed(manager, page, node)
     for pg in manager.pool_groups:
         for page in manager.page_table.pages_of(pg.pool_group_index).values():
             if page.node is not None and page.node.pages.get(page.layer_group_id) is not page:

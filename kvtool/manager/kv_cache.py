@@ -280,7 +280,21 @@ class KvCache:
         return all(n <= self._table.num_available(pg) for pg, n in needed.items())
 
     def _apply(self, plan: _ResizePlan, num_blocks: int) -> None:
+        old = self._snapshot
+        lengths = {gid: len(pages) for gid, pages in self._pages.items()}
+        if not (plan.releases or plan.copies or plan.allocations) and all(n == num_blocks for n in lengths.values()):
+            return   # a decode step inside its last block: the page lists, and their snapshot, stay
         self._snapshot = None
+        self._apply_changes(plan, num_blocks)
+        if old is not None and not (plan.releases or plan.copies) and \
+                all(j >= lengths[gid] for gid, j, _ in plan.allocations):
+            # Pages only appended: the snapshot grows by the new tail instead of being rebuilt from
+            # every block (a long request's decode would otherwise cost O(blocks) a new block).
+            self._snapshot = GroupPages(
+                old[i] + tuple(BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[gid][lengths[gid]:])
+                for i, gid in enumerate(sorted(self._pages)))
+
+    def _apply_changes(self, plan: _ResizePlan, num_blocks: int) -> None:
         for gid, j, page in plan.releases:
             self._pages[gid][j] = None
             if self._shared_partial.get(gid) is page:
@@ -321,10 +335,12 @@ class KvCache:
         if first >= end:
             return
         parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
-        keys = chain_keys(parent.key, tokens_bytes(self._committed[first * tpb:end * tpb]), tpb)
-        get_or_insert, committed, nodes = self._context.tree.get_or_insert, self._committed, self._nodes
-        for j, key in enumerate(keys, first):   # one loop, no call per block: a prefill commits thousands
-            parent = get_or_insert(parent, committed[j * tpb:(j + 1) * tpb], key)
+        packed = tokens_bytes(self._committed[first * tpb:end * tpb])
+        keys = chain_keys(parent.key, packed, tpb)
+        get_or_insert, nodes, step = self._context.tree.get_or_insert, self._nodes, 4 * tpb
+        for i, key in enumerate(keys):   # one loop, no call per block: a prefill commits thousands
+            j = first + i
+            parent = get_or_insert(parent, packed[i * step:(i + 1) * step], key)
             self._attach_pages(parent, j)
             parent.num_users += 1
             nodes.append(parent)
@@ -345,7 +361,7 @@ class KvCache:
             tree = self._context.tree
             parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
             tokens = self._committed[num_full * tpb:]
-            node = tree.get_or_insert(parent, tokens, block_key(parent.key, tokens))
+            node = tree.get_or_insert(parent, tokens_bytes(tokens), block_key(parent.key, tokens))
             self._attach_pages(node, num_full)
             tree.prune(node)
 

@@ -20,6 +20,7 @@ from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
 from kvtool.manager.radix_tree import RadixNode, RadixTree
+from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
 from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, Priority
 
@@ -76,7 +77,9 @@ class KvCacheManager:
                                    config.tokens_per_block, config.model.shard_name, config.model.dtype.name)
         self.tree = RadixTree(config.tokens_per_block)
         pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
-        self.page_table = PageTable([SlotAllocator(n) for n in self.num_slots], pool_group_of, self.tree)
+        self.page_table = PageTable([SlotAllocator(n, slot_order(config.slot_order, config.slot_order_seed + i))
+                                     for i, n in enumerate(self.num_slots)], pool_group_of, self.tree)
+        self.page_table.keep_reusable = config.keep_reusable_pages
         if config.poison_new_pages:
             # Freed slots too: a connector that still reads a page after it was released (a save
             # one pass late) then saves poison, which a later load reveals, instead of stale bytes
@@ -122,9 +125,11 @@ class KvCacheManager:
             node = child
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if rest else None
-        candidates = ([Match(path, partial[0], partial[1])] if partial else []) + \
-            [Match(path[:k]) for k in range(len(path), -1, -1)]
-        return next(m for m in candidates if self._usable(m))
+        if partial and self._usable(Match(path, partial[0], partial[1])):
+            return Match(path, partial[0], partial[1])
+        # Shorter matches are built only as they are tried: with full attention the first one is
+        # usable, and building every prefix of a long path up front costs O(blocks^2).
+        return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])

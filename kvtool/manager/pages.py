@@ -62,6 +62,9 @@ class PageTable:
         """Called with a page whose slot goes back to the free list (its bytes are nobody's now)."""
         self.on_evict: Callable[[Page, int], None] | None = None
         """Called with the evicted page (its slot already free) and the block ordinal it held."""
+        self.keep_reusable = True
+        """False: a page only the tree still references is evicted (freed, poisoned) the moment its
+        last user lets it go, not kept for reuse (kvtool validate where nothing reuses it)."""
 
     def pool_group_of(self, layer_group_id: LayerGroupId) -> PoolGroupIndex:
         return self._pool_group_of[layer_group_id]
@@ -133,7 +136,9 @@ class PageTable:
                 page.num_held -= 1
             if page.num_active or page.num_held:
                 continue
-            if page.node is not None:
+            if page.node is not None and not self.keep_reusable:
+                self._drop(page)
+            elif page.node is not None:
                 droppable[page.pool_group_index].setdefault(page.priority, OrderedDict())[id(page)] = page
             else:
                 self._free(page)
@@ -216,6 +221,10 @@ class PageTable:
             raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
         page = next(iter(buckets[min(buckets)].values()))
         self._unlist_droppable(page)
+        self._drop(page)
+
+    def _drop(self, page: Page) -> None:
+        """Evict `page` from the tree (unlisted as droppable already, or never listed)."""
         node = page.node
         assert node is not None
         del node.pages[page.layer_group_id]

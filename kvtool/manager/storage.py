@@ -11,6 +11,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtool.errors import LogicError, OutOfMemoryError, OutOfPagesError
@@ -23,57 +24,97 @@ from kvtool.manager.layout import (
     PoolLayout,
 )
 from kvtool.manager.pool_groups import PoolGroupSpec, place_pools
+from kvtool.manager.slot_order import Fifo, SlotOrder
 from kvtool.types import MemAddress, PageIndex, PoolIndex
 from kvtool.units import format_size
 
 
 class SlotAllocator:
-    """Free list of one pool group's slots: allocation takes the head, freeing appends.
+    """Free list of one pool group's slots: freeing appends; allocation takes what `order` says
+    (the head by default), after any slots `hand_out_first` put first.
 
     Invariant: every slot is either in the free list or owned, never both, never twice.
+
+    In the default (FIFO) order the free list is kept as the slots never handed out (`_next_fresh`
+    and above, in order: the head of the list until they run out) followed by the freed ones (a
+    deque): a pool of millions of slots costs nothing until it is used, and ownership is one byte a
+    slot. Other orders (kvtool validate's small pools) hold the whole free list in the deque.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, order: SlotOrder | None = None) -> None:
         self.num_slots = num_slots
-        self._free: deque[PageIndex] = deque(PageIndex(i) for i in range(num_slots))
-        self._owned: set[PageIndex] = set()
+        self._order = order or Fifo()
+        self._owned = bytearray(num_slots)
+        self._first: list[PageIndex] = []
+        """Free slots handed out before the order applies, last one first."""
+        self._lazy = self._order.name == "fifo"
+        self._next_fresh = 0 if self._lazy else num_slots
+        self._freed: deque[PageIndex] = deque() if self._lazy else self._order.initial(num_slots)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_slots - self._next_fresh + len(self._freed)
 
     def allocate(self) -> PageIndex:
-        if not self._free:
-            raise OutOfPagesError("no free slot")
-        slot = self._free.popleft()
-        self._owned.add(slot)
-        return slot
+        return self.allocate_many(1)[0]
 
     def allocate_many(self, count: int) -> list[PageIndex]:
         """The next `count` slots, as `count` calls of `allocate` would hand them out."""
-        if count > len(self._free):
-            raise OutOfPagesError(f"{count} slots asked, {len(self._free)} free")
-        popleft = self._free.popleft
-        slots = [popleft() for _ in range(count)]
-        self._owned.update(slots)
+        if count > self.num_free:
+            raise OutOfPagesError(f"{count} slots asked, {self.num_free} free" if count > 1 else "no free slot")
+        slots = self._take_lazily(count) if self._lazy and not self._first else [self._take() for _ in range(count)]
+        owned = self._owned
+        for slot in slots:
+            owned[slot] = 1
         return slots
 
+    def _take_lazily(self, count: int) -> list[PageIndex]:
+        fresh = min(count, self.num_slots - self._next_fresh)
+        slots: list[PageIndex] = list(range(self._next_fresh, self._next_fresh + fresh))  # type: ignore[arg-type]
+        self._next_fresh += fresh
+        popleft = self._freed.popleft
+        slots += [popleft() for _ in range(count - fresh)]
+        return slots
+
+    def _take(self) -> PageIndex:
+        if self._first:
+            slot = self._first.pop()
+            self._freed.remove(slot)
+            return slot
+        return self._order.take(self._freed)
+
     def free(self, slot: PageIndex) -> None:
-        if slot not in self._owned:
+        if not 0 <= slot < self.num_slots or not self._owned[slot]:
             raise LogicError(f"slot {slot} freed but not owned")
-        self._owned.remove(slot)
-        self._free.append(slot)
+        self._owned[slot] = 0
+        self._freed.append(slot)
 
     def hand_out_last_first(self, count: int) -> None:
         """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
         there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
-        self._free.rotate(count)
+        self.hand_out_first(sorted(self.free_slots())[-count:] if count else [])
+
+    def hand_out_first(self, slots: list[PageIndex]) -> None:
+        """Make the next allocations take these free `slots`, in this order, before the order
+        applies (kvtool validate: exactly the slots a failure released, to a sentinel)."""
+        self._freed = deque(self.free_slots())    # the never-used slots join the deque, in order
+        self._next_fresh = self.num_slots
+        self._first = list(reversed(slots))   # popped from the end
 
     def owned(self) -> set[PageIndex]:
-        return set(self._owned)
+        return set(np.flatnonzero(self.owned_mask()).tolist())
+
+    def owned_mask(self) -> np.ndarray:
+        """A read-only boolean per slot: owned."""
+        return np.frombuffer(self._owned, dtype=np.bool_)
+
+    def free_slot_array(self) -> np.ndarray:
+        """`free_slots()` as an int64 array, in the same order."""
+        freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
+        return np.concatenate([np.arange(self._next_fresh, self.num_slots, dtype=np.int64), freed])
 
     def free_slots(self) -> list[PageIndex]:
-        return list(self._free)
+        return [*range(self._next_fresh, self.num_slots), *self._freed]  # type: ignore[list-item]
 
 
 @dataclass(frozen=True)

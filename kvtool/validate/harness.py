@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -19,8 +20,10 @@ from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
+from kvtool.validate.cause_evidence import note_engine_blocks, released_page_loads
 from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine
 from kvtool.validate.results import CheckResult, Verdict, verdict
+from kvtool.validate.schedule import schedule_for, settle
 
 CANARY_ID = -424242
 
@@ -36,6 +39,7 @@ class Context:
     tokens_per_block: int = 4
     options: tuple[tuple[str, str], ...] = ()
     seed: int = 0
+    """Seeds the fingerprints and the schedule (`schedule.schedule_for`)."""
     device: str = "cpu"
     """Where the KV pages live: "cpu", or "cuda" (pages, poisoning, canary and checks on the GPU)."""
     load_timeout: float = 5.0
@@ -108,22 +112,34 @@ class Run:
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
                   max_batch_size: int, pause_to_grow: bool = False) -> EngineConfig:
-    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time."""
+    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time;
+    slot order and idle polls from the seed's schedule."""
+    schedule = schedule_for(ctx.seed)
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
-                                   poison_new_pages=True)
+                                   poison_new_pages=True, keep_reusable_pages=local_reuse,
+                                   slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
-                        max_saving_seconds=ctx.save_timeout,
+                        max_saving_seconds=ctx.save_timeout, gate_async_work=True,
+                        idle_wait_seconds=schedule.idle_wait_seconds,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 
-def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: int | None = None,
-        local_reuse: bool = False, canary: bool = False, max_batch_size: int = 64, connector: bool = True,
+DEFAULT_SLOTS, DEFAULT_BATCH = 256, 64
+
+
+def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, chunk_size: int | None = None,
+        local_reuse: bool = False, canary: bool = False, max_batch_size: int = DEFAULT_BATCH, connector: bool = True,
         setup: Callable[[Engine], None] | None = None,
         on_iteration: Callable[[Engine], None] | None = None, pause_to_grow: bool = False) -> Run:
     """Replay `requests`; the connector under test is attached unless `connector` is False;
-    `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow)."""
+    `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow).
+    A run that leaves its shape free (pool, chunks and batch as defaulted) takes the seed's batch
+    cap and chunk size; async work is let run where the seed's schedule says (`schedule.settle`)."""
+    schedule = schedule_for(ctx.seed)
+    if num_slots == DEFAULT_SLOTS and chunk_size is None and max_batch_size == DEFAULT_BATCH:
+        chunk_size, max_batch_size = schedule.chunk_size, schedule.max_batch_size or max_batch_size
     config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
@@ -139,6 +155,9 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
             check_canary()
         if on_iteration:
             on_iteration(e)
+        pause = settle(schedule, e.iteration)
+        if pause:
+            time.sleep(pause)   # the gate is open: the connector's threads run meanwhile
 
     try:
         # An idle iteration waiting on a load or save sleeps 0.5 ms: allow enough of them for the timeouts.
@@ -150,6 +169,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = 256, chunk_size: 
         engine.close()
         for failure in engine.connector.failures if engine.connector is not None else ():
             _note_traceback(failure.describe(), failure.traceback)
+    if connector:
+        note_engine_blocks(engine, computed_blocks(result))
     return result
 
 
@@ -240,6 +261,7 @@ def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]
         if engine.integrity_errors and not engine.fake.issues:
             evidence.append(f"{engine.integrity_errors} integrity errors")
         evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r) + offers_from_elsewhere(r)
+        evidence[:0] = released_page_loads(r)
         expected = reference_tokens(ctx, requests)
         for rid, state in r.states.items():
             if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
@@ -281,8 +303,21 @@ def late_deliveries_gone_wrong(r: Run) -> list[str]:
 
 def offers_from_elsewhere(r: Run) -> list[str]:
     """Offers of blocks no request of this engine had computed: the store outlived an earlier
-    engine (`outlived_store`, where the words are)."""
+    engine, or the index claimed a block nobody stored (`outlived_store` and `cause_evidence`,
+    where the words are)."""
     return store_outlived_engine(r)
+
+
+def computed_blocks(r: Run) -> set[tuple[int, ...]]:
+    """The tokens of every full block a request of `r` computed."""
+    tpb = r.engine.manager.tokens_per_block
+    blocks: set[tuple[int, ...]] = set()
+    for event in r.events.of(PassDone):
+        for rid, _, end in event.items:
+            if rid in r.states:
+                tokens_so_far = r.states[rid].request.get_tokens()
+                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(end // tpb))
+    return blocks
 
 
 def failed_by_connector(r: Run) -> list[str]:

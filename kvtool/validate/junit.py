@@ -7,7 +7,8 @@ import xml.etree.ElementTree as ET
 from kvtool.validate.results import CheckResult, Verdict
 
 
-def junit_xml(results: list[CheckResult], target: str) -> str:
+def junit_xml(results: list[CheckResult], target: str, properties: dict[str, str] | None = None) -> str:
+    """`properties` (the seed, say) go in the suite's <properties>."""
     total = sum(r.seconds for r in results)
     failures = sum(r.verdict is Verdict.FAIL for r in results)
     errors = sum(r.verdict is Verdict.ERROR for r in results)
@@ -16,6 +17,10 @@ def junit_xml(results: list[CheckResult], target: str) -> str:
                       errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
     suite = ET.SubElement(root, "testsuite", name=f"kvtool validate {target}", tests=str(len(results)),
                           failures=str(failures), errors=str(errors), skipped=str(skipped), time=f"{total:.3f}")
+    if properties:
+        listed = ET.SubElement(suite, "properties")
+        for name, value in properties.items():
+            ET.SubElement(listed, "property", name=name, value=value)
     for r in results:
         case = ET.SubElement(suite, "testcase", classname=f"{r.scenario}[{r.model}]", name=r.check,
                              time=f"{r.seconds:.3f}")

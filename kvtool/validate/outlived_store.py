@@ -15,11 +15,8 @@ from dataclasses import dataclass
 
 from kvtool.engine.events import Ask, Finished, PassDone
 from kvtool.engine.request_state import FailureReason
+from kvtool.validate.cause_evidence import KEEP_IT_ON_THE_OBJECTS, unknown_block_offer
 
-KEEP_IT_ON_THE_OBJECTS = ("A store must live no longer than the connector objects (one engine): keep it on the "
-                          "scheduler and worker, not in a module or class attribute (each engine of a scenario starts "
-                          "with a cold store, and with --num-ranks the other ranks' processes are new with every "
-                          "engine)")
 
 _FOLLOWER_HOOK = re.compile(r"(?P<hook>\w+) \(rank (?P<rank>[1-9]\d*)\) raised (?P<error>.*)")
 
@@ -83,14 +80,14 @@ def follower_store_lacks(r, request_id: int) -> str | None:
 
 
 def store_outlived_engine(r) -> list[str]:
-    """The integrity check's words for offers of blocks from an earlier engine: a follower's
-    failing load said as `follower_store_lacks`, any other such offer as an earlier engine's
-    bytes served."""
+    """The integrity check's words for offers of blocks no request of this engine computed: a
+    follower's failing load said as `follower_store_lacks`, any other such offer as
+    `cause_evidence.unknown_block_offer` says it (an earlier engine's bytes served, or a block
+    the index claimed that no engine stored)."""
+    tpb = r.engine.manager.tokens_per_block
     out = []
     for offer in unknown_offers(r):
-        lacks = follower_store_lacks(r, offer.request_id)
-        out.append(lacks or (
-            f"request {offer.request_id} was offered tokens [{offer.start}, {offer.end}) at iteration "
-            f"{offer.iteration}, but no request of this engine had computed the tokens of its block {offer.block}: "
-            f"the connector serves what an earlier engine saved. {KEEP_IT_ON_THE_OBJECTS}"))
+        tokens = tuple(r.states[offer.request_id].request.get_tokens()[offer.block * tpb:(offer.block + 1) * tpb])
+        out.append(follower_store_lacks(r, offer.request_id) or unknown_block_offer(
+            r.engine, offer.request_id, offer.start, offer.end, offer.iteration, offer.block, tokens))
     return out

@@ -8,9 +8,11 @@ request's KV under this one's keys; later requests repeating these prompts load 
 
 from __future__ import annotations
 
+from kvtool.types import BAD_PAGE_INDEX
 from kvtool.validate.harness import (Context, Req, Scenario, judge_integrity, judge_warm_hit, reference_tokens,
                                      result, run, tokens)
 from kvtool.validate.results import CheckResult
+from kvtool.validate.schedule import schedule_for
 from kvtool.validate.sizing import squeeze_slots
 
 NUM_GROWING = 3
@@ -23,21 +25,51 @@ def pause_replay(ctx: Context) -> list[CheckResult]:
     from the layout), then, once they are done, the same conversations continued (prompt and
     answer): the paused requests' saves and the replays' saves are what serves them."""
     T = ctx.tokens_per_block
-    growing = [Req(i, tokens(70 + i, PROMPT_BLOCKS * T + 1), max_new_tokens=NEW_BLOCKS * T) for i in range(NUM_GROWING)]
+    # the request started last grows longest: it is paused, and the others end soon enough that its
+    # replay finds room for the connector's offer, in pages other than it held (`moved_pages` says so)
+    growing = [Req(i, tokens(70 + i, PROMPT_BLOCKS * T + 1), max_new_tokens=(NEW_BLOCKS - (i < NUM_GROWING - 1)) * T)
+               for i in range(NUM_GROWING)]
     answers = reference_tokens(ctx, growing)
     again = [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id][:-1]), arrival=5.0 + q.request_id)
              for q in growing]   # one at a time: each finds room for its whole offer
-    room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1)
-    r = run(ctx, growing + again, num_slots=room, pause_to_grow=True)
+    room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1
+                         - schedule_for(ctx.seed).pause_room_delta)
+    pages: dict[int, list] = {}
+    r = run(ctx, growing + again, num_slots=room, pause_to_grow=True, on_iteration=lambda e: _note_pages(e, pages))
     pauses = {} if r.error else {rid: s.num_pauses for rid, s in r.states.items() if s.num_pauses}
     integrity = judge_integrity("pause-replay", ctx, [(r, growing + again)])
+    moved = [] if r.error else moved_pages(r, pages)
+    integrity.evidence += moved
     if not r.error and not pauses:
         return [result("pause-replay", ctx, "integrity", False,
                        [f"not exercised: no request was paused with {room} slots per pool group"])]
     if integrity.verdict.value == "pass":
         integrity.evidence = [f"paused: {', '.join(f'request {rid} {n}x' for rid, n in sorted(pauses.items()))}; "
-                              f"repeats served {sum(r.state(q.request_id).num_external for q in again)} tokens"]
+                              f"repeats served {sum(r.state(q.request_id).num_external for q in again)} tokens"] + moved
     return [integrity, judge_warm_hit("pause-replay", ctx, r, [q.request_id for q in again])]
+
+
+def _note_pages(engine, pages: dict[int, list]) -> None:
+    """After every iteration: each live request's page lists, one entry per attempt (pause)."""
+    for rid, state in engine.states.items():
+        if state.kv is not None and state.kv.is_active:
+            attempts = pages.setdefault(rid, [])
+            attempts[state.num_pauses:] = [[set(p) - {BAD_PAGE_INDEX} for p in state.kv.page_indices_by_group()]]
+
+
+def moved_pages(r, pages: dict[int, list]) -> list[str]:
+    """`exercised: ...` / `not exercised: ...` per paused request: whether its replay ran in other
+    pages than its first attempt held, and was loaded by the connector (no local match)."""
+    out = []
+    for rid, attempts in sorted(pages.items()):
+        if len(attempts) < 2:
+            continue
+        kept = sum(len(a & b) for a, b in zip(attempts[0], attempts[-1]))
+        loaded = r.state(rid).num_external
+        happened = kept < sum(map(len, attempts[-1])) and loaded > 0 and r.state(rid).num_local_hit == 0
+        out.append(f"{'exercised' if happened else 'not exercised'}: request {rid}'s replay ran in pages other than "
+                   f"its first attempt's ({kept} of them kept) and the connector loaded {loaded} tokens into them")
+    return out
 
 
 PAUSE_SCENARIOS = (

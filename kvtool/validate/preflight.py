@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from kvtool.connector.options import check_options, declared_options
-from kvtool.connector.raised import describe_error, with_wrapped_location
+from kvtool.connector.raised import describe_error, stops_kvtool, with_wrapped_location
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import ConstructionError, InputError
 from kvtool.validate.harness import Context, registration_error
@@ -86,7 +86,9 @@ def _child(send, target: str, ctx_blob: bytes, compat: str | None, construct: bo
     except SystemExit as exc:
         send.send(("error", f"connector {target!r} called sys.exit({exc.code!r}) while {stage}: "
                             "a connector must raise, not exit"))
-    except Exception as exc:  # noqa: BLE001 - whatever the target raises is reported in one line
+    except BaseException as exc:  # noqa: BLE001 - whatever the target raises (a native panic too) is reported in one line
+        if stops_kvtool(exc):
+            raise
         send.send(("error", with_wrapped_location(exc) if isinstance(exc, ConstructionError) else
                    str(exc) if isinstance(exc, InputError) else
                    f"connector {target!r}: {describe_error(exc)} (while {stage})"))

@@ -21,6 +21,7 @@ from kvtool.connector.raised import describe_error, format_error
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
+from kvtool.validate.cause_evidence import forget_engines
 from kvtool.validate.harness import MAX_SLOTS, Context, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict
@@ -37,6 +38,7 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
     started = time.perf_counter()
     here = os.getcwd()
     take_tracebacks()   # this scenario's only
+    forget_engines()
     with tempfile.TemporaryDirectory(prefix="kvtool-validate-") as workdir, store_namespace(label="validate"):
         os.chdir(workdir)
         try:

@@ -383,14 +383,7 @@ def final_pass_blocks(ctx: Context) -> list[CheckResult]:
     r = run(ctx, reqs, on_iteration=_release_reusable_pages)
     out = [judge_integrity("final-pass-blocks", ctx, [(r, reqs)]),
            judge_warm_hit("final-pass-blocks", ctx, r, [q.request_id for q in again])]
-    if not r.error:
-        repeats = {q.request_id for q in again}
-        released = sorted({i.request_id for i in r.engine.fake.issues if i.request_id in repeats
-                           and i.found.startswith("a released page")})
-        out[0].evidence[:0] = [f"request {rid} loaded a released page's bytes: the connector copied a block after "
-                               "its request's last pass released its pages (save a block in the pass that completes "
-                               "it, or answer True from request_finished to keep the pages until get_finished "
-                               "reports the save)" for rid in released]
+    if not r.error:     # a load of released-page bytes is named by judge_integrity (`released_page_loads`)
         out[0].evidence += [f"tokens served to the repeats of prompts whose last blocks were completed in their "
                             f"request's last pass: { {q.request_id: r.state(q.request_id).num_external for q in again} }"]
     return out + _common("final-pass-blocks", ctx, r)
@@ -415,9 +408,15 @@ def async_load(ctx: Context) -> list[CheckResult]:
 
 
 def async_save(ctx: Context) -> list[CheckResult]:
+    """Request 0's last pass completes a block (its save is in flight when `request_finished`
+    answers), and get_finished is polled right after: a connector that reports the save before
+    its copy landed has its pages released and poisoned at once, and request 2, which continues
+    the conversation, loads that block. Request 1 repeats the prompt while nothing is in flight."""
     T = ctx.tokens_per_block
-    prompt = tokens(80, 7 * T + 1)
-    reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0), Req(2, prompt, arrival=2.0)]
+    prompt = tokens(80, 7 * T - 1)
+    first = Req(0, prompt)       # the last pass computes position 7T - 1: it completes block 6
+    answer = reference_tokens(ctx, [first])[0]
+    reqs = [first, Req(1, prompt, arrival=1.0), Req(2, prompt + tuple(answer) + tokens(81, T + 1), arrival=2.0)]
     r = run(ctx, reqs)
     checks = judge_async("async-save", ctx, r)
     if not any(c.check == "finished-ids" for c in checks):
@@ -441,17 +440,21 @@ def hook_raises(ctx: Context) -> list[CheckResult]:
         injected: list[int] = []
         admitted: set[int] = set()
         sentinel: list = []
+        free_before: dict[int, set] = {}
         with own_store("failing" if fail else "baseline"):   # a disk store must start cold in both
-            runs.append(run(ctx, reqs, setup=lambda e, i=injected, a=admitted, f=fail: _inject(e, i, a, f),
-                            on_iteration=lambda e, i=injected, s=sentinel: _watch_released_pages(e, i, s)))
+            runs.append(run(ctx, reqs, setup=lambda e, i=injected, a=admitted, f=fail, b=free_before:
+                            _inject(e, i, a, f, b),
+                            on_iteration=lambda e, i=injected, s=sentinel, b=free_before:
+                            _watch_released_pages(e, i, s, b)))
     baseline, r = runs
     return [_judge_survival(ctx, r, baseline, reqs, injected, admitted),
             judge_integrity("hook-raises", ctx, [(baseline, reqs)])] + judge_answers("hook-raises", ctx, r)
 
 
-def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool) -> None:
+def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool, free_before: dict[int, set]) -> None:
     """Raise once from `wait_for_layer_load` (when `fail`; else only note where it would have);
-    `admitted` gets the requests admitted by then (the others came after the failure)."""
+    `admitted` gets the requests admitted by then (the others came after the failure),
+    `free_before` each pool group's free slots then."""
     for worker in engine.connector.workers:
         original = worker.wait_for_layer_load
 
@@ -462,6 +465,7 @@ def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool)
             if not injected and (loading or warm_runs):
                 injected.append(engine.iteration)
                 admitted.update(rid for rid, s in engine.states.items() if s.phase is not Phase.WAITING)
+                free_before.update((i, set(a.free_slots())) for i, a in enumerate(engine.manager.page_table.allocators))
                 if fail:
                     raise RuntimeError("kvtool validate: injected failure in wait_for_layer_load")
             return original(layer_idx, stream)
@@ -469,13 +473,14 @@ def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool)
         worker.wait_for_layer_load = failing
 
 
-def _watch_released_pages(engine: Engine, injected: list[int], sentinel: list) -> None:
-    """From the iteration after the failure, hold every free slot with known fingerprints; check
-    them after each of the next three iterations, then let them go."""
+def _watch_released_pages(engine: Engine, injected: list[int], sentinel: list, free_before: dict[int, set]) -> None:
+    """At the end of the iteration of the failure, hold exactly the slots it released, with known
+    fingerprints (the other free slots stay for the requests that go on); check them after each
+    of the next three iterations, then let them go."""
     if not injected:
         return
     if not sentinel:
-        sentinel.append(_take_free_slots(engine))
+        sentinel.append(_take_released_slots(engine, free_before))
     check, release, checks_left = sentinel[0]
     check()
     if checks_left <= 1:
@@ -485,10 +490,16 @@ def _watch_released_pages(engine: Engine, injected: list[int], sentinel: list) -
         sentinel[0] = (check, release, checks_left - 1)
 
 
-def _take_free_slots(engine: Engine):
+def _take_released_slots(engine: Engine, free_before: dict[int, set]):
     manager = engine.manager
     tpb = manager.tokens_per_block
-    free = min(manager.num_free_slots(pg.pool_group_index) // len(pg.layer_group_ids) for pg in manager.pool_groups)
+    allocators = manager.page_table.allocators
+    released = {pg.pool_group_index: sorted(set(allocators[pg.pool_group_index].free_slots())
+                                            - free_before.get(pg.pool_group_index, set()))
+                for pg in manager.pool_groups}
+    free = min(len(released[pg.pool_group_index]) // len(pg.layer_group_ids) for pg in manager.pool_groups)
+    for index, slots in released.items():
+        allocators[index].hand_out_first(slots)
     cache = manager.create_kv_cache(SENTINEL_ID, [])
     cache.resume()
     if free == 0 or not cache.resize(free * tpb):

@@ -1,0 +1,86 @@
+"""Evidence that names the cause of a wrong load, and gives a hint only where it fits.
+
+- an offer of a block no request of this engine computed: served from an earlier engine's store
+  (a store that outlives the connector objects), or, when no engine of the scenario with a
+  connector computed it either, a block the connector's index claimed without ever storing it;
+- a load of poison (0xde: a released page; 0xa5: one handed out again): the block's saver answered True from request_finished and
+  get_finished reported the save before its copy landed (the gate makes the report the moment of
+  judgement), or the connector copied the block after its pages were released without asking to
+  keep them.
+"""
+
+from __future__ import annotations
+
+from kvtool.engine.events import SaveFinished, SaveStarted
+
+KEEP_IT_ON_THE_OBJECTS = ("A store must live no longer than the connector objects (one engine): keep it on the "
+                          "scheduler and worker, not in a module or class attribute (each engine of a scenario starts "
+                          "with a cold store, and with --num-ranks the other ranks' processes are new with every "
+                          "engine)")
+
+_BLOCKS_BY_ENGINE: dict[int, set[tuple[int, ...]]] = {}
+"""Blocks (their tokens) each engine with a connector computed in this process (by `id`) since
+the last `forget_engines`: what a store kept beyond its engine could serve another."""
+
+
+def forget_engines() -> None:
+    """A new scenario: no engine before it counts."""
+    _BLOCKS_BY_ENGINE.clear()
+
+
+def note_engine_blocks(engine: object, blocks: set[tuple[int, ...]]) -> None:
+    """The blocks an engine with a connector computed (called once its run is over)."""
+    _BLOCKS_BY_ENGINE[id(engine)] = blocks
+
+
+def unknown_block_offer(engine: object, request_id: int, start: int, end: int, iteration: int, block: int,
+                        block_tokens: tuple[int, ...]) -> str:
+    """Why an offer holds `block`, which no request of this engine had computed before the ask."""
+    offered = (f"request {request_id} was offered tokens [{start}, {end}) at iteration {iteration}, but no request "
+               f"of this engine had computed the tokens of its block {block}")
+    if any(block_tokens in blocks for other, blocks in _BLOCKS_BY_ENGINE.items() if other != id(engine)):
+        return f"{offered}: the connector serves what an earlier engine saved. {KEEP_IT_ON_THE_OBJECTS}"
+    return (f"{offered}, nor had any earlier engine: no request stored block {block}, yet the connector's index "
+            "claimed it (an off-by-one in the matched count, or a key that names another block?)")
+
+
+def released_page_load(r, request_id: int, block: int, released: bool) -> str | None:
+    """Why request `request_id` loaded poison into `block` (`released`: the bytes a page gets when
+    freed, 0xde; else those it gets when handed out again, 0xa5): said by what the requests that
+    computed that block before it did with their saves; None where neither cause fits."""
+    tpb = r.engine.manager.tokens_per_block
+    tokens = r.state(request_id).request.get_tokens()[:(block + 1) * tpb]
+    savers = [rid for rid, s in r.states.items() if rid != request_id and len(tokens) == (block + 1) * tpb
+              and s.request.get_tokens()[:len(tokens)] == tokens]
+    reported = {e.request_id: e.iteration for e in r.events.of(SaveFinished)}
+    started = {e.request_id for e in r.events.of(SaveStarted)}
+    early = [rid for rid in savers if rid in started and rid in reported]
+    if early:
+        saver = early[0]
+        return (f"request {request_id} loaded poison into block {block}: request {saver} saved it asynchronously "
+                f"(request_finished answered True), and get_finished reported that save at iteration "
+                f"{reported[saver]} before its bytes were in the store (its pages were released and poisoned at "
+                "the report; the copy read them afterwards). Report a save only once its copy has landed")
+    if released:
+        return (f"request {request_id} loaded a released page's bytes: the connector copied a block after its "
+                "request's last pass released its pages (save a block in the pass that completes it, or answer "
+                "True from request_finished to keep the pages until get_finished reports the save)")
+    return None
+
+
+POISONS = {"a released page": True, "a page that was never written": False}
+"""How the fake engine's evidence starts for each poison, and whether it is the released one."""
+
+
+def released_page_loads(r) -> list[str]:
+    """A `released_page_load` line per request that loaded poison through the connector, where
+    the cause is one of its two."""
+    seen: dict[int, tuple[int, bool]] = {}
+    for issue in r.engine.fake.issues:
+        state = r.states.get(issue.request_id)
+        kind = next((released for start, released in POISONS.items() if issue.found.startswith(start)), None)
+        if state is not None and kind is not None and issue.request_id not in seen \
+                and state.num_local_hit <= issue.position < state.num_local_hit + state.num_external:
+            seen[issue.request_id] = (issue.block_ordinal, kind)
+    lines = [released_page_load(r, rid, block, kind) for rid, (block, kind) in seen.items()]
+    return [line for line in lines if line]
