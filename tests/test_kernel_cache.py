@@ -165,7 +165,7 @@ def test_a_holder_stuck_past_nvccs_timeout_is_not_waited_for_longer(monkeypatch,
     entry = entry_path(sources, *args[1:])
     stuck = os.open(entry.with_name(entry.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
     fcntl.flock(stuck, fcntl.LOCK_EX)                # another process, stuck inside nvcc
-    monkeypatch.setattr(kernel_cache, "NVCC_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(kernel_cache, "LOCK_WAIT_S", 0.5)     # its own nvcc keeps the full timeout
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         binary = pool.submit(kernel_cache.cubin, *args).result(timeout=60)

@@ -94,9 +94,13 @@ def describe_error(exc: BaseException) -> str:
 
 
 def describe_construction_error(exc: BaseException, cls: type) -> str:
-    """`describe_error(exc)` for `exc` raised while constructing `cls`, except where Python refused
+    """`describe_error(exc)` for `exc` raised while constructing `cls`, except for a `SystemExit`
+    (said as the call it was) and where Python refused
     to instantiate an abstract `cls` (no frame of the connector's code raised): then the place named
     is `cls`'s `class` statement, `file:line`, when its source can be found."""
+    if isinstance(exc, SystemExit):
+        return (f"called sys.exit({exc.code!r}) while constructing its scheduler and worker: "
+                "a connector must raise, not exit")
     frames = traceback.extract_tb(exc.__traceback__)
     refused = isinstance(exc, TypeError) and getattr(cls, "__abstractmethods__", None) and \
         not any(is_connector_code(f) for f in frames)

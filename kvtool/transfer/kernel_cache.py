@@ -35,6 +35,8 @@ FORMAT = b"kvtool-cubin-2"
 """Part of every key: changing how binaries are built here makes every older entry a miss."""
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
 NVCC_TIMEOUT_S = 600
+LOCK_WAIT_S = NVCC_TIMEOUT_S
+"""How long a process waits for another's compile: no longer than that one's nvcc may run."""
 ELF_MAGIC = b"\x7fELF"
 
 
@@ -89,9 +91,9 @@ def _compiling(path: Path):
     a key at a time, and the others find its binary once it is stored. Holding it, the temporaries
     of `path` (`atomic_file.temporaries_of`) can only be what killed writers left: removed
     where this user may. No lock (each process compiles for itself) when the folder cannot be
-    written, or after `NVCC_TIMEOUT_S` of waiting (a holder stuck in nvcc)."""
+    written, or after `LOCK_WAIT_S` of waiting (a holder stuck in nvcc)."""
     handle = _lock_handle(path)
-    if handle is None or not _locked(handle, time.monotonic() + NVCC_TIMEOUT_S):
+    if handle is None or not _locked(handle, time.monotonic() + LOCK_WAIT_S):
         if handle is not None:
             os.close(handle)
         yield
