@@ -14,8 +14,10 @@ The rules it follows (each one a check of `kvtool validate`):
 - `computed_position` excludes what the connector loads (its loads are synchronous; after an
   asynchronous load the first report includes the loaded tokens); a pass saves each block it completes
   (later prefill chunks and decode steps arrive in `cached_requests` as append-deltas).
-- A save counts as stored once its pass is over (the next `build_connector_meta`); the saves
-  of a request that ended early may not have landed and are forgotten.
+- A save counts as stored once its pass is over: at the next `build_connector_meta`, or when its
+  request finished (`request_finished` comes after the request's last pass, so a prompt saved in
+  the last pass before an idle engine is served to the next request); the saves of a request that
+  ended early may not have landed and are forgotten.
 - The store lives in the worker object: no longer than one engine. Each rank keeps its own shard.
 """
 
@@ -136,9 +138,11 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
         self._requests.pop(request.request_id, None)
-        if not request.is_finished:                    # ended early: its last pass may have failed
-            self._unlanded.pop(request.request_id, None)
-        return False
+        moves = self._unlanded.pop(request.request_id, [])
+        if request.is_finished:                        # its last pass is over: servable at once
+            for key, group, _ in moves:
+                self._stored.setdefault(key, set()).add(group)
+        return False                                   # ended early: its last pass may have failed
 
     def request_reset(self, request):
         self._requests.pop(request.request_id, None)   # its pages are gone; it is reported new again

@@ -8,8 +8,8 @@ it stays shut unless the hook runs longer than HOOK_GRACE_S (it may be waiting f
 threads: they are let through, so it never deadlocks). A save reported finished
 is therefore judged on what the store held at the moment of the report, whoever would have won
 the race: a copy still queued then reads poison. When the gate opens, the runtime waits until the
-work it held has run (`drain`: no gated thread held or calling for QUIET_S), so that what lands
-before the next pass's saves does not depend on the GIL either.
+work it held has run (`drain`: no gated thread held, calling for QUIET_S, or runnable), so that
+what lands before the next pass's saves depends neither on the GIL nor on how loaded the machine is.
 
 Threads are stopped only at Python function calls: work already inside one C call (one torch
 copy, a CUDA stream's queue) runs on; threads started before `install` are not gated.
@@ -33,9 +33,10 @@ for the GIL) keeps the gate shut."""
 
 
 QUIET_S = 0.002
-"""How long no gated thread may have made a call, none being held, before the work let through at
-`open` counts as done (a thread waiting on its queue makes no calls)."""
-DRAIN_LIMIT_S = 0.2
+"""How long no gated thread may have made a call, none being held and none runnable, before the
+work let through at `open` counts as done (a thread waiting on its queue makes no calls and sleeps).
+Runnable counts because on a loaded machine a copy thread can wait for a core longer than QUIET_S."""
+DRAIN_LIMIT_S = 0.5
 """The longest `open` waits for the gated threads to go quiet (a connector that polls in a loop never does)."""
 
 SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
@@ -59,6 +60,8 @@ class AsyncGate:
         self._count_lock = threading.Lock()
         self._last_call = 0.0
         """When a gated thread last made a call (monotonic seconds)."""
+        self._gated_native_ids: set[int] = set()
+        """The kernel's ids of the gated threads seen so far (to ask /proc whether they still run)."""
 
     def install(self) -> None:
         """Gate every thread started from now on (`threading.settrace`: a check at each call)."""
@@ -90,7 +93,7 @@ class AsyncGate:
     def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_LIMIT_S
         while (now := time.monotonic()) < deadline:
-            if not self._num_held and now - self._last_call > QUIET_S:
+            if not self._num_held and now - self._last_call > QUIET_S and not self._any_gated_runnable():
                 return
             time.sleep(QUIET_S / 4)
 
@@ -106,6 +109,7 @@ class AsyncGate:
     def _trace(self, frame, event: str, arg):
         if event == "call" and threading.get_ident() != self._owner:
             self._last_call = time.monotonic()
+            self._gated_native_ids.add(threading.get_native_id())
             if not self._open.is_set():
                 with self._count_lock:
                     self._num_held += 1
@@ -130,8 +134,19 @@ class AsyncGate:
     def _owner_asleep(self) -> bool:
         """Whether the runtime's thread sleeps (waits for a lock, a future, I/O): True where the
         kernel does not say (no /proc)."""
-        try:
-            with open(f"/proc/self/task/{self._owner_native}/stat", "rb") as stat:
-                return stat.read().rsplit(b")", 1)[1].split()[0] in (b"S", b"D")
-        except (OSError, IndexError):
-            return True
+        return _thread_state(self._owner_native) in (b"S", b"D", None)
+
+    def _any_gated_runnable(self) -> bool:
+        """Whether a gated thread is running or waiting for a core (a thread that ended, or where
+        the kernel does not say, is not)."""
+        return any(_thread_state(tid) == b"R" for tid in list(self._gated_native_ids))
+
+
+def _thread_state(native_id: int) -> bytes | None:
+    """This process's thread's one-letter state from /proc (R running or runnable, S/D asleep);
+    None where it ended or the kernel does not say."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
