@@ -105,11 +105,18 @@ class UnbuildableSched(Sched):
 class ForgetfulSched(Sched):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
+
+
+class SlowAskSched(Sched):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        import time
+        time.sleep(0.1)                          # a slow index lookup: the connector's time, not a transfer
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 '''
 
 QUICK_BLOCKS = QUICK.prompts * QUICK.blocks
 COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "rounds", "gbps",
-           "spread", "p50_us", "p99_us", "raw_gbps", "ratio", "vs_reference", "verified"]
+           "spread", "p50_us", "p99_us", "connector_ms", "runtime_ms", "raw_gbps", "ratio", "vs_reference", "verified"]
 REFERENCE = "host (kvtool reference, backend torch)"
 
 
@@ -173,6 +180,22 @@ def test_a_connector_of_ones_own_is_measured_through_the_engine(connector_file, 
     for r in rows[:2]:
         assert r["vs_reference"] == pytest.approx(r["gbps"] / reference[r["direction"]], rel=0.01)
     assert (out / "results.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
+
+
+def test_the_connectors_time_and_the_runtimes_are_told_apart(connector_file, tmp_path):
+    """A scheduler whose ask sleeps 0.1 s: 4 asks a round are 0.4 s of connector time, none of it
+    in the save or load hooks (so not in GB/s), and not the runtime's."""
+    out = tmp_path / "run"
+    done = _bench("--connector", f"{connector_file}:SlowAskSched:Worker", "--quick", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    slow, reference = _rows(out), [r for r in _all_rows(out) if r["connector"] == REFERENCE]
+    for row in slow:
+        assert 400 <= row["connector_ms"] < 400 + row["runtime_ms"] + 200, row
+        assert 0 < row["runtime_ms"] < 400, row
+        assert row["p99_us"] < 100_000                  # the asks are outside the timed hooks
+    for row in reference:
+        assert 0 < row["connector_ms"] < 400 and row["runtime_ms"] > 0, row
+    assert "conn ms" in done.stdout and "rt ms" in done.stdout
 
 
 def test_a_tensorrt_llm_connector_is_measured_under_compat(tmp_path):

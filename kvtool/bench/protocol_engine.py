@@ -1,12 +1,19 @@
 """Driving a connector through the engine for the protocol benches: the workload, the rounds, and
 what the engine shows of the connector's loads and saves on the host's clock (`Recorder`).
 
-A round runs its prompts as new requests, one per pass, to completion. Timing: the wall clock
-inside the worker's hooks, on the engine's iteration. A request's load is the time inside
+A round runs its prompts as new requests, `Workload.per_pass` a pass, to completion. Timing: the
+wall clock inside the worker's hooks, on the engine's iteration. A request's load is the time inside
 `start_load_kv` and `wait_for_layer_load` in the pass that delivered it (an asynchronous load: from
 its `LoadStarted` event to its `LoadFinished`); its save is the time inside `save_kv_layer` and
 `wait_for_save` in the pass that computed it (plus, for an asynchronous save, `SaveStarted` to
 `SaveFinished`).
+
+Whose time it is: on GPU pages the engine's forward stream is synchronized before a timed worker
+hook's clock starts, so a hook's time never includes the fake engine's queued fingerprint writes
+(the runtime's work, which a save must wait for anyway); that wait is the runtime's. Per round, the
+connector's time is every call into it (scheduler and worker hooks, less those waits) and the
+runtime's is the rest of the round's wall time (scheduling, the manager, the fake forward and its
+byte checks): what a connector author can make faster is the first.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import ClassVar, Iterable, Iterator
 
 import numpy as np
+import torch
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
@@ -45,7 +53,7 @@ class Workload:
     costs eight times over)."""
 
     prompts: int = 8
-    blocks: int = 4
+    blocks: int = 16
     per_pass: int = 8
 
     def fresh_prompts(self, tokens_per_block: int) -> list[list[int]]:
@@ -69,6 +77,10 @@ class Recorder:
                                                   Deliver, Finished})
     engine: Engine
     hooks: list[tuple[str, int, float, float]] = field(default_factory=list)
+    connector_seconds: float = 0.0
+    """Inside any call into the connector so far (the runtime's `around_hook`), less `runtime_waits`."""
+    runtime_waits: float = 0.0
+    """Waiting, before timed worker hooks, for the GPU work the engine had queued."""
     computed_in: dict[int, int] = field(default_factory=dict)
     load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
     async_end: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -77,16 +89,41 @@ class Recorder:
     delivered: dict[int, int] = field(default_factory=dict)
 
     def attach(self) -> None:
-        """Subscribe to the engine's events and wrap every worker's load and save hooks."""
+        """Subscribe to the engine's events, clock every call into the connector and wrap every
+        worker's load and save hooks."""
         self.engine.events.subscribe(self)
+        self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
         for worker in self.engine.connector.workers:
             for hook in LOAD_HOOKS + SAVE_HOOKS:
                 self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
+
+    def _clocked(self, outer):
+        @contextlib.contextmanager
+        def clocked() -> Iterator[None]:
+            start = time.perf_counter()
+            try:
+                with outer():
+                    yield
+            finally:
+                self.connector_seconds += time.perf_counter() - start
+        return clocked
+
+    def connector_time(self) -> float:
+        return self.connector_seconds - self.runtime_waits
+
+    def _wait_for_the_runtime(self, args: tuple) -> None:
+        """Synchronize the forward stream a hook is given (GPU pages only), on the runtime's clock."""
+        stream = args[-1] if args else None
+        if isinstance(stream, torch.cuda.Stream):
+            start = time.perf_counter()
+            stream.synchronize()
+            self.runtime_waits += time.perf_counter() - start
 
     def _wrap(self, worker, hook: str, kind: str) -> None:
         inner = getattr(worker, hook)
 
         def timed(*args, **kwargs):
+            self._wait_for_the_runtime(args)
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
@@ -132,6 +169,10 @@ class Measured:
     blocks: int
     seconds: float
     latencies: list[float]
+    connector_seconds: float = 0.0
+    """The round's time inside the connector (module docstring)."""
+    round_seconds: float = 0.0
+    """The round's wall time."""
 
 def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
@@ -164,20 +205,28 @@ class Round:
     ids: list[int]
     tokens: list[list[int]]
     """Generated tokens per request, in prompt order."""
+    seconds: float = 0.0
+    """Wall time, adding the requests to the last pass."""
+    connector_seconds: float = 0.0
+    """Of which inside the connector (a `Recorder`'s; 0 without one)."""
 
 
-def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: int) -> Round:
+def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: int,
+              recorder: Recorder | None = None) -> Round:
     """Run `prompts` as new requests (ids from `first_id`) to completion; ConnectorError, in one
     line, when a hook raised or a request failed."""
     ids = list(range(first_id, first_id + len(prompts)))
+    start, in_connector = time.perf_counter(), recorder.connector_time() if recorder else 0.0
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(Request(request_id, prompt, max_new_tokens=1))
     engine.run()
+    seconds = time.perf_counter() - start
+    in_connector = recorder.connector_time() - in_connector if recorder else 0.0
     if engine.connector.failures:
         raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
     if engine.stats.failures:                   # e.g. an asynchronous load never reported
         raise ConnectorError(_one_line(f"connector {label}: {engine.stats.failures[0]}"))
-    return Round(ids, [engine.states[i].request.generated_token_ids for i in ids])
+    return Round(ids, [engine.states[i].request.generated_token_ids for i in ids], seconds, in_connector)
 
 
 def _one_line(text: str) -> str:
@@ -207,7 +256,7 @@ def measure_round(recorder: Recorder, round_: Round, kind: str, tpb: int) -> Mea
     spans = {i: recorder.intervals(kind, i) for i in ids}
     latencies = [sum(e - s for s, e in union(spans[i])) for i in ids]
     total = sum(e - s for s, e in union([s for i in ids for s in spans[i]]))
-    return Measured(blocks, total, latencies)
+    return Measured(blocks, total, latencies, round_.connector_seconds, round_.seconds)
 
 
 def computed_blocks(event: Finished, tpb: int) -> int:

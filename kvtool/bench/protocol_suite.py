@@ -56,6 +56,10 @@ class ProtocolRow:
     """(max - min) / median of the rounds' GB/s; None for one round."""
     p50_us: float
     p99_us: float
+    connector_ms: float
+    """The round's time inside the connector (any hook, scheduler or worker), median of the rounds."""
+    runtime_ms: float
+    """The rest of the round's wall time: kvtool's scheduler, manager, fake forward and byte checks."""
     raw_gbps: float
     ratio: float
     vs_reference: float | None
@@ -151,8 +155,8 @@ def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, mo
         recorder = Recorder(engine)
         recorder.attach()
         prompts = workload.fresh_prompts(tpb)
-        cold = run_round(engine, label, prompts, first_id=0)
-        warm = run_round(engine, label, prompts, first_id=len(prompts))
+        cold = run_round(engine, label, prompts, first_id=0, recorder=recorder)
+        warm = run_round(engine, label, prompts, first_id=len(prompts), recorder=recorder)
         return _BlockSize(engine.manager.layout.bytes_per_block, measure_round(recorder, cold, "save", tpb),
                           measure_round(recorder, warm, "load", tpb), check_bytes(engine, cold, warm))
     finally:
@@ -194,6 +198,9 @@ def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, mea
     spread = four_digits((max(rates) - min(rates)) / gbps) if len(rates) > 1 and gbps > 0 else None
     latencies = np.array([s for m in measured for s in m.latencies]) * 1e6
     p50, p99 = (float(np.percentile(latencies, q)) if latencies.size else 0.0 for q in (50, 99))
+    connector_ms = float(np.median([m.connector_seconds for m in measured])) * 1e3
+    runtime_ms = float(np.median([m.round_seconds - m.connector_seconds for m in measured])) * 1e3
     return ProtocolRow(label, direction, model, tpb, block_bytes, measured[0].blocks, len(measured),
-                       four_digits(gbps), spread, round(p50, 1), round(p99, 1), four_digits(raw_gbps),
+                       four_digits(gbps), spread, round(p50, 1), round(p99, 1), four_digits(connector_ms),
+                       four_digits(runtime_ms), four_digits(raw_gbps),
                        four_digits(gbps / raw_gbps), None, verified)

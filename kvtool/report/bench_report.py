@@ -54,7 +54,8 @@ _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "mode
           "save_gbps_with_compute": "save GB/s loaded",
           "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone",
           # --suite store
-          "block_bytes": "block", "raw_gbps": "raw GB/s", "vs_reference": "vs ref"}
+          "block_bytes": "block", "raw_gbps": "raw GB/s", "vs_reference": "vs ref",
+          "connector_ms": "conn ms", "runtime_ms": "rt ms"}
 LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
           "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
           "chunk: bytes per page copy; batch: bytes per timed batch; ratio: GB/s / peak GB/s, where the peak is "
@@ -96,7 +97,10 @@ _MEANING = {"tokens_per_block": "tokens per block", "block_bytes": "bytes of one
             "spread": "(max - min) / median of the rounds' GB/s", "raw_gbps": "the baseline: one contiguous copy "
             "(or the store's raw loop) of the same bytes", "ratio": "GB/s / raw GB/s",
             "vs_reference": "GB/s / kvtool's host connector's GB/s in the same run",
-            "verified": "every byte verified", "p50_us": "median µs per request (per block for a store's own "
+            "verified": "every byte verified",
+            "connector_ms": "ms of the round inside the connector (every hook, scheduler and worker: yours to "
+            "make faster)", "runtime_ms": "ms of the round in kvtool's runtime (scheduling, manager, the fake "
+            "forward and its byte checks)", "p50_us": "median µs per request (per block for a store's own "
             "paths)", "p99_us": "99th percentile µs", "direction": "save (pages -> store) or load (store -> pages)"}
 
 
