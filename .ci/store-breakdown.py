@@ -161,8 +161,8 @@ def raw_batches(out: Path, backends: list[str], page_sizes: list[int], counts: l
                                "link_gbps": round(nbytes / link[direction] / 1e9, 2),
                                "ratio": round(link[direction] / seconds, 3), "verified": ok}
                         emit(out / "raw.jsonl", row)
-                    del backend
-            del pool, store, flat_gpu
+                    backend = None     # freed before the next backend is built
+            pool = store = flat_gpu = None
             torch.cuda.empty_cache()
 
 

@@ -22,7 +22,7 @@ def small_workload(tmp_path, lines=None):
     shared = list(range(500, 564))
     lines = lines or [{"request_id": i, "prompt": shared + [i] * (5 + i), "max_new_tokens": 3, "arrival": i * 0.05}
                       for i in range(5)]
-    path.write_text("\n".join(json.dumps(l) if isinstance(l, dict) else l for l in lines) + "\n")
+    path.write_text("\n".join(json.dumps(line) if isinstance(line, dict) else line for line in lines) + "\n")
     return path
 
 

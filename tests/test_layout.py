@@ -19,7 +19,7 @@ def test_llama_is_one_group_one_whole_slot_region():
     assert group.layer_ids == tuple(range(32)) and group.window_size is None
     (region,) = group.regions
     assert region.size == region.stride == 4194304 == group.bytes_per_page
-    expected = [BufferId(l, r) for l in range(32) for r in (Role.KEY, Role.VALUE)]
+    expected = [BufferId(layer, r) for layer in range(32) for r in (Role.KEY, Role.VALUE)]
     assert list(region.buffers) == expected and len(expected) == 64
     assert region.num_slots == (8 << 30) // 4194304
 

@@ -44,17 +44,17 @@ def test_dtype_override_changes_item_size():
 def test_hf_llama_config_matches_the_preset_shape():
     spec = load_model(f"{DATA}/llama-like/config.json")
     assert spec.name == "llama-like-8b" and spec.num_layers == 32
-    assert {(b.num_heads, b.head_dim) for l in spec.layers for b in l.buffers} == {(8, 128)}
+    assert {(b.num_heads, b.head_dim) for layer in spec.layers for b in layer.buffers} == {(8, 128)}
 
 
 def test_hf_gemma3_uses_text_config_and_the_window_pattern():
     spec = load_model(f"{DATA}/gemma3-like/config.json")
-    assert [l.window_size for l in spec.layers] == [l.window_size for l in load_model("gemma-3-27b").layers]
+    assert [layer.window_size for layer in spec.layers] == [layer.window_size for layer in load_model("gemma-3-27b").layers]
 
 
 def test_hf_layer_types_and_mla():
     oss = load_model(f"{DATA}/gpt-oss-like/config.json")
-    assert [l.window_size for l in oss.layers] == [128 if i % 2 == 0 else None for i in range(24)]
+    assert [layer.window_size for layer in oss.layers] == [128 if i % 2 == 0 else None for i in range(24)]
     mla = load_model(f"{DATA}/deepseek-like/config.json")
     assert [(b.role, b.num_heads, b.head_dim) for b in mla.layers[0].buffers] == [(Role.KEY, 1, 576)]
 
@@ -66,7 +66,7 @@ def test_hf_head_dim_falls_back_to_hidden_over_heads(tmp_path):
     spec = load_model(str(path))
     assert spec.layers[0].buffers[0].head_dim == 64 and spec.dtype.name == "fp16"
     assert spec.layers[0].buffers[0].num_heads == 4  # no num_key_value_heads: one KV head per head
-    assert [l.window_size for l in spec.layers] == [None, None]
+    assert [layer.window_size for layer in spec.layers] == [None, None]
 
 
 @pytest.mark.parametrize("content, message", [

@@ -33,7 +33,7 @@ def test_a_bench_table_at_80_columns_keeps_every_name_and_value_whole():
     seen_headers = set()
     for table in tables:
         lines = rendered(table)
-        assert all(len(line) <= 80 for line in lines) and not [l for l in lines if "…" in l]
+        assert all(len(line) <= 80 for line in lines) and not [line for line in lines if "…" in line]
         assert LONG in "".join(column(lines, 0))             # folded onto lines, every character there
         seen_headers.update(c.header for c in table.columns)
         text = "\n".join(lines)

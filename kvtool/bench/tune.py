@@ -56,8 +56,8 @@ def gather_sweep(batch_bytes: int, repeats: int) -> None:
     for threads, per_sm, unroll, load, store in GATHER_VARIANTS:
         name = f"kernel-t{threads}-b{per_sm}-u{unroll}-l{load}-s{store}"
         names.append(name)
-        suite.register(name, lambda t=threads, b=per_sm, u=unroll, l=load, s=store: KernelBackend(
-            unroll=u, load_hint=l, store_hint=s, device_threads=t, device_blocks_per_sm=b))
+        suite.register(name, lambda t=threads, b=per_sm, u=unroll, hint=load, s=store: KernelBackend(
+            unroll=u, load_hint=hint, store_hint=s, device_threads=t, device_blocks_per_sm=b))
     for model, tpb, granularity in (("llama-3.1-8b", 4, "layer"), ("llama-3.1-8b", 4, "slot")):
         for name in names:
             row = suite.measure(Case(model, tpb, granularity, Direction.GATHER, name, batch_bytes))

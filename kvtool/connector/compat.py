@@ -55,7 +55,7 @@ def _logger() -> logging.Logger:
 def _module(name: str, **attrs) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__dict__.update(attrs)
-    module.__kvtool_compat__ = True
+    module.__dict__["__kvtool_compat__"] = True
     sys.modules[name] = module
     parent, _, child = name.rpartition(".")
     if parent in sys.modules:

@@ -128,6 +128,8 @@ def _import_file(path: str, target: str, compat: str | None):
         raise InputError(f"connector {target!r}: no file {path}")
     name = f"{FILE_MODULE_PREFIX}{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise InputError(f"connector {target!r}: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     sys.path.insert(0, str(file.parent.resolve()))

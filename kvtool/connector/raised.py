@@ -133,7 +133,7 @@ def with_wrapped_location(exc: BaseException) -> str:
     text = str(exc)
     inner = exc.__cause__ or exc.__context__
     frame = blamed_frame(inner) if inner is not None else None
-    if frame is None or not is_connector_code(frame):
+    if inner is None or frame is None or not is_connector_code(frame):
         return text
     where = location(inner)
     return f"{text} ({where})" if where and where not in text else text

@@ -92,7 +92,7 @@ class RemoteStoreWorker(BlockStoreWorker):
 
     def open_store(self, layout: KvCacheLayout) -> None:
         self.store = self.store_class(self._llm_args)
-        self._last_layer = max(l for g in layout.layer_groups for l in g.layer_ids)
+        self._last_layer = max(layer for g in layout.layer_groups for layer in g.layer_ids)
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         rank = self._llm_args.rank
@@ -129,7 +129,7 @@ class RemoteIndexWorker(BlockStoreWorker):
 
     def open_store(self, layout: KvCacheLayout) -> None:
         self.store = self.store_class(self._llm_args, payloads=False)
-        self._last_layer = max(l for g in layout.layer_groups for l in g.layer_ids)
+        self._last_layer = max(layer for g in layout.layer_groups for layer in g.layer_ids)
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         """Nothing moves in block fidelity."""

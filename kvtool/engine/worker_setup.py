@@ -29,8 +29,8 @@ def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[st
     model = manager.model
     groups = tuple(LayerGroupInfo(g.layer_group_id, tuple(g.layer_ids), g.window_size, g.num_sink_tokens,
                                   g.bytes_per_page) for g in manager.layer_groups)
-    kv_config = KvCacheConfig(manager.tokens_per_block, tuple(l.window_size for l in model.layers),
-                              max(l.num_sink_tokens for l in model.layers))
+    kv_config = KvCacheConfig(manager.tokens_per_block, tuple(layer.window_size for layer in model.layers),
+                              max(layer.num_sink_tokens for layer in model.layers))
     all_options = {**spec.options, **options}
     connector_config = KvCacheConnectorConfig(spec.module, spec.scheduler_class.__name__, spec.worker_class.__name__,
                                               server_url=all_options.get("server_url"))

@@ -74,7 +74,7 @@ def plan_layer_groups(model: ModelSpec, tokens_per_block: int) -> tuple[LayerGro
             members[key] = []
         members[key].append(layer)
     return tuple(
-        LayerGroupSpec(LayerGroupId(i), tuple(l.layer_id for l in members[key]), key[0], key[1],
+        LayerGroupSpec(LayerGroupId(i), tuple(layer.layer_id for layer in members[key]), key[0], key[1],
                        _coalesce(model, members[key], tokens_per_block))
         for i, key in enumerate(keys)
     )

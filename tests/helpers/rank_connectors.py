@@ -96,7 +96,7 @@ class SlowRank1(HostConnectorWorker):
         self._late.append((self.calls + self.DELAY, saved, loaded))
         due = [entry for entry in self._late if entry[0] <= self.calls]
         self._late = [entry for entry in self._late if entry[0] > self.calls]
-        return [r for _, s, _ in due for r in s], [r for _, _, l in due for r in l]
+        return [r for _, s, _ in due for r in s], [r for _, _, loads in due for r in loads]
 
 
 class HangsOnRank1(HostConnectorWorker):
