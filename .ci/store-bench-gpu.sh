@@ -3,7 +3,8 @@
 # on GPU pages, where its time goes before and after the pass's copies were batched, the overlapping
 # modes beside a forward's products, and the GPU tests of the paths it changed. Run on the GPU machine
 # from a checkout (after the device wheels are on PYTHONPATH: ../shared/DEVICE.md); writes under $OUT.
-# Each step has its own time limit, so one slow step leaves the others' results.
+# Each step has its own time limit, so one slow step leaves the others' results (about 450 s in all;
+# WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more).
 set -u
 out="${OUT:?set OUT to the folder for the results}"
 step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit code in the log's last line
@@ -15,13 +16,13 @@ step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit
 }
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv >"$out/gpu.csv" 2>&1
 step bench 160 python3 -m kvtool bench --suite store --device cuda --output "$out/bench"
-step breakdown-before 60 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged-gather \
+step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged-gather \
     --modes sync --workloads 8x4x1
-step breakdown-after 110 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
+step breakdown-after 100 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
     --modes sync,async,layerwise --workloads 8x4x8,8x16x8 --profile
-step bench-async 80 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \
+step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \
     --with-compute --repeats 1 --output "$out/bench-async"
-step bench-layerwise 80 python3 -m kvtool bench --suite store --device cuda --connector host \
-    --connector-opt mode=layerwise --with-compute --repeats 1 --output "$out/bench-layerwise"
-step gpu-tests 80 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py tests/gpu/test_bench_gpu.py \
+[ -n "${WITH_LAYERWISE:-}" ] && step bench-layerwise 80 python3 -m kvtool bench --suite store --device cuda \
+    --connector host --connector-opt mode=layerwise --with-compute --repeats 1 --output "$out/bench-layerwise"
+step gpu-tests 70 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py tests/gpu/test_bench_gpu.py \
     tests/gpu/test_validate_determinism_gpu.py

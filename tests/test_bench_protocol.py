@@ -110,7 +110,7 @@ class ForgetfulSched(Sched):
 class SlowAskSched(Sched):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         import time
-        time.sleep(0.1)                          # a slow index lookup: the connector's time, not a transfer
+        time.sleep(0.5)                          # a slow index lookup: the connector's time, not a transfer
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 '''
 
@@ -183,18 +183,18 @@ def test_a_connector_of_ones_own_is_measured_through_the_engine(connector_file, 
 
 
 def test_the_connectors_time_and_the_runtimes_are_told_apart(connector_file, tmp_path):
-    """A scheduler whose ask sleeps 0.1 s: 4 asks a round are 0.4 s of connector time, none of it
-    in the save or load hooks (so not in GB/s), and not the runtime's."""
+    """A scheduler whose ask sleeps 0.5 s: the 4 asks of a round are 2 s of connector time, none of
+    it in the save or load hooks (so not in GB/s), and not the runtime's (which would have to run
+    some 50 times slower than on an idle machine to reach 2 s)."""
     out = tmp_path / "run"
     done = _bench("--connector", f"{connector_file}:SlowAskSched:Worker", "--quick", "--output", str(out))
     assert done.returncode == 0, done.stderr
     slow, reference = _rows(out), [r for r in _all_rows(out) if r["connector"] == REFERENCE]
     for row in slow:
-        assert 400 <= row["connector_ms"] < 400 + row["runtime_ms"] + 200, row
-        assert 0 < row["runtime_ms"] < 400, row
-        assert row["p99_us"] < 100_000                  # the asks are outside the timed hooks
+        assert row["connector_ms"] >= 2000 and 0 < row["runtime_ms"] < 2000, row
+        assert row["p99_us"] < 500_000, row         # no request's hook time holds a 0.5 s ask
     for row in reference:
-        assert 0 < row["connector_ms"] < 400 and row["runtime_ms"] > 0, row
+        assert row["connector_ms"] > 0 and row["runtime_ms"] > 0, row
     assert "conn ms" in done.stdout and "rt ms" in done.stdout
 
 
