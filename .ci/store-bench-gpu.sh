@@ -4,7 +4,7 @@
 # modes beside a forward's products, and the GPU tests of the paths it changed. Run on the GPU machine
 # from a checkout (after the device wheels are on PYTHONPATH: ../shared/DEVICE.md); writes under $OUT.
 # Each step has its own time limit, so one slow step leaves the others' results (about 450 s in all;
-# WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more).
+# WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more; SKIP_GPU_TESTS=1 leaves out the tests).
 set -u
 out="${OUT:?set OUT to the folder for the results}"
 step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit code in the log's last line
@@ -24,5 +24,5 @@ step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connec
     --with-compute --repeats 1 --output "$out/bench-async"
 [ -n "${WITH_LAYERWISE:-}" ] && step bench-layerwise 80 python3 -m kvtool bench --suite store --device cuda \
     --connector host --connector-opt mode=layerwise --with-compute --repeats 1 --output "$out/bench-layerwise"
-step gpu-tests 70 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py tests/gpu/test_bench_gpu.py \
+[ -z "${SKIP_GPU_TESTS:-}" ] && step gpu-tests 70 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py tests/gpu/test_bench_gpu.py \
     tests/gpu/test_validate_determinism_gpu.py
