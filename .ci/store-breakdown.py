@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvtool.bench import protocol_suite  # noqa: E402
 from kvtool.bench.protocol_engine import Workload  # noqa: E402
+from kvtool.bench.protocol_engine import block_bytes  # noqa: E402
 from kvtool.connectors import store_worker  # noqa: E402
 from kvtool.connectors.registry import BUILTIN_CONNECTORS  # noqa: E402
 from kvtool.connectors.store_scheduler import BlockStoreScheduler  # noqa: E402
@@ -207,12 +208,6 @@ def write_profile(profiler: cProfile.Profile, path: Path) -> None:
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(60)
     path.write_text(text.getvalue())
-
-
-def block_bytes(model: str, tpb: int) -> int:
-    from kvtool.manager import KvCacheManager, KvCacheManagerConfig
-    from kvtool.models import load_model
-    return KvCacheManager(KvCacheManagerConfig(load_model(model), tpb, num_slots=1, device="cpu")).layout.bytes_per_block
 
 
 def emit(path: Path, row: dict) -> None:

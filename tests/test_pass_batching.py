@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtool.bench.protocol_engine import Workload, build_engine, check_bytes, run_round
+from kvtool.bench.protocol_engine import Workload, block_bytes, build_engine, check_bytes, run_round, sized_store
 from kvtool.connectors.registry import BUILTIN_CONNECTORS
 
 
@@ -59,3 +59,17 @@ def test_a_pass_of_four_requests_is_one_copy_call_per_direction(mode, model):
             assert [[len(op.src_slots) for op in ops] for _, ops in batches] == expected
     finally:
         engine.close()
+
+
+def test_the_bench_gives_kvtools_host_store_room_for_a_whole_round():
+    """The host connector's 256 MiB default holds 64 blocks of llama-3.1-8b at 32 tokens a block,
+    half of the default round (8 prompts of 16 blocks): the bench sizes it to the round, unless the
+    user gave a capacity; other connectors keep their options."""
+    host, workload = BUILTIN_CONNECTORS["host"], Workload()
+    block = block_bytes("llama-3.1-8b", 32)
+    assert block == 4 << 20
+    assert sized_store(host, {}, "llama-3.1-8b", 32, workload) == {"capacity": str(8 * 17 * block)}
+    assert sized_store(BUILTIN_CONNECTORS["host-async"], {"mode": "async"}, "tiny", 16, workload) == {
+        "mode": "async", "capacity": str(8 * 17 * block_bytes("tiny", 16))}
+    assert sized_store(host, {"capacity": "1GiB"}, "llama-3.1-8b", 32, workload) == {"capacity": "1GiB"}
+    assert sized_store(BUILTIN_CONNECTORS["disk"], {}, "llama-3.1-8b", 32, workload) == {}

@@ -174,6 +174,7 @@ class Measured:
     round_seconds: float = 0.0
     """The round's wall time."""
 
+
 def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str, tpb: int, workload: Workload,
             device: str) -> Engine:
     """`workload.per_pass` requests per pass, no local prefix reuse (the warm round must ask the connector), pages
@@ -185,9 +186,28 @@ def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str
     scheduler = SchedulerConfig(max_batch_size=workload.per_pass, max_num_tokens=max(tokens, 8192), local_reuse=False)
     config = EngineConfig(manager, scheduler,
                           max_transmission_seconds=60.0)
-    engine = Engine(config, spec, options)
+    engine = Engine(config, spec, sized_store(spec, options, model, tpb, workload) if spec else options)
     commit_stores(rank.worker for rank in engine.driver.workers)
     return engine
+
+
+def sized_store(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int,
+                workload: Workload) -> dict[str, str]:
+    """`options`, with a `capacity` that holds a whole round for kvtool's host connector when none
+    was given: its 256 MiB default holds 64 blocks of llama-3.1-8b at 32 tokens a block, and the
+    warm round would then load half its prompts (a bench of the store's LRU, not of its copies)."""
+    from kvtool.connectors.host import HostConnectorScheduler
+    if not issubclass(spec.scheduler_class, HostConnectorScheduler) or "capacity" in {**spec.options, **options}:
+        return options
+    return {**options, "capacity": str(workload.prompts * (workload.blocks + 1) * block_bytes(model, tpb))}
+
+
+def block_bytes(model: str, tpb: int) -> int:
+    """Bytes of one block of `model` at `tpb` tokens a block, every layer group's page."""
+    from kvtool.manager import KvCacheManager, KvCacheManagerConfig
+    from kvtool.models import load_model
+    config = KvCacheManagerConfig(load_model(model), tpb, num_slots=1, device="cpu")
+    return KvCacheManager(config).layout.bytes_per_block
 
 
 def commit_stores(workers: Iterable) -> None:
