@@ -22,7 +22,11 @@ step breakdown-after 100 python3 .ci/store-breakdown.py "$out/breakdown" --part 
     --modes sync,async,layerwise --workloads 8x4x8,8x16x8 --profile
 step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \
     --with-compute --repeats 1 --output "$out/bench-async"
-[ -n "${WITH_LAYERWISE:-}" ] && step bench-layerwise 80 python3 -m kvtool bench --suite store --device cuda \
-    --connector host --connector-opt mode=layerwise --with-compute --repeats 1 --output "$out/bench-layerwise"
-[ -z "${SKIP_GPU_TESTS:-}" ] && step gpu-tests 70 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py tests/gpu/test_bench_gpu.py \
-    tests/gpu/test_validate_determinism_gpu.py
+if [ -n "${WITH_LAYERWISE:-}" ]; then
+    step bench-layerwise 80 python3 -m kvtool bench --suite store --device cuda \
+        --connector host --connector-opt mode=layerwise --with-compute --repeats 1 --output "$out/bench-layerwise"
+fi
+if [ -z "${SKIP_GPU_TESTS:-}" ]; then
+    step gpu-tests 70 python3 -m pytest -q -p no:cacheprovider -n 0 tests/gpu/test_backends.py \
+        tests/gpu/test_bench_gpu.py tests/gpu/test_validate_determinism_gpu.py
+fi

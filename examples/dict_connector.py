@@ -17,7 +17,8 @@ The rules it follows (each one a check of `kvtool validate`):
 - A save counts as stored once its pass is over: at the next `build_connector_meta`, or when its
   request finished (`request_finished` comes after the request's last pass, so a prompt saved in
   the last pass before an idle engine is served to the next request); the saves of a request that
-  ended early may not have landed and are forgotten.
+  ended early (not `is_finished`: kvtool's runtime ends a request whose pass failed that way) may
+  not have landed and are forgotten.
 - The store lives in the worker object: no longer than one engine. Each rank keeps its own shard.
 """
 
@@ -142,7 +143,7 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         if request.is_finished:                        # its last pass is over: servable at once
             for key, group, _ in moves:
                 self._stored.setdefault(key, set()).add(group)
-        return False                                   # ended early: its last pass may have failed
+        return False          # a request that ended early (its last pass may have failed): forgotten
 
     def request_reset(self, request):
         self._requests.pop(request.request_id, None)   # its pages are gone; it is reported new again

@@ -8,12 +8,15 @@ its `LoadStarted` event to its `LoadFinished`); its save is the time inside `sav
 `wait_for_save` in the pass that computed it (plus, for an asynchronous save, `SaveStarted` to
 `SaveFinished`).
 
-Whose time it is: on GPU pages the engine's forward stream is synchronized before a timed worker
-hook's clock starts, so a hook's time never includes the fake engine's queued fingerprint writes
-(the runtime's work, which a save must wait for anyway); that wait is the runtime's. Per round, the
-connector's time is every call into it (scheduler and worker hooks, less those waits) and the
-runtime's is the rest of the round's wall time (scheduling, the manager, the fake forward and its
-byte checks): what a connector author can make faster is the first.
+Whose time it is: on GPU pages, before a timed worker hook's clock starts, the host waits for the
+fake engine's work queued on the forward stream (an event recorded after each layer's forward;
+before `start_load_kv`, the whole stream), so a hook's time never includes the fingerprint writes
+a save must wait for anyway, while work the connector itself queued on that stream after them still
+counts as its own; that wait is the runtime's. Per round, the connector's time is every call into
+it (scheduler and worker hooks, less those waits) plus the engine's idle waits for its background
+copies (`Engine.idle_for_connector`), and the runtime's is the rest of the round's wall time
+(scheduling, the manager, the fake forward and its byte checks): what a connector author can make
+faster is the first.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class Recorder:
     """Inside any call into the connector so far (the runtime's `around_hook`), less `runtime_waits`."""
     runtime_waits: float = 0.0
     """Waiting, before timed worker hooks, for the GPU work the engine had queued."""
+    _forward_done: object = None
+    """The CUDA event recorded after the last layer's fake forward (GPU pages)."""
     computed_in: dict[int, int] = field(default_factory=dict)
     load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
     async_end: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -93,11 +98,16 @@ class Recorder:
         worker's load and save hooks."""
         self.engine.events.subscribe(self)
         self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
+        self.engine.idle_for_connector = self._clocked(lambda: contextlib.nullcontext(),
+                                                       call=self.engine.idle_for_connector)
+        self._mark_forward_layers(self.engine.driver)
         for worker in self.engine.connector.workers:
             for hook in LOAD_HOOKS + SAVE_HOOKS:
                 self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
 
-    def _clocked(self, outer):
+    def _clocked(self, outer, call=None):
+        """`outer` (a context manager factory) clocked as the connector's; with `call`, a function
+        that calls `call()` inside it instead."""
         @contextlib.contextmanager
         def clocked() -> Iterator[None]:
             start = time.perf_counter()
@@ -106,24 +116,49 @@ class Recorder:
                     yield
             finally:
                 self.connector_seconds += time.perf_counter() - start
-        return clocked
+
+        if call is None:
+            return clocked
+
+        def run() -> None:
+            with clocked():
+                call()
+        return run
+
+    def _mark_forward_layers(self, driver) -> None:
+        """Record an event after each layer's fake forward on a CUDA forward stream: what a timed
+        hook waits for before its clock starts (the runtime's work, not the connector's)."""
+        if not isinstance(driver.stream, torch.cuda.Stream):
+            return
+        inner = driver._forward_layer
+
+        def forward_layer(layer_id, items):
+            inner(layer_id, items)
+            self._forward_done = torch.cuda.Event()
+            self._forward_done.record(driver.stream)
+        driver._forward_layer = forward_layer
 
     def connector_time(self) -> float:
         return self.connector_seconds - self.runtime_waits
 
-    def _wait_for_the_runtime(self, args: tuple) -> None:
-        """Synchronize the forward stream a hook is given (GPU pages only), on the runtime's clock."""
+    def _wait_for_the_runtime(self, hook: str, args: tuple) -> None:
+        """Wait for the fake engine's queued work (GPU pages only), on the runtime's clock: up to
+        the last layer's forward, or before `start_load_kv` the whole forward stream it is given."""
         stream = args[-1] if args else None
-        if isinstance(stream, torch.cuda.Stream):
-            start = time.perf_counter()
+        if not isinstance(stream, torch.cuda.Stream):
+            return
+        start = time.perf_counter()
+        if hook == "start_load_kv" or self._forward_done is None:
             stream.synchronize()
-            self.runtime_waits += time.perf_counter() - start
+        else:
+            self._forward_done.synchronize()
+        self.runtime_waits += time.perf_counter() - start
 
     def _wrap(self, worker, hook: str, kind: str) -> None:
         inner = getattr(worker, hook)
 
         def timed(*args, **kwargs):
-            self._wait_for_the_runtime(args)
+            self._wait_for_the_runtime(hook, args)
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)

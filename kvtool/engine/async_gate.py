@@ -9,7 +9,9 @@ threads: they are let through, so it never deadlocks). A save reported finished
 is therefore judged on what the store held at the moment of the report, whoever would have won
 the race: a copy still queued then reads poison. When the gate opens, the runtime waits until the
 work it held has run (`drain`: no gated thread held, calling for QUIET_S, or runnable), so that
-what lands before the next pass's saves depends neither on the GIL nor on how loaded the machine is.
+what lands before the next pass's saves depends neither on the GIL nor on a loaded machine making a
+copy thread wait for a core. (A thread in uninterruptible I/O, or waiting on a socket or a lock,
+counts as idle; one that never goes quiet costs DRAIN_LIMIT_S an iteration.)
 
 Threads are stopped only at Python function calls: work already inside one C call (one torch
 copy, a CUDA stream's queue) runs on; threads started before `install` are not gated.
@@ -36,7 +38,7 @@ QUIET_S = 0.002
 """How long no gated thread may have made a call, none being held and none runnable, before the
 work let through at `open` counts as done (a thread waiting on its queue makes no calls and sleeps).
 Runnable counts because on a loaded machine a copy thread can wait for a core longer than QUIET_S."""
-DRAIN_LIMIT_S = 0.5
+DRAIN_LIMIT_S = 0.2
 """The longest `open` waits for the gated threads to go quiet (a connector that polls in a loop never does)."""
 
 SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
@@ -138,8 +140,11 @@ class AsyncGate:
 
     def _any_gated_runnable(self) -> bool:
         """Whether a gated thread is running or waiting for a core (a thread that ended, or where
-        the kernel does not say, is not)."""
-        return any(_thread_state(tid) == b"R" for tid in list(self._gated_native_ids))
+        the kernel does not say, is not; an ended one is forgotten, so a connector that starts a
+        thread per copy does not make every later check read more files)."""
+        states = {tid: _thread_state(tid) for tid in list(self._gated_native_ids)}
+        self._gated_native_ids.difference_update(tid for tid, state in states.items() if state is None)
+        return b"R" in states.values()
 
 
 def _thread_state(native_id: int) -> bytes | None:

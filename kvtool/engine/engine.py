@@ -666,12 +666,17 @@ class Engine:
                 self.fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"request {state.request_id} waits for its "
                           f"asynchronous save, which get_finished never reported within {seconds:g} s")
 
+    def idle_for_connector(self) -> None:
+        """Nothing can run until the connector's background copies land: let them run a moment
+        (`idle_wait_seconds`; the store bench books this time to the connector)."""
+        time.sleep(self.config.idle_wait_seconds)
+
     def _check_progress(self, batch: Batch, progress_before: tuple) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
         if batch.num_requests or batch.received or progress_before != self._progress_mark():
             return
         if any(s.phase in (Phase.TRANSMISSION, Phase.SAVING) for s in self._started):
-            time.sleep(self.config.idle_wait_seconds)   # let the connector's background copies run
+            self.idle_for_connector()
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]
         if arrived and not any(s.request.arrival > self.clock for s in self.live_states):
