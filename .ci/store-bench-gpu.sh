@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU session behind results/protocol-store-bench (issue 41): the store bench through the protocol
-# on GPU pages, where its time goes before and after the pass's copies were batched, the overlapping
-# modes beside a forward's products, and the GPU tests of the paths it changed. Run on the GPU machine
-# from a checkout (after the device wheels are on PYTHONPATH: ../shared/DEVICE.md); writes under $OUT.
-# Each step has its own time limit, so one slow step leaves the others' results (about 450 s in all;
-# WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more; SKIP_GPU_TESTS=1 leaves out the tests).
+# The GPU session behind results/protocol-store-bench* (issue 41): the store bench through the protocol
+# on GPU pages, where its time goes with the staged backend as it was (BEFORE, default `staged-runs`:
+# one cuMemcpyAsync per direct run; `staged-gather`: every batch gathered) and as it is, the
+# overlapping modes beside a forward's products, and the GPU tests of the paths it changed. Run on the
+# GPU machine from a checkout (after the device wheels are on PYTHONPATH: ../shared/DEVICE.md); writes
+# under $OUT. Each step has its own time limit, so one slow step leaves the others' results (about
+# 490 s in all; WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more; SKIP_GPU_TESTS=1
+# leaves out the tests).
 set -u
 out="${OUT:?set OUT to the folder for the results}"
 step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit code in the log's last line
@@ -15,9 +17,11 @@ step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit
     tail -n 1 "$out/$name.log" | sed "s/^/$name: /"
 }
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv >"$out/gpu.csv" 2>&1
+step raw 40 python3 .ci/store-breakdown.py "$out/breakdown" --part raw --backends "${BEFORE:-staged-runs},staged,batch" \
+    --raw-pages 2097152,4194304 --raw-counts 128
 step bench 160 python3 -m kvtool bench --suite store --device cuda --output "$out/bench"
-step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged-gather \
-    --modes sync --workloads 8x4x1
+step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol \
+    --backends "${BEFORE:-staged-runs}" --modes sync --workloads 8x16x8
 step breakdown-after 100 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
     --modes sync,async,layerwise --workloads 8x4x8,8x16x8 --profile
 step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \

@@ -89,23 +89,33 @@ def instrument() -> None:
     BlockStoreScheduler.build_connector_meta = clocked("meta", BlockStoreScheduler.build_connector_meta)
 
 
+VARIANTS = {"staged-gather": {"direct_run_bytes": 0}, "staged-runs": {"batch_runs": False}}
+"""Names of this script for the staged backend as it was: `staged-gather` with its direct path off
+(every host batch gathered, before issue 41), `staged-runs` with one cuMemcpyAsync per direct run
+(before cuMemcpyBatchAsync)."""
+
+
 def backend_variant(name: str):
-    """(backend name, constructor options) for a name of this script: `staged-gather` is the staged
-    backend with its direct path off (every host batch gathered), as it was before issue 41."""
-    return ("staged", {"direct_run_bytes": 0}) if name == "staged-gather" else (name, {})
+    """(backend name, constructor options) for a name of this script."""
+    return ("staged", VARIANTS[name]) if name in VARIANTS else (name, {})
 
 
-def gather_only(name: str) -> None:
-    """Make the host connector's staged backends gather every batch (or not) from now on."""
+def use_variant(name: str) -> None:
+    """Make the host connector's staged backends, built from now on, the variant `name` (or the
+    defaults)."""
     try:
         from kvtool.transfer import staged_backend
     except ImportError:         # no PyCUDA: no staged backend to set
         return
-    default = GATHER_DEFAULT.setdefault("bytes", staged_backend.DEFAULT_DIRECT_RUN_BYTES)
-    staged_backend.DEFAULT_DIRECT_RUN_BYTES = 0 if name == "staged-gather" else default
+    if not STAGED_DEFAULTS:     # the module's own, before any variant changed them
+        STAGED_DEFAULTS.update(direct_run_bytes=staged_backend.DEFAULT_DIRECT_RUN_BYTES,
+                               batch_runs=staged_backend.DEFAULT_BATCH_RUNS)
+    chosen = {**STAGED_DEFAULTS, **VARIANTS.get(name, {})}
+    staged_backend.DEFAULT_DIRECT_RUN_BYTES = chosen["direct_run_bytes"]
+    staged_backend.DEFAULT_BATCH_RUNS = chosen["batch_runs"]
 
 
-GATHER_DEFAULT: dict[str, int] = {}
+STAGED_DEFAULTS: dict = {}
 PROFILE = False
 PROFILER: list = []
 """While a protocol run is profiled: the profiler, enabled inside the backend's copy only."""
@@ -176,7 +186,7 @@ def protocol_runs(out: Path, backends: list[str], workloads: list[Workload], siz
                 probe = (workload.prompts * workload.blocks + 8) * block_bytes(model, tpb)
                 options = {"backend": backend_variant(name)[0], "capacity": str(2 * probe),
                            "mode": mode}
-                gather_only(name)
+                use_variant(name)
                 PHASES.clear()
                 start = time.perf_counter()
                 PROFILER[:] = [cProfile.Profile()] if PROFILE else []

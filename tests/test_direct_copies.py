@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.transfer import CopyOp, PageSpace, get_backend
-from kvtool.transfer.descriptors import PitchedCopy, direct_copies, paired_runs, reference_pitched_copies
+from kvtool.transfer.descriptors import (PitchedCopy, direct_copies, paired_runs, reference_pitched_copies,
+                                        reference_run_batch, run_batch)
 
 
 def test_runs_are_taken_in_host_order_and_break_where_either_side_jumps():
@@ -60,3 +61,31 @@ def test_direct_copies_move_exactly_the_bytes_the_torch_backend_moves(data, stri
     get_backend("torch").copy([CopyOp(src, expected, src_slots, dst_slots, nbytes, src_offset, dst_offset)])
     reference_pitched_copies(direct_copies(CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset, dst_offset), 1))
     assert torch.equal(dst.tensor, expected.tensor)
+
+
+def test_a_run_batch_holds_the_plain_runs_in_order_and_leaves_the_strided_ones_out():
+    plain, strided, one_row = (PitchedCopy(100, 64, 900, 64, 64, 3), PitchedCopy(5000, 4096, 7000, 4096, 1000, 3),
+                               PitchedCopy(300, 8, 400, 16, 8, 1))
+    batch = run_batch([plain, strided, one_row])
+    assert batch.dsts.tolist() == [100, 300] and batch.srcs.tolist() == [900, 400]
+    assert batch.sizes.tolist() == [192, 8] and batch.strided == (strided,)
+    assert len(run_batch([]).sizes) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), stride=st.sampled_from([64, 256, 1000]), count=st.integers(1, 24))
+def test_a_run_batch_moves_exactly_the_bytes_its_runs_move(data, stride, count):
+    """The batched form of a direct plan (one batched call for the plain runs, one 2D copy per
+    strided run), run by memmove, leaves the destination as the runs one by one do."""
+    slots = 32
+    nbytes = data.draw(st.integers(1, stride))
+    src_offset, dst_offset = data.draw(st.integers(0, stride - nbytes)), data.draw(st.integers(0, stride - nbytes))
+    src_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
+    dst_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
+    src, dst = spaces(stride, slots, count)
+    one_by_one = PageSpace(dst.tensor.clone(), stride, stride, slots)
+    reference_pitched_copies(direct_copies(CopyOp(src, one_by_one, src_slots, dst_slots, nbytes, src_offset,
+                                                  dst_offset), 1))
+    reference_run_batch(run_batch(direct_copies(CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset,
+                                                       dst_offset), 1)))
+    assert torch.equal(dst.tensor, one_by_one.tensor)

@@ -146,6 +146,33 @@ def direct_copies(op: CopyOp, min_run_bytes: int) -> list[PitchedCopy] | None:
     return copies
 
 
+@dataclass(frozen=True)
+class RunBatch:
+    """Copy-engine calls grouped for the driver: the flat ones as the arrays of one
+    cuMemcpyBatchAsync (dst, src, bytes), the strided ones one 2D copy each."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+    strided: tuple[PitchedCopy, ...]
+
+
+def run_batch(copies: Sequence[PitchedCopy]) -> RunBatch:
+    """`copies` as one batch of plain copies (the flat ones, in order) and the strided rest: the
+    copies of a batch may run in any order, so `copies` must not overlap (runs of distinct pages)."""
+    flat = [c for c in copies if c.is_flat]
+    return RunBatch(np.array([c.dst for c in flat], dtype=np.uint64), np.array([c.src for c in flat], dtype=np.uint64),
+                    np.array([c.width * c.rows for c in flat], dtype=np.uint64),
+                    tuple(c for c in copies if not c.is_flat))
+
+
+def reference_run_batch(batch: RunBatch) -> None:
+    """What the driver does with `batch`, by the CPU on live host addresses (tests use it)."""
+    for dst, src, size in zip(batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()):
+        ctypes.memmove(dst, src, size)
+    reference_pitched_copies(batch.strided)
+
+
 def pipeline_chunks(num_rows: int, row_bytes: int, first_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
     """(first row, rows) of each chunk of a pipelined staged copy: the first chunk about
     `first_bytes`, each next one twice the last, up to `max_bytes` (0: one chunk of every row).

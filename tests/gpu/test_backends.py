@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("pycuda")
 
 from kvtool.transfer import CopyOp, PageSpace, available_backends, get_backend  # noqa: E402
+from kvtool.transfer import cuda_runtime as rt  # noqa: E402
 
 NUM_SLOTS = 96
 SHAPES = [  # (stride, nbytes, src_offset, dst_offset)
@@ -196,12 +197,22 @@ def test_staged_moves_large_pages_straight_through_the_copy_engine(direction, sh
     op = (CopyOp(gpu, host, gpu_slots, host_slots, nbytes, src_offset, dst_offset) if direction == "save" else
           CopyOp(host, gpu, host_slots, gpu_slots, nbytes, src_offset, dst_offset))
     expected = _expected(op)
-    for direct_run_bytes, kind in ((None, _PlanKind.DIRECT), (0, _PlanKind.SAVE if direction == "save" else
-                                                              _PlanKind.LOAD)):
-        backend = get_backend("staged", direct_run_bytes=direct_run_bytes)
+    gathered = _PlanKind.SAVE if direction == "save" else _PlanKind.LOAD
+    for direct_run_bytes, batch_runs, kind in ((None, True, _PlanKind.DIRECT), (None, False, _PlanKind.DIRECT),
+                                               (0, True, gathered)):
+        backend = get_backend("staged", direct_run_bytes=direct_run_bytes, batch_runs=batch_runs)
         prepared = backend.prepare([op])
         assert prepared[0].kind is kind
+        if kind is _PlanKind.DIRECT:    # the driver has cuMemcpyBatchAsync from CUDA 12.8 on
+            assert (prepared[0].batch is not None) == (batch_runs and rt.has_memcpy_batch())
         op.dst.tensor.fill_(0xA5)
         backend.launch(prepared)
         backend.synchronize()
         assert torch.equal(op.dst.tensor.cpu(), expected), kind
+    graphed = get_backend("staged", graphed=True)     # captured: one call per run, replayed
+    prepared = graphed.prepare([op])
+    for _ in range(2):
+        op.dst.tensor.fill_(0xA5)
+        graphed.launch(prepared)
+        graphed.synchronize()
+        assert torch.equal(op.dst.tensor.cpu(), expected), "graphed"
