@@ -31,12 +31,13 @@ class GroupPages(Sequence[tuple[int, ...]]):
     """
 
     __slots__ = ("_lists",)
+    _lists: tuple[tuple[int, ...], ...]
 
     def __init__(self, lists: Iterable[Iterable[int]] = ()) -> None:
         if isinstance(lists, GroupPages):   # immutable: share, do not copy (a connector re-wraps them each pass)
             self._lists = lists._lists
             return
-        self._lists: tuple[tuple[int, ...], ...] = tuple(
+        self._lists = tuple(
             pages if type(pages) is tuple else tuple(map(int, pages)) for pages in lists)
 
     # ---- Sequence ----------------------------------------------------------------------------

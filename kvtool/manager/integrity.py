@@ -17,7 +17,7 @@ import numpy as np
 from kvtool.errors import LogicError
 from kvtool.manager.layout import check_layout
 from kvtool.manager.pages import Page
-from kvtool.types import KvCacheStatus, PageStatus
+from kvtool.types import KvCacheStatus, PageStatus, PoolGroupIndex
 
 if TYPE_CHECKING:
     from kvtool.manager.manager import KvCacheManager
@@ -60,7 +60,7 @@ def _require_listed(manager: KvCacheManager, page: Page, user: object) -> None:
         raise LogicError(f"{user} uses {page}, whose slot is not owned by that page")
 
 
-def _check_pool_group(manager: KvCacheManager, pg: int, active: Counter, held: Counter) -> None:
+def _check_pool_group(manager: KvCacheManager, pg: PoolGroupIndex, active: Counter, held: Counter) -> None:
     allocator = manager.page_table.allocators[pg]
     pages = manager.page_table.pages_of(pg)
     free = allocator.free_slot_array()

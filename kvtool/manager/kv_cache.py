@@ -19,7 +19,7 @@ from kvtool.manager.block_keys import ReuseScope, block_key, chain_keys, tokens_
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.radix_tree import RadixNode, RadixTree
-from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, LayerGroupId, PageIndex, Priority
+from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, LayerGroupId, PageIndex, PoolGroupIndex, Priority
 
 @dataclass
 class Match:
@@ -117,7 +117,7 @@ class KvCache:
     def get_page_indices(self, layer_group_id: int) -> list[PageIndex]:
         """One entry per block ordinal; BAD_PAGE_INDEX where the block has no page in this group."""
         self._require_open("get_page_indices")
-        return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[layer_group_id]]
+        return [BAD_PAGE_INDEX if p is None else p.slot for p in self._pages[LayerGroupId(layer_group_id)]]
 
     def page_indices_by_group(self) -> GroupPages:
         """`get_page_indices` of every layer group, position = group id (an immutable snapshot)."""
@@ -192,7 +192,7 @@ class KvCache:
         if len(groups) == 1:
             return [page for page in reversed(groups[0]) if page is not None]
         num = max(len(pages) for pages in groups)
-        return [pages[j] for j in reversed(range(num)) for pages in groups if j < len(pages) and pages[j] is not None]
+        return [page for j in reversed(range(num)) for pages in groups if j < len(pages) and (page := pages[j]) is not None]
 
     # ---- resize ------------------------------------------------------------------------------
     def resize(self, capacity: int, history_length: int | None = None, *, scratch_reuse: bool = True) -> bool:
@@ -260,7 +260,7 @@ class KvCache:
         return group.stale_range(self.expected_prompt_length, self.tokens_per_block)
 
     def _plan_fits(self, plan: _ResizePlan) -> bool:
-        needed: dict[int, int] = {}
+        needed: dict[PoolGroupIndex, int] = {}
         ring = {g: len(p) for g, p in self._scratch_idle.items()}
         for gid, _, page in plan.releases:
             if page.is_scratch:

@@ -22,7 +22,7 @@ from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
 from kvtool.manager.radix_tree import RadixNode, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
-from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, Priority
+from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
 
 
 POISON_BYTE = 0xA5
@@ -194,7 +194,7 @@ class KvCacheManager:
         return self.page_table.allocators[pool_group_index].num_free
 
     def num_droppable(self, pool_group_index: int) -> int:
-        return self.page_table.num_droppable(pool_group_index)
+        return self.page_table.num_droppable(PoolGroupIndex(pool_group_index))
 
     def evict_reusable(self) -> int:
         """Drop every reusable page no request uses (what memory pressure would do, at once): the

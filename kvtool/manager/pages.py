@@ -125,7 +125,8 @@ class PageTable:
     def release_many(self, pages: Iterable[Page], active: bool) -> None:
         """`release` of each page, in order (one call for a closing cache's thousands)."""
         droppable = self._droppable
-        bucket, bucket_of = None, None   # a cache's pages mostly share one (pool group, priority)
+        bucket: OrderedDict[Page, Page] = OrderedDict()
+        bucket_of = None   # a cache's pages mostly share one (pool group, priority)
         for page in pages:
             if active:
                 if page.num_active <= 0:
@@ -212,6 +213,7 @@ class PageTable:
             if not bucket:
                 del buckets[priority]
             node = page.node
+            assert node is not None, "a droppable page holds a cached block"
             del node.pages[page.layer_group_id]
             page.node = None
             del table[page.slot]

@@ -34,7 +34,7 @@ class RadixNode:
         self.pages: dict[LayerGroupId, Any] = {}
         """The page table's pages holding this block, per layer group; opaque to the tree."""
         self.num_users = 0
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
 
     @property
     def block_ordinal(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -102,7 +103,7 @@ class SlotAllocator:
         self._first = list(reversed(slots))   # popped from the end
 
     def owned(self) -> set[PageIndex]:
-        return set(np.flatnonzero(self.owned_mask()).tolist())
+        return cast(set[PageIndex], set(np.flatnonzero(self.owned_mask()).tolist()))
 
     def owned_mask(self) -> np.ndarray:
         """A read-only boolean per slot: owned."""

@@ -226,4 +226,6 @@ def capture(stream_handle: int, enqueue: Callable[[], None], keep: object) -> Gr
     _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(graph_exec), graph,
                                            ctypes.c_ulonglong(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)),
            "cuGraphInstantiate")
+    if graph.value is None or graph_exec.value is None:
+        raise RuntimeError("a CUDA graph was captured, but the driver returned no graph")
     return Graph(graph.value, graph_exec.value, keep)

@@ -9,7 +9,7 @@ beside a matmul a capped gather is starved, so staged caps it only when asked). 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +25,8 @@ DEVICE_THREADS = 512
 
 @dataclass
 class Launch:
-    function: object
+    function: Any
+    """The compiled kernel (a PyCUDA function)."""
     descs: torch.Tensor
     chunk_start: torch.Tensor
     num_descs: int

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ class _Chunk:
     kernel: list                                  # the prepared gather / scatter launch
     runs: list[PitchedCopy]
     """The copy-engine calls between staging and the host, one per run of consecutive host slots."""
-    ready: object = field(default_factory=_event)
+    ready: Any = field(default_factory=_event)   # a PyCUDA event
 
 
 @dataclass
@@ -77,7 +77,7 @@ class _Slot:
 
     chunks: list[_Chunk]
     staging: PageSpace | None = None
-    free: object = field(default_factory=_event)
+    free: Any = field(default_factory=_event)
     """Recorded where the last use of `staging` ends; the next use waits for it."""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeGuard
 
 from kvtool.connector.request import Request
 from kvtool.errors import InputError
@@ -63,13 +63,16 @@ class Workload:
         skipped; `requests()` names it when the replay reaches it."""
         imported = self.format != "kvtool"
         for index, (number, raw) in enumerate(_records(self.path)):
+            prompt_len: object
+            new: object
+            request_id: object
             if imported:
                 prompt_len, new, request_id = raw.get("input_length"), raw.get("output_length"), index
             else:
                 prompt = raw.get("prompt")
                 prompt_len = len(prompt) if isinstance(prompt, list) else None
                 new, request_id = raw.get("max_new_tokens"), raw.get("request_id")
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (prompt_len, new, request_id)):
+            if not (_is_count(prompt_len) and _is_count(new) and _is_count(request_id)):
                 continue
             yield RequestSize(request_id, number, prompt_len, 0 if self.prefill_only else new)
 
@@ -115,6 +118,10 @@ def detect_format(path: Path) -> str:
         raise InputError(f"{path} line {number}: cannot tell the workload format (no 'prompt' and no "
                          f"'hash_ids' field); name it with --format {'|'.join(FORMATS)}")
     raise InputError(f"workload {path} has no requests")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
