@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# NVIDIA Dynamo KVBM 1.6.1's TensorRT-LLM connector under `kvtool validate --compat trtllm` on GPU
-# pages: the run a CPU-only machine cannot make (docs/field-connectors.md says what stops it there).
-# LMCache 0.5.6 is not in this run: its kit alone (numba's libllvmlite: 40,445,148 B packed) and
-# KVBM's (28,319,388 B) exceed one call's 64 MiB carry together (docs/field-connectors.md).
+# NVIDIA Dynamo KVBM 1.6.1's and LMCache 0.5.6's TensorRT-LLM connectors under `kvtool validate
+# --compat trtllm` on GPU pages: the run a CPU-only machine cannot make (docs/field-connectors.md
+# says what stops it there).
 #
-# 1. Where the package index is reachable: bash .ci/field-kit.sh kvbm   -> .field/kit-kvbm.tar.xz
-# 2. Through the device tool, carrying .field (and .whl, the device wheels), one call:
+# 1. Where the package index is reachable: bash .ci/field-kit.sh kvbm; bash .ci/field-kit.sh lmcache-gpu
+#    -> .field/kit-kvbm.tar.xz, .field/kit-lmcache-gpu.tar.xz (LMCache less what the GPU image holds)
+# 2. Through the device tool, carrying both kits (and .whl, the device wheels), one call:
 #      export KVTOOL_COMMIT=<HEAD here>; bash .ci/field-gpu.sh
-#    within DEADLINE_S (390 s) of its start. Results: $OUT/field-gpu.tgz (every run folder: results.json,
+#    within DEADLINE_S (560 s) of its start; without LMCache's kit only KVBM runs. Results: $OUT/field-gpu.tgz (every run folder: results.json,
 #    results.csv, meta.json, tracebacks/; each step's log), and beside it steps.txt (one line a step:
 #    rc and seconds) and summary.csv (every verdict row, with the run it came from).
 # First a probe (.ci/field-kvbm-probe.py) builds KVBM alone and times it; should it hang, its stack is
 # logged and only one batch runs (60 s). The validate runs are batches of scenarios, each its own folder, so a batch cut by the deadline
 # loses only itself; each batch gets its own KVBM ZMQ ports, so a leftover process cannot block the
-# next. FIELD_DEVICE=cpu runs the same steps on CPU pages (a check of this script's plumbing only:
+# next. LMCache's in-process adapter runs on a Hugging Face config of `tiny`'s shape (it reads the
+# model with transformers, offline), its multi-process adapter against its own server, started here
+# on a free port and stopped by pid (its log kept). FIELD_DEVICE=cpu runs the same steps on CPU pages (a check of this script's plumbing only:
 # there KVBM's worker cannot be built). Exit 2: no GPU, or no kit; else 0 (the verdicts are in
 # summary.csv, each step's rc in steps.txt).
 set -uo pipefail
@@ -21,7 +23,7 @@ device=${FIELD_DEVICE:-cuda}
 kit=${FIELD_KIT:-.field/kit-kvbm.tar.xz}
 [ -n "${OUT:-}" ] || { echo "field-gpu: OUT is not set: run it through the device tool, which sets it" >&2; exit 2; }
 work=/tmp/field-gpu && rm -rf "$work" && mkdir -p "$work"
-deadline=$(($(date +%s) + ${DEADLINE_S:-390}))
+deadline=$(($(date +%s) + ${DEADLINE_S:-560}))
 note() { echo "$*" | tee -a "$work/steps.txt" >&2; }
 pack() {
     tar czf "$OUT/field-gpu.tgz" -C /tmp field-gpu
@@ -42,7 +44,7 @@ summarize() {   # every verdict row of every run folder, prefixed by the run's n
     done
 }
 
-note "field-gpu: device=$device kit=$kit deadline ${DEADLINE_S:-390}s, started $(date -u +%FT%TZ)"
+note "field-gpu: device=$device kit=$kit deadline ${DEADLINE_S:-560}s, started $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/nvidia-smi.csv" 2>&1
 echo "${KVTOOL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >"$work/commit.txt"
 if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -71,30 +73,67 @@ step kvbm-probe 60 python3 .ci/field-kvbm-probe.py "$device"   # construction + 
 hung=0; grep -q "^Timeout (" "$work/kvbm-probe.log" && hung=1   # faulthandler's stack dump: a hang
 
 kvbm=kvbm.trtllm_integration.connector:DynamoKVBMConnectorLeader:DynamoKVBMConnectorWorker
+lmc=lmcache.integration.tensorrt_llm.tensorrt_adapter:LMCacheKvConnectorScheduler:LMCacheKvConnectorWorker
+lmc_mp=lmcache.integration.tensorrt_llm.tensorrt_mp_adapter:LMCacheMPKvConnectorScheduler:LMCacheMPKvConnectorWorker
 port=56101
-validate() {   # NAME SECONDS ARGS...: one validate run of KVBM into runs/NAME
+validate() {   # NAME SECONDS TARGET ARGS...: one validate run of TARGET into runs/NAME
     export DYN_KVBM_LEADER_ZMQ_PUB_PORT=$port DYN_KVBM_LEADER_ZMQ_ACK_PORT=$((port + 1)); port=$((port + 10))
-    step "$1" "$2" python3 -m kvtool validate "$kvbm" --compat trtllm --device "$device" --jobs 1 \
-        --timeout 30 --load-timeout 15 --save-timeout 15 --format csv --output "$work/runs/$1" "${@:3}"
+    step "$1" "$2" python3 -m kvtool validate "$3" --compat trtllm --device "$device" --jobs 1 \
+        --timeout 30 --load-timeout 15 --save-timeout 15 --format csv --output "$work/runs/$1" "${@:4}"
     [ -f "$work/runs/$1/results.csv" ] ||   # no run folder: validate stopped before a scenario (exit 2)
         echo "$1: $(grep -a 'kvtool: error' "$work/$1.log" | tail -1)" >>"$work/errors.txt"
     summarize; pack
 }
 scenarios() { local s; for s in "$@"; do printf -- '--scenario %s ' "$s"; done; }
-# TensorRT-LLM's usual 32 tokens a block, the flat (one layer group) model KVBM supports; the most
-# telling scenarios first, so that what the deadline cuts is the least.
+
+# LMCache: its kit unpacked beside KVBM's (whose pydantic it shares), a Llama config of tiny's shape.
+lmc_kit=${FIELD_LMCACHE_KIT:-.field/kit-lmcache-gpu.tar.xz}
+lmcache=0
+if [ -f "$lmc_kit" ]; then
+    lmc_site=/tmp/field-gpu-lmc && rm -rf "$lmc_site" && mkdir -p "$lmc_site" && tar -C "$lmc_site" -xJf "$lmc_kit" && lmcache=1
+    hf="$work/hf/tiny-llama" && mkdir -p "$hf"
+    printf '{"_name_or_path": "%s", "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4, "intermediate_size": 64, "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "vocab_size": 32000}\n' "$hf" >"$hf/config.json"
+fi
+lmc_env=(env PYTHONPATH="${lmc_site:-}/site:$PYTHONPATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_CHUNK_SIZE=32
+         LMCACHE_LOCAL_CPU=True LMCACHE_MAX_LOCAL_CPU_SIZE=1)
+lmc_validate() {   # NAME SECONDS TARGET ARGS...: validate with LMCache's environment, on the Llama config
+    ( export "${lmc_env[@]:1}"; validate "$1" "$2" "$3" --model "$hf/config.json" --tokens-per-block 32 "${@:4}" )
+}
+if [ "$lmcache" = 1 ]; then
+    step lmcache-import 60 "${lmc_env[@]}" python3 -c "
+import sys, torch, lmcache
+from kvtool.connector.compat import install_compat
+install_compat('trtllm')   # the TensorRT-LLM modules the adapters import, as validate --compat trtllm gives them
+print('lmcache', lmcache.__file__)
+import lmcache.integration.tensorrt_llm.tensorrt_adapter as a
+print('in-process adapter', a.__file__)
+import lmcache.integration.tensorrt_llm.tensorrt_mp_adapter as m
+print('multi-process adapter', m.__file__)"
+fi
+lmc_server() {   # start LMCache's multi-process server on a free port; echo the port (its pid in $work/lmc-server.pid)
+    local p; p=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    "${lmc_env[@]}" python3 -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$p" --l1-size-gb 1 \
+        --eviction-policy LRU --max-workers 1 >"$work/lmc-server.log" 2>&1 &
+    echo $! >"$work/lmc-server.pid"; sleep 8; echo "$p"
+}
+
+# TensorRT-LLM's usual 32 tokens a block, the flat (one layer group) model both support; the most
+# telling scenarios first, the two connectors in turn, so that what the deadline cuts is the least.
 # shellcheck disable=SC2046
 {
-validate tpb32-a $((hung ? 60 : 150)) --model tiny --tokens-per-block 32 $(scenarios cold-warm async-save async-load contract multi-turn)
-if [ "$hung" = 0 ]; then
-validate tpb32-b 150 --model tiny --tokens-per-block 32 $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
-validate tpb32-c 150 --model tiny --tokens-per-block 32 $(scenarios free-before-delivery local-prefix moved-blocks final-pass-blocks hook-raises)
-validate tpb32-d 150 --model tiny --tokens-per-block 32 $(scenarios cache-salt concurrency pause-replay draft-tokens vswa-live-pages)
+validate kvbm-tpb32-a $((hung ? 60 : 150)) "$kvbm" --model tiny --tokens-per-block 32 $(scenarios cold-warm async-save async-load contract multi-turn)
+[ "$lmcache" = 1 ] && lmc_validate lmc-a 120 "$lmc" $(scenarios cold-warm async-save async-load contract multi-turn)
+[ "$hung" = 0 ] && validate kvbm-tpb32-b 120 "$kvbm" --model tiny --tokens-per-block 32 $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
+if [ "$lmcache" = 1 ]; then
+    mp_port=$(lmc_server)
+    lmc_validate lmc-mp-a 90 "$lmc_mp" --connector-opt "server_url=tcp://127.0.0.1:$mp_port" $(scenarios cold-warm multi-turn contract)
+    kill "$(cat "$work/lmc-server.pid")" 2>/dev/null; wait 2>/dev/null
+    lmc_validate lmc-b 90 "$lmc" $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
 fi
+[ "$hung" = 0 ] && validate kvbm-tpb32-c 100 "$kvbm" --model tiny --tokens-per-block 32 $(scenarios free-before-delivery local-prefix moved-blocks final-pass-blocks hook-raises)
+[ "$hung" = 0 ] && validate kvbm-tpb32-d 100 "$kvbm" --model tiny --tokens-per-block 32 $(scenarios cache-salt concurrency pause-replay draft-tokens vswa-live-pages)
 # Several layer groups: KVBM has only the flat hooks, so kvtool (like TensorRT-LLM) must refuse it.
-validate vswa-refused 40 --model tiny-vswa --tokens-per-block 32 $(scenarios cold-warm)
-# kvtool's default, 4 tokens a block (many blocks a prompt), with what time is left.
-[ "$hung" = 0 ] && validate tpb4-a 120 --model tiny $(scenarios cold-warm async-save multi-turn concurrency)
+validate kvbm-vswa-refused 40 "$kvbm" --model tiny-vswa --tokens-per-block 32 $(scenarios cold-warm)
 }
 note "field-gpu: done $(date -u +%FT%TZ)"
 pack

@@ -5,7 +5,10 @@
 # and KVBM's 14,891,253 B come on top. So the kit is their unpacked files, less what KVBM never
 # loads (nixl_ep_cu13: NIXL's expert-parallel kernels, one 39 MB library per torch version; UCX's
 # perf-test tools), packed with xz. It prints the kit's size; a kit over LIMIT_B is refused.
-#   bash .ci/field-kit.sh [kvbm|lmcache|both]     # -> .field/kit-WHAT.tar.xz (.field is git-ignored)
+#   bash .ci/field-kit.sh [kvbm|lmcache|lmcache-gpu|both]     # -> .field/kit-WHAT.tar.xz (.field is git-ignored)
+# `lmcache-gpu` is LMCache less what the GPU machine's image already holds (numba, llvmlite,
+# transformers, tokenizers, cuda-bindings, cupy, numpy, pyyaml, psutil, ...: KINDS.md's package list),
+# which is what lets it travel beside KVBM's kit in one call.
 set -euo pipefail
 what="${1:-kvbm}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,9 +27,13 @@ lmcache_wheels() { get lmcache==0.5.6 pyyaml msgspec pyzmq psutil prometheus-cli
                        opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
                        opentelemetry-exporter-prometheus importlib-metadata zipp cuda-python cuda-bindings \
                        cuda-pathfinder; }   # numpy and cupy-cuda13x left out: see docs/field-connectors.md
+lmcache_gpu_wheels() { get lmcache==0.5.6 msgspec pyzmq aiofile caio blake3 nvtx cachetools truststore typer-slim \
+                           cryptography cffi pycparser opentelemetry-api opentelemetry-sdk \
+                           opentelemetry-semantic-conventions opentelemetry-exporter-prometheus importlib-metadata \
+                           cuda-python; }
 case "$what" in
-    kvbm) kvbm_wheels ;; lmcache) lmcache_wheels ;; both) kvbm_wheels; lmcache_wheels ;;
-    *) echo "usage: $0 [kvbm|lmcache|both]" >&2; exit 2 ;;
+    kvbm) kvbm_wheels ;; lmcache) lmcache_wheels ;; lmcache-gpu) lmcache_gpu_wheels ;; both) kvbm_wheels; lmcache_wheels ;;
+    *) echo "usage: $0 [kvbm|lmcache|lmcache-gpu|both]" >&2; exit 2 ;;
 esac
 ls -l "$work/wheels" | awk 'NR > 1 {print $5, $9}' | sort -n >"$work/wheel-sizes.txt"
 mkdir -p "$work/site"
