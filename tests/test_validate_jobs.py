@@ -231,6 +231,19 @@ def test_the_next_scenario_starts_while_a_finished_one_is_still_ending(tmp_path,
     assert not multiprocessing.active_children()
 
 
+def test_without_overlap_the_next_scenario_starts_only_once_the_finished_one_has_ended(tmp_path, monkeypatch):
+    """`--no-overlap`: the registration's process lingers (until another starts, at most 3 s); the
+    next scenario waits for it, so it never sees another child start, and ends by its own timer."""
+    monkeypatch.setattr(runner_module, "_child", lingering_child)
+    spec = _lingering_host(lingering_options(tmp_path, SETUP, 3))
+    started = time.monotonic()
+    results = run_all([Context(spec, "tiny")], ["cold-warm"], 60, jobs=1, overlap=False)
+    assert not [r for r in results if r.verdict != Verdict.PASS]
+    assert not (tmp_path / "overlapped").exists() and len(list(tmp_path.glob("started-*"))) == 2
+    assert time.monotonic() - started >= 3      # the linger was waited out, not cut by the next start
+    assert not multiprocessing.active_children()
+
+
 def test_a_finished_scenario_that_never_ends_is_killed_once_its_grace_has_passed(tmp_path, monkeypatch):
     """Counted from its answer, checked while the run goes on (`ended`), not only at the run's end.
     The grace is an hour while it must not be over yet, then a second that is waited out from the

@@ -68,6 +68,15 @@ def validate(
                                       "correct connector.")] = "1",
     load_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous load "
                                                 "may stay in flight before load-completes fails it.")] = 5.0,
+    overlap: Annotated[bool, typer.Option(help="Let a scenario's finished process end (a GPU context's "
+                                          "teardown) beside the next scenario; --no-overlap starts each "
+                                          "scenario only once the processes before it have ended, for a "
+                                          "connector holding a fixed port or lock until its process exits "
+                                          "(KVBM's ZMQ ports).")] = True,
+    warmup: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds every engine waits after the "
+                                          "connector's setup before its first request, as TensorRT-LLM warms up "
+                                          "before serving (0: asked at once, which finds a connector still "
+                                          "setting up in the background).")] = 0.0,
     save_timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Wall-clock seconds an asynchronous save "
                                                 "(request_finished answered True) may stay unreported by get_finished "
                                                 "before finished-ids fails it.")] = 5.0,
@@ -125,6 +134,8 @@ def validate(
     jobs_at_once = _jobs(jobs, num_ranks)
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
+    if not math.isfinite(warmup) or not 0 <= warmup <= 600:
+        raise InputError(f"--warmup must be 0 to 600 seconds, got {warmup}")
     if json_out is not None:
         deprecated("--json FILE", "--output DIR (results.json) or --format json")
         check_writable_file(json_out, "--json")
@@ -155,14 +166,14 @@ def validate(
         raise InputError(f"--explore must be a number of seeds (0: off), got {explore_seeds}")
     cut = _cut(max_requests, max_new_tokens)
     contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
-                        strict, save_timeout=save_timeout, cut=cut) for m in models]
+                        strict, save_timeout=save_timeout, cut=cut, warmup=warmup) for m in models]
     console = Console(stderr=True)
 
     def run_seeded(cs: list[Context], names: list[str]) -> list[CheckResult]:
         prefix = f"seed {cs[0].seed} " if explore_seeds else ""
         if explore_seeds and cs[0].cut != cut:   # a probe of the shrink step
             prefix += f"shrink to {cs[0].cut.short()}: "
-        return run_all(cs, names, timeout, jobs=jobs_at_once,
+        return run_all(cs, names, timeout, jobs=jobs_at_once, overlap=overlap,
                        on_result=lambda rs: console.print(prefix + _progress_line(rs), highlight=False, markup=False))
 
     findings = []

@@ -91,6 +91,12 @@ class EngineConfig:
     idle_wait_seconds: float = 0.0005
     """How long an iteration in which nothing ran waits for the connector's background work
     before `get_finished` is polled again."""
+    warmup_seconds: float = 0.0
+    """Wall-clock seconds between the connector's `wait_for_initialization` and the first pass,
+    as TensorRT-LLM's executor warms up (a dummy pass, CUDA graph capture) before it serves: a
+    connector that finishes its own setup in the background after registration (KVBM 1.6.1's
+    leader builds its slot manager about 50 ms later, and panics on an ask before) is ready only
+    with some. 0: the first request is asked at once, which finds such a race."""
 
 
 @dataclass
@@ -211,6 +217,8 @@ class Engine:
         ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
         if not ok:
             raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")
+        if self.config.warmup_seconds > 0:
+            time.sleep(self.config.warmup_seconds)
         return runtime
 
     def _registered(self, spec: ConnectorSpec, rank: int, worker) -> RankWorker:

@@ -199,6 +199,14 @@ class StagedBackend(CudaBackendBase):
     def streams(self) -> list[torch.cuda.Stream]:
         return [self.torch_stream, self._copy_torch_stream]
 
+    def _enqueue_joined(self, built: list[_Plan]) -> None:
+        """In a capture, the copy stream joins only where a plan forked it in (a staged save or
+        load): waiting on it otherwise orders the graph after work outside the capture, which the
+        driver refuses (`dependency created on uncaptured work in another stream`)."""
+        self.enqueue(built)
+        if any(plan.kind in (_PlanKind.SAVE, _PlanKind.LOAD) for plan in built):
+            self.torch_stream.wait_stream(self._copy_torch_stream)
+
 
 def _host_run(host: int, host_pitch: int, staging: int, row_bytes: int, rows: int, to_host: bool) -> PitchedCopy:
     """The copy of `rows` rows between the host (rows `host_pitch` apart) and staging (back to back)."""

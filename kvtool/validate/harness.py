@@ -62,6 +62,8 @@ class Context:
     by `get_finished` before its request fails and `finished-ids` fails with it."""
     cut: Cut | None = None
     """Fewer requests and shorter outputs in every run (`shrink`: --max-requests, --max-new-tokens)."""
+    warmup: float = 0.0
+    """Seconds every engine waits after the connector's setup before its first pass (`--warmup`)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         verify_all_after_iteration=True, max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True,
-                        idle_wait_seconds=schedule.idle_wait_seconds,
+                        idle_wait_seconds=schedule.idle_wait_seconds, warmup_seconds=ctx.warmup,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
 

@@ -281,7 +281,8 @@ def gpu_jobs_cap(models: Sequence[str], tokens_per_block: int, num_ranks: int, f
 
 
 def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
-            on_result: Callable[[list[CheckResult]], None] | None = None, jobs: int = 1) -> list[CheckResult]:
+            on_result: Callable[[list[CheckResult]], None] | None = None, jobs: int = 1,
+            overlap: bool = True) -> list[CheckResult]:
     """Registration first for each model; a model whose layout the connector refuses runs nothing else.
     Results, and the calls of `on_result`, come in the serial order (`plan`) whatever `jobs` is.
 
@@ -308,7 +309,7 @@ def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isola
                 on_result(results)
 
     if isolated:
-        _run_processes(schedule, contexts, timeout, jobs, report)
+        _run_processes(schedule, contexts, timeout, jobs, report, overlap)
     else:
         while (task := schedule.take()) is not None:
             report(schedule.finish(task, run_scenario(task.name, contexts[task.model])))
@@ -316,17 +317,23 @@ def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isola
 
 
 def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, jobs: int,
-                   report: Callable[[list[list[CheckResult]]], None]) -> None:
+                   report: Callable[[list[list[CheckResult]]], None], overlap: bool = True) -> None:
     """Keep up to `jobs` scenario processes running until the schedule is done. Every process is
     started from this thread (no fork while another thread holds a lock); any still running when
     this ends early (an interrupt, say) is killed. Those that answered may end beside the next
     scenarios; each is killed once `EXIT_GRACE_S` have passed since it answered (at once if this
-    ends early), so every one has ended when this returns."""
+    ends early), so every one has ended when this returns. Without `overlap`, none is started
+    until those have ended (each waited for up to its grace): for a connector holding a fixed
+    port or lock until its process exits."""
     flight: dict[Task, ScenarioProcess] = {}
     ending: list[ScenarioProcess] = []     # answered, their processes not yet ended
     completed = False
     try:
         while not schedule.done:
+            if not overlap:
+                for process in ending:
+                    process.close()
+                ending = []
             while len(flight) < jobs and (task := schedule.take()) is not None:
                 flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
             for task in _answered(flight):
