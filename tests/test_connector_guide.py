@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvtool.connector.request import Request
@@ -101,6 +102,38 @@ PROMPT = tuple(range(1, 10 * T + 3))   # 10 blocks and 2 tokens
 
 
 # ---- call order ---------------------------------------------------------------------------------
+
+def test_C0_construction_registration_then_wait_for_initialization_once_then_the_first_ask():
+    events: list[str] = []
+
+    class Worker(LoggingWorker):
+        def __init__(self, llm_args):
+            events.append("worker")
+            super().__init__(llm_args)
+
+        def register_kv_cache_layout(self, layout):
+            events.append("register")
+            super().register_kv_cache_layout(layout)
+
+    spec = scripted(lambda r, n: (0, False), worker=Worker)
+
+    class Scheduler(spec.scheduler_class):
+        def __init__(self, llm_args):
+            events.append("scheduler")
+            super().__init__(llm_args)
+
+        def wait_for_initialization(self):
+            events.append("wait_for_initialization")
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            events.append("ask")
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    engine = make_engine(replace(spec, scheduler_class=Scheduler), tpb=T)
+    assert events == ["scheduler", "worker", "register", "wait_for_initialization"]
+    run(engine, Request(1, PROMPT, 2))
+    assert events == ["scheduler", "worker", "register", "wait_for_initialization", "ask"]
+
 
 def test_C1_asked_once_with_the_local_match_before_any_other_hook():
     engine = engine_with(lambda r, n: (0, False), local_reuse=True)
