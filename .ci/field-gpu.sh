@@ -114,12 +114,25 @@ print('in-process adapter', a.__file__)
 import lmcache.integration.tensorrt_llm.tensorrt_mp_adapter as m
 print('multi-process adapter', m.__file__)"
 fi
-lmc_server() {   # start LMCache's multi-process server on a free port; echo the port (its pid in $work/lmc-server.pid)
-    local p; p=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    "${lmc_env[@]}" python3 -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$p" --l1-size-gb 1 \
-        --eviction-policy LRU --max-workers 1 >"$work/lmc-server.log" 2>&1 &
-    echo $! >"$work/lmc-server.pid"; sleep 8; echo "$p"
+mp_pid=""
+lmc_server() {   # start LMCache's multi-process server in its own session on a free port: sets mp_port, mp_pid
+    mp_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    setsid "${lmc_env[@]}" python3 -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$mp_port" \
+        --l1-size-gb 1 --eviction-policy LRU --max-workers 1 >"$work/lmc-server.log" 2>&1 &
+    mp_pid=$!
+    local _; for _ in $(seq 60); do   # up to 30 s for it to listen
+        python3 -c "import socket, sys; socket.create_connection(('127.0.0.1', $mp_port), 0.5)" 2>/dev/null && return 0
+        sleep 0.5
+    done
+    note "lmc-server: not listening on $mp_port after 30 s"
 }
+lmc_server_stop() {   # its whole process group, then a kill after 10 s
+    [ -n "$mp_pid" ] || return 0
+    kill -- -"$mp_pid" 2>/dev/null
+    local _; for _ in $(seq 20); do kill -0 "$mp_pid" 2>/dev/null || break; sleep 0.5; done
+    kill -9 -- -"$mp_pid" 2>/dev/null; wait "$mp_pid" 2>/dev/null; mp_pid=""
+}
+trap lmc_server_stop EXIT
 
 # KVBM's leader builds its slot manager in the background about 50 ms after its worker registered
 # and panics on an ask before ("slot_manager not initialized"); TensorRT-LLM warms up before it
@@ -132,9 +145,9 @@ validate kvbm-tpb32-a $((hung ? 60 : 150)) "$kvbm" --model tiny --tokens-per-blo
 [ "$lmcache" = 1 ] && lmc_validate lmc-a 120 "$lmc" $(scenarios cold-warm async-save async-load contract multi-turn)
 [ "$hung" = 0 ] && validate kvbm-tpb32-b 120 "$kvbm" --model tiny --tokens-per-block 32 --warmup "$kvbm_warmup" $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
 if [ "$lmcache" = 1 ] && [[ lmc-mp-a =~ $only ]]; then
-    mp_port=$(lmc_server)
+    lmc_server
     lmc_validate lmc-mp-a 90 "$lmc_mp" --connector-opt "server_url=tcp://127.0.0.1:$mp_port" $(scenarios cold-warm multi-turn contract)
-    kill "$(cat "$work/lmc-server.pid")" 2>/dev/null; wait 2>/dev/null
+    lmc_server_stop
 fi
 if [ "$lmcache" = 1 ]; then
     lmc_validate lmc-b 150 "$lmc" $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)

@@ -292,6 +292,12 @@ def test_an_interrupted_run_kills_the_finished_scenarios_at_once(tmp_path, monke
         os.kill(int((tmp_path / "lingering-pid").read_text()), 0)
 
 
+def test_no_overlap_with_several_jobs_is_refused_with_exit_2():
+    done = subprocess.run([sys.executable, "-m", "kvtool", "validate", "host", "--jobs", "2", "--no-overlap"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "--no-overlap runs one scenario process at a time" in done.stderr, done.stderr
+
+
 def test_no_jobs_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "kvtool", "validate", "host", "--jobs", "0"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})

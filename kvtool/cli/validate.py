@@ -134,6 +134,8 @@ def validate(
     jobs_at_once = _jobs(jobs, num_ranks)
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
+    if not overlap and jobs_at_once > 1:
+        raise InputError(f"--no-overlap runs one scenario process at a time: it needs --jobs 1, got --jobs {jobs}")
     if not math.isfinite(warmup) or not 0 <= warmup <= 600:
         raise InputError(f"--warmup must be 0 to 600 seconds, got {warmup}")
     if json_out is not None:

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from kvtool.manager.radix_tree import RadixNode, RadixTree
 
 
+_NO_BUCKET: "OrderedDict[Page, Page]" = OrderedDict()
+"""`release_many`'s bucket before its first page: never written (the first page always finds its own)."""
+
+
 class Page:
     __slots__ = ("layer_group_id", "pool_group_index", "slot", "num_active", "num_held", "node",
                  "priority", "is_scratch")
@@ -125,7 +129,7 @@ class PageTable:
     def release_many(self, pages: Iterable[Page], active: bool) -> None:
         """`release` of each page, in order (one call for a closing cache's thousands)."""
         droppable = self._droppable
-        bucket: OrderedDict[Page, Page] = OrderedDict()
+        bucket: OrderedDict[Page, Page] = _NO_BUCKET     # replaced before the first insert
         bucket_of = None   # a cache's pages mostly share one (pool group, priority)
         for page in pages:
             if active:

@@ -163,6 +163,7 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 def has_memcpy_batch() -> bool:
+    """Whether the driver has cuMemcpyBatchAsync's CUDA 13 form (a 12.8-12.9 driver's has another signature)."""
     return hasattr(libcuda(), "cuMemcpyBatchAsync_v2")
 
 

@@ -14,7 +14,7 @@ Why no gather for large pages: where the pages of a host batch come in runs cons
 sides of at least `direct_run_bytes` on average (a 2 MiB page of every layer is one such run by
 itself), the copy engine carries each run straight between the pages and the host: a gather would
 only copy every byte once more and cost a descriptor table per batch. Where the driver has
-cuMemcpyBatchAsync, the batch's plain runs go to the copy engine in that one call: one
+cuMemcpyBatchAsync (its CUDA 13 form, `_v2`), the batch's plain runs go to the copy engine in that one call: one
 cuMemcpyAsync per run costs several µs of launch each, and in results/protocol-store-bench 128
 runs of 2 MiB took 0.9 ms to launch while the link carried them in 4.9 ms.
 

@@ -203,7 +203,7 @@ def test_staged_moves_large_pages_straight_through_the_copy_engine(direction, sh
         backend = get_backend("staged", direct_run_bytes=direct_run_bytes, batch_runs=batch_runs)
         prepared = backend.prepare([op])
         assert prepared[0].kind is kind
-        if kind is _PlanKind.DIRECT:    # the driver has cuMemcpyBatchAsync from CUDA 12.8 on
+        if kind is _PlanKind.DIRECT:    # batched where the driver has cuMemcpyBatchAsync_v2 (CUDA 13)
             assert (prepared[0].batch is not None) == (batch_runs and rt.has_memcpy_batch())
         op.dst.tensor.fill_(0xA5)
         backend.launch(prepared)
