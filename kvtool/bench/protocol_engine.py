@@ -98,16 +98,14 @@ class Recorder:
         worker's load and save hooks."""
         self.engine.events.subscribe(self)
         self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
-        self.engine.idle_for_connector = self._clocked(lambda: contextlib.nullcontext(),
-                                                       call=self.engine.idle_for_connector)
+        self.engine.idle_for_connector = self._clocked_call(self.engine.idle_for_connector)
         self._mark_forward_layers(self.engine.driver)
         for worker in self.engine.connector.workers:
             for hook in LOAD_HOOKS + SAVE_HOOKS:
                 self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
 
-    def _clocked(self, outer, call=None):
-        """`outer` (a context manager factory) clocked as the connector's; with `call`, a function
-        that calls `call()` inside it instead."""
+    def _clocked(self, outer):
+        """`outer` (a context manager factory) clocked as the connector's."""
         @contextlib.contextmanager
         def clocked() -> Iterator[None]:
             start = time.perf_counter()
@@ -116,9 +114,11 @@ class Recorder:
                     yield
             finally:
                 self.connector_seconds += time.perf_counter() - start
+        return clocked
 
-        if call is None:
-            return clocked
+    def _clocked_call(self, call):
+        """`call` (no arguments) clocked as the connector's."""
+        clocked = self._clocked(contextlib.nullcontext)
 
         def run() -> None:
             with clocked():

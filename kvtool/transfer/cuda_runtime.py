@@ -179,16 +179,6 @@ def memcpy_batch_async(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, st
 
 
 # ---- CUDA graphs: a prepared batch replayed with one driver call ----------------------------------
-CU_STREAM_CAPTURE_STATUS_NONE = 0
-
-
-def is_capturing(stream_handle: int) -> bool:
-    """Whether work enqueued on the stream now goes into a graph being captured."""
-    status = ctypes.c_int()
-    _check(libcuda().cuStreamIsCapturing(ctypes.c_void_p(stream_handle), ctypes.byref(status)), "cuStreamIsCapturing")
-    return status.value != CU_STREAM_CAPTURE_STATUS_NONE
-
-
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
 CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY = 8
 

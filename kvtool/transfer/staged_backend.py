@@ -163,12 +163,13 @@ class StagedBackend(CudaBackendBase):
             chunks.append(_Chunk(self._gather.build([kernel_op]), runs))
         return _Slot(chunks, staging)
 
-    def enqueue(self, prepared: list[_Plan]) -> None:
+    def enqueue(self, prepared: list[_Plan], batched: bool = True) -> None:
+        """`batched` False: a direct plan's runs one call each (inside a graph's capture)."""
         for plan in prepared:
             if plan.kind is _PlanKind.DEVICE:
                 self._device.enqueue(plan.slots[0].chunks[0].kernel, self.stream)
             elif plan.kind is _PlanKind.DIRECT:
-                _copy_direct(plan, int(self.stream.handle))
+                _copy_direct(plan, int(self.stream.handle), batched)
             elif plan.kind is _PlanKind.SAVE:
                 self._save(plan.next_slot())
             else:
@@ -200,10 +201,11 @@ class StagedBackend(CudaBackendBase):
         return [self.torch_stream, self._copy_torch_stream]
 
     def _enqueue_joined(self, built: list[_Plan]) -> None:
-        """In a capture, the copy stream joins only where a plan forked it in (a staged save or
-        load): waiting on it otherwise orders the graph after work outside the capture, which the
-        driver refuses (`dependency created on uncaptured work in another stream`)."""
-        self.enqueue(built)
+        """What a graph captures: direct runs one call each (a batched copy is not known to be
+        capturable on every driver), and the copy stream joined only where a plan forked it in (a
+        staged save or load): waiting on it otherwise orders the graph after work outside the
+        capture, which the driver refuses (`dependency created on uncaptured work in another stream`)."""
+        self.enqueue(built, batched=False)
         if any(plan.kind in (_PlanKind.SAVE, _PlanKind.LOAD) for plan in built):
             self.torch_stream.wait_stream(self._copy_torch_stream)
 
@@ -215,10 +217,10 @@ def _host_run(host: int, host_pitch: int, staging: int, row_bytes: int, rows: in
     return PitchedCopy(staging, row_bytes, host, host_pitch, row_bytes, rows)
 
 
-def _copy_direct(plan: _Plan, stream_handle: int) -> None:
-    """A direct plan's copies: its plain runs in one batched call where it has a batch, except
-    while a graph is captured (a batched copy is not known to be capturable on every driver)."""
-    if plan.batch is None or rt.is_capturing(stream_handle):
+def _copy_direct(plan: _Plan, stream_handle: int, batched: bool) -> None:
+    """A direct plan's copies: its plain runs in one batched call where it has a batch and
+    `batched`, else one call per run."""
+    if plan.batch is None or not batched:
         _copy_runs(plan.runs, stream_handle)
         return
     if len(plan.batch.sizes):
