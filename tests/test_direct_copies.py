@@ -4,6 +4,8 @@ host tensors, as the copy engine runs them on a GPU: tests/gpu/test_backends.py 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,21 +48,30 @@ def test_part_of_each_page_is_one_strided_copy_per_run():
     assert not copy.is_flat and PitchedCopy(0, 64, 0, 64, 64, 3).is_flat
 
 
+SLOTS = 32
+
+
+def random_batch(data, stride: int, count: int) -> tuple[CopyOp, PageSpace]:
+    """A batch of `count` random slot pairs, a random chunk inside each slot, and a copy of its
+    destination as it was (to apply a reference to)."""
+    nbytes = data.draw(st.integers(1, stride))
+    src_offset, dst_offset = data.draw(st.integers(0, stride - nbytes)), data.draw(st.integers(0, stride - nbytes))
+    src_slots = tuple(data.draw(st.permutations(range(SLOTS)))[:count])
+    dst_slots = tuple(data.draw(st.permutations(range(SLOTS)))[:count])
+    src, dst = spaces(stride, SLOTS, count)
+    return (CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset, dst_offset),
+            PageSpace(dst.tensor.clone(), stride, stride, SLOTS))
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), stride=st.sampled_from([64, 256, 1000]), count=st.integers(1, 24))
 def test_direct_copies_move_exactly_the_bytes_the_torch_backend_moves(data, stride, count):
     """Random slot pairs, a chunk inside each slot: the planned calls, run by memmove, leave the
     destination bit for bit as the torch reference does (pages outside the batch untouched)."""
-    slots = 32
-    nbytes = data.draw(st.integers(1, stride))
-    src_offset, dst_offset = data.draw(st.integers(0, stride - nbytes)), data.draw(st.integers(0, stride - nbytes))
-    src_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
-    dst_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
-    src, dst = spaces(stride, slots, count)
-    expected = PageSpace(dst.tensor.clone(), stride, stride, slots)
-    get_backend("torch").copy([CopyOp(src, expected, src_slots, dst_slots, nbytes, src_offset, dst_offset)])
-    reference_pitched_copies(direct_copies(CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset, dst_offset), 1))
-    assert torch.equal(dst.tensor, expected.tensor)
+    op, expected = random_batch(data, stride, count)
+    get_backend("torch").copy([replace(op, dst=expected)])
+    reference_pitched_copies(direct_copies(op, 1))
+    assert torch.equal(op.dst.tensor, expected.tensor)
 
 
 def test_a_run_batch_holds_the_plain_runs_in_order_and_leaves_the_strided_ones_out():
@@ -77,15 +88,7 @@ def test_a_run_batch_holds_the_plain_runs_in_order_and_leaves_the_strided_ones_o
 def test_a_run_batch_moves_exactly_the_bytes_its_runs_move(data, stride, count):
     """The batched form of a direct plan (one batched call for the plain runs, one 2D copy per
     strided run), run by memmove, leaves the destination as the runs one by one do."""
-    slots = 32
-    nbytes = data.draw(st.integers(1, stride))
-    src_offset, dst_offset = data.draw(st.integers(0, stride - nbytes)), data.draw(st.integers(0, stride - nbytes))
-    src_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
-    dst_slots = tuple(data.draw(st.permutations(range(slots)))[:count])
-    src, dst = spaces(stride, slots, count)
-    one_by_one = PageSpace(dst.tensor.clone(), stride, stride, slots)
-    reference_pitched_copies(direct_copies(CopyOp(src, one_by_one, src_slots, dst_slots, nbytes, src_offset,
-                                                  dst_offset), 1))
-    reference_run_batch(run_batch(direct_copies(CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset,
-                                                       dst_offset), 1)))
-    assert torch.equal(dst.tensor, one_by_one.tensor)
+    op, one_by_one = random_batch(data, stride, count)
+    reference_pitched_copies(direct_copies(replace(op, dst=one_by_one), 1))
+    reference_run_batch(run_batch(direct_copies(op, 1)))
+    assert torch.equal(op.dst.tensor, one_by_one.tensor)
