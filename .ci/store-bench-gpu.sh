@@ -6,7 +6,7 @@
 # GPU machine from a checkout (after the device wheels are on PYTHONPATH: ../shared/DEVICE.md); writes
 # under $OUT. Each step has its own time limit, so one slow step leaves the others' results (about
 # 490 s in all; WITH_LAYERWISE=1 adds host-layerwise beside products, 80 s more; SKIP_GPU_TESTS=1
-# leaves out the tests).
+# leaves out the tests; SKIP_BEFORE=1 the breakdown of the BEFORE backend).
 set -u
 out="${OUT:?set OUT to the folder for the results}"
 step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit code in the log's last line
@@ -20,8 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 step raw 40 python3 .ci/store-breakdown.py "$out/breakdown" --part raw --backends "${BEFORE:-staged-runs},staged,batch" \
     --raw-pages 2097152,4194304 --raw-counts 128
 step bench 160 python3 -m kvtool bench --suite store --device cuda --output "$out/bench"
-step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol \
-    --backends "${BEFORE:-staged-runs}" --modes sync --workloads 8x16x8
+if [ -z "${SKIP_BEFORE:-}" ]; then
+    step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol \
+        --backends "${BEFORE:-staged-runs}" --modes sync --workloads 8x16x8
+fi
 step breakdown-after 100 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
     --modes sync,async,layerwise --workloads 8x4x8,8x16x8 --profile
 step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \
