@@ -52,4 +52,4 @@ def test_a_key_added_and_not_documented_is_found():
     section = '```json\n{"target": str, "results": [{"check": str}]}\n```'
     written = keys_of({"target": "host", "seed": 0, "results": [{"check": "x"}], "findings": []})
     assert written - documented_keys(section) == {"seed", "findings", "scenario", "model", "checks",
-                                                         "max_requests", "max_new_tokens"}
+                                                         "max_requests", "max_new_tokens", "alone"}

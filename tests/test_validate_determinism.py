@@ -131,8 +131,25 @@ def test_explore_stops_a_scenario_at_its_first_failure_and_prints_the_reproduce_
     result = cli.invoke(app, ["validate", target, "--scenario", "async-save", "--scenario", "clamp", "--model", "tiny",
                               "--explore", "3", "--seed", "4", "--device", "cpu"])
     assert result.exit_code == 1
-    runs = re.findall(r"^seed (\d) (async-save|clamp)\[tiny\]", result.stderr, re.MULTILINE)
-    assert runs == [("4", "async-save"), ("4", "clamp"), ("5", "clamp"), ("6", "clamp")]   # not shrink's probes
+    runs = re.findall(r"^seeds? ([\d.]+) (again, alone: )?(async-save|clamp)\[tiny\]", result.stderr, re.MULTILINE)
+    # async-save stops at its first seed and runs once more alone; clamp passes all three (not shrink's probes)
+    assert runs == [("4", "", "async-save"), ("4..6", "", "clamp"), ("4", "again, alone: ", "async-save")]
     assert (f"async-save[tiny] failed integrity at seed 4 ({schedule_for(4).describe()}); reproduce: kvtool validate "
             f"{target} --scenario async-save --model tiny --seed 4 --device cpu") in result.stderr
     assert "seeds 4..6 explored, 1 scenario failed" in result.stderr
+
+
+def test_explore_runs_a_scenarios_seeds_in_one_process_and_says_when_a_failure_needs_the_earlier_ones():
+    target = "tests/helpers/early_report_connectors.py:WrongFromTheSecondEngine:Worker"
+    result = cli.invoke(app, ["validate", target, "--scenario", "cold-warm", "--model", "tiny",
+                              "--explore", "3", "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 1
+    # seed 0 built the process's first engine and passed; seed 1's engine was its second, and failed
+    assert re.findall(r"^seeds? ([\d.]+) (again, alone: )?cold-warm", result.stderr, re.MULTILINE) == \
+        [("1", ""), ("1", "again, alone: ")]
+    assert ("cold-warm[tiny] failed integrity at seed 1 only after the earlier seeds ran in the same process"
+            in result.stderr)
+    assert "cold-warm[tiny]: not shrunk (it does not fail alone at its seed)" in result.stderr
+    document = json.loads(result.stdout)
+    assert [(f["seed"], f["alone"], f["max_requests"]) for f in document["findings"]] == [(1, False, None)]
+    assert {r["seed"] for r in document["results"] if r["scenario"] == "cold-warm"} == {1}

@@ -6,7 +6,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, Sequence
 
 import pandas as pd
 import torch
@@ -171,12 +171,17 @@ def validate(
                         strict, save_timeout=save_timeout, cut=cut, warmup=warmup) for m in models]
     console = Console(stderr=True)
 
-    def run_seeded(cs: list[Context], names: list[str]) -> list[CheckResult]:
-        prefix = f"seed {cs[0].seed} " if explore_seeds else ""
-        if explore_seeds and cs[0].cut != cut:   # a probe of the shrink step
-            prefix += f"shrink to {cs[0].cut.short()}: "
-        return run_all(cs, names, timeout, jobs=jobs_at_once, overlap=overlap,
-                       on_result=lambda rs: console.print(prefix + _progress_line(rs), highlight=False, markup=False))
+    def run_seeded(cs: list[Context], names: list[str], seeds: Sequence[int] = ()) -> list[CheckResult]:
+        def progress(rs: list[CheckResult]) -> None:
+            prefix = ""
+            if explore_seeds and seeds and rs[0].seed is not None and not any(r.failed for r in rs):
+                prefix = f"seeds {seeds[0]}..{seeds[-1]} "
+            elif explore_seeds:
+                prefix = f"seed {rs[0].seed if rs[0].seed is not None else cs[0].seed} "
+            if explore_seeds and not seeds:   # after a failure: the run alone, or a probe of the shrink step
+                prefix += f"shrink to {cs[0].cut.short()}: " if cs[0].cut != cut else "again, alone: "
+            console.print(prefix + _progress_line(rs), highlight=False, markup=False)
+        return run_all(cs, names, timeout, jobs=jobs_at_once, overlap=overlap, on_result=progress, seeds=seeds)
 
     findings = []
     if explore_seeds:
@@ -197,7 +202,7 @@ def validate(
         write_file(json_out, json.dumps(_document(results, target, models, seeds), indent=2) + "\n")
     if folder is not None:
         write_file(folder / "results.json", json.dumps(_document(results, target, models, seeds), indent=2) + "\n")
-        write_file(folder / "results.csv", frame_text(_frame(results), OutputFormat.csv))
+        write_file(folder / "results.csv", frame_text(_frame(results, seed), OutputFormat.csv))
         write_file(folder / "junit.xml", junit_xml(results, target, seeds.properties()))
         written = _write_tracebacks(folder, results)
         write_meta(folder, "validate", target=target, jobs=jobs_at_once)
@@ -325,11 +330,13 @@ def _print_results(results: list[CheckResult], target: str, models: list[str], f
     elif format is OutputFormat.json:
         print(json.dumps(_document(results, target, models, seeds), indent=2))
     else:
-        print(frame_text(_frame(results), format), end="")
+        print(frame_text(_frame(results, seeds.seed if seeds else 0), format), end="")
 
 
-def _frame(results: list[CheckResult]) -> pd.DataFrame:
-    rows = [{**r.as_dict(), "evidence": "; ".join(r.evidence)} for r in results]
+def _frame(results: list[CheckResult], seed: int) -> pd.DataFrame:
+    """One row a result; `seed` is that of every row whose result does not name its own."""
+    rows = [{**r.as_dict(), "evidence": "; ".join(r.evidence), "seed": r.seed if r.seed is not None else seed}
+            for r in results]
     for row in rows:
         del row["tracebacks"]   # many lines each: results.json and tracebacks/ hold them
     return pd.DataFrame(rows)

@@ -18,6 +18,7 @@ import torch
 
 from kvtool.blocks import num_blocks
 from kvtool.engine.byte_origin import Coordinate, Origins
+from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
@@ -120,6 +121,7 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
+        self._expected_cache = ExpectedBytesCache()
         self._buffers: dict[int, list[_LayerBuffer]] = {}
         self._group_of: dict[int, LayerGroupSpec] = {}
         for group in self.layer_groups:
@@ -138,6 +140,7 @@ class FakeEngine:
     # ---- public ------------------------------------------------------------------------------
     def forget(self, request_id: int) -> None:
         self._origins.forget(request_id)
+        self._expected_cache.forget(request_id)
         self._hashes.pop(request_id, None)
 
     def rewind(self, request_id: int, length: int) -> None:
@@ -238,7 +241,7 @@ class FakeEngine:
         buffers = self._buffers[layer_id]
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
-        expected = _moved(self._expected(buffers, layer_id, hashes.array()[positions]), views[0].device)
+        expected = _moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
         for view, lb, part in zip(views, buffers, expected):
             view[where[0], lb.index, where[1]] = part
 
@@ -262,12 +265,18 @@ class FakeEngine:
         found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers)]
         if found[0].device.type != "cpu" and sum(part.numel() for part in found) <= HOST_COMPARE_BYTES:
             found = _moved(found, torch.device("cpu"))
-        expected = _moved(self._expected(buffers, layer_id, hashes.array()[positions]), found[0].device)
+        expected = _moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
         for lb, found_part, expected_part in zip(buffers, found, expected):
             bad = (found_part != expected_part).any(dim=-1)
             if bool(bad.any()):
                 self._record(request_id, group, layer_id, lb, positions, bad, expected_part, found_part)
         return torch.cat([part.reshape(len(positions), -1) for part in found], dim=1)
+
+    def _expected_at(self, request_id: int, buffers: list[_LayerBuffer], layer_id: int, hashes: PrefixHashes,
+                     positions: np.ndarray) -> list[torch.Tensor]:
+        """`_expected` of the request's `positions`, each computed once (`ExpectedBytesCache`)."""
+        return self._expected_cache.at(request_id, layer_id, hashes.array(), positions,
+                                       lambda some: self._expected(buffers, layer_id, some))
 
     @staticmethod
     def _expected(buffers: list[_LayerBuffer], layer_id: int, prefix_hashes: np.ndarray) -> list[torch.Tensor]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CheckResult
 from kvtool.validate.runner import SETUP
 from kvtool.validate.schedule import schedule_for
-from kvtool.validate.shrink import Cut, shrink
+from kvtool.validate.shrink import Cut, reproduces, shrink
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,21 @@ class Finding:
     checks: tuple[str, ...]
     smallest: Cut = Cut()
     """The smallest cut of the scenario that still failed all of `checks` at `seed` (Cut(): none smaller)."""
+    alone: bool = True
+    """It failed again when run alone at `seed`, in a fresh process. False: only after the earlier
+    seeds' runs in the same process, so state the connector keeps in its modules across engines."""
 
     def line(self, reproduce: str) -> str:
-        return (f"{self.scenario}[{self.model}] failed {', '.join(self.checks)} at seed {self.seed} "
+        after = "" if self.alone else (
+            " only after the earlier seeds ran in the same process: alone, in a fresh process, it passed, so "
+            "the likely cause is state the connector keeps in its modules from one engine to the next")
+        return (f"{self.scenario}[{self.model}] failed {', '.join(self.checks)} at seed {self.seed}{after} "
                 f"({schedule_for(self.seed).describe()}); reproduce: {reproduce}")
 
     def smallest_line(self, reproduce: str) -> str:
         """The shrink step's outcome, with `reproduce` (the command with `smallest.options()`)."""
+        if not self.alone:
+            return f"{self.scenario}[{self.model}]: not shrunk (it does not fail alone at its seed)"
         if self.smallest == Cut():
             return f"{self.scenario}[{self.model}]: no smaller case fails (fewer requests or shorter outputs pass)"
         return f"{self.scenario}[{self.model}] smallest failing case: {self.smallest.describe()}; reproduce: {reproduce}"
@@ -54,41 +62,49 @@ class SeedsRun:
     def as_dict(self) -> dict:
         return {"seed": self.seed, "schedule": schedule_for(self.seed).describe(), "explore": self.num_explored,
                 "findings": [{"scenario": f.scenario, "model": f.model, "seed": f.seed, "checks": list(f.checks),
-                              "max_requests": f.smallest.max_requests, "max_new_tokens": f.smallest.max_new_tokens}
+                              "max_requests": f.smallest.max_requests, "max_new_tokens": f.smallest.max_new_tokens,
+                              "alone": f.alone}
                              for f in self.findings]}
 
     def properties(self) -> dict[str, str]:
         return {"seed": str(self.seed), "explore": str(self.num_explored)}
 
 
-RunAll = Callable[[list[Context], list[str]], list[CheckResult]]
+RunAll = Callable[[list[Context], list[str], Sequence[int]], list[CheckResult]]
+"""`runner.run_all` of these contexts and scenario names, at these seeds (none: each context's own)."""
 
 
 def explore(contexts: list[Context], names: list[str], num_seeds: int,
             run_all: RunAll) -> tuple[list[CheckResult], list[Finding]]:
-    """Seeds `ctx.seed`, `ctx.seed + 1`, ... (num_seeds of them) for every scenario of every
-    context; a (scenario, model) that fails is not run again at other seeds, but shrunk at its
-    failing seed (`shrink`). The results: each (scenario, model)'s run at its failing seed (full
-    size), else at the first seed, in the first seed's order."""
-    remaining = {ctx.model: [n for n in names if n != SETUP] for ctx in contexts}
-    chosen: dict[tuple[str, str], list[CheckResult]] = {}
+    """Every scenario of every context at seeds `ctx.seed`, `ctx.seed + 1`, ... (num_seeds of them;
+    the contexts share one seed): a (scenario, model)'s seeds run one after another in one process
+    and stop at its first failure (`runner.run_seeds`). A failure is run again alone at its seed,
+    in a fresh process: where it fails there too, that run's results stand and it is shrunk at
+    that seed (`shrink`); where it passes, the finding says it failed only after the earlier seeds'
+    runs (`Finding.alone`). The results: each (scenario, model)'s run at its failing seed, else at
+    the first seed, in the serial order."""
+    first = contexts[0].seed
+    seeds = range(first, first + num_seeds)
+    results = run_all(contexts, [n for n in names if n != SETUP], seeds)
+    by_model = {ctx.model: ctx for ctx in contexts}
+    chosen: list[CheckResult] = []
     findings: list[Finding] = []
-    for k in range(num_seeds):
-        for ctx in contexts:
-            todo = remaining[ctx.model]
-            if not todo:
-                continue
-            seed = ctx.seed + k
-            for key, group in _by_scenario(run_all([replace(ctx, seed=seed)], todo)).items():
-                failed = [r.check for r in group if r.failed]
-                if failed or key not in chosen:
-                    chosen[key] = group
-                if failed and key[0] in todo:
-                    todo.remove(key[0])
-                    at_seed = replace(ctx, seed=seed)
-                    smallest = shrink(at_seed, key[0], failed, lambda c, name=key[0]: run_all([c], [name]))
-                    findings.append(Finding(key[0], key[1], seed, tuple(failed), smallest))
-    return [r for group in chosen.values() for r in group], findings
+    for (scenario, model), group in _by_scenario(results).items():
+        failed = [r.check for r in group if r.failed]
+        if scenario == SETUP or not failed:
+            chosen += group
+            continue
+        seed = group[0].seed if group[0].seed is not None else first
+        at_seed = replace(by_model[model], seed=seed)
+        again = run_all([at_seed], [scenario], ())
+        if reproduces(again, scenario, failed):
+            chosen += [r for r in again if r.scenario == scenario]
+            smallest = shrink(at_seed, scenario, failed, lambda c, name=scenario: run_all([c], [name], ()))
+            findings.append(Finding(scenario, model, seed, tuple(failed), smallest))
+        else:
+            chosen += group
+            findings.append(Finding(scenario, model, seed, tuple(failed), alone=False))
+    return chosen, findings
 
 
 def _by_scenario(results: list[CheckResult]) -> dict[tuple[str, str], list[CheckResult]]:

@@ -42,6 +42,9 @@ class CheckResult:
     tracebacks: list[str] = field(default_factory=list)
     """The whole traceback of each connector hook failure (and stopped run) of the scenario, each
     headed by what failed: on the scenario's first result that did not pass, none when all passed."""
+    seed: int | None = None
+    """The seed of the run that made this result, where one process ran a scenario at several
+    (`--explore`: `runner.run_seeds`); None where the run's seed is the context's."""
 
     @property
     def purpose(self) -> str:
@@ -53,6 +56,8 @@ class CheckResult:
 
     def as_dict(self) -> dict:
         data = asdict(self)
+        if self.seed is None:
+            del data["seed"]
         data["verdict"] = self.verdict.value
         data["purpose"] = self.purpose
         return data

@@ -9,7 +9,7 @@ import os
 import pickle
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Callable, Collection, Iterable, Sequence
 
@@ -62,6 +62,25 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
     return results
 
 
+def run_seeds(name: str, ctx: Context, seeds: Sequence[int],
+              started: Callable[[int], None] = lambda seed: None) -> list[CheckResult]:
+    """`name` at each of `seeds` in turn, here, until a run fails: that run's results, else the
+    first seed's; each result's `seed` says which. `started(seed)` is called before each run.
+    Each run is as `run_scenario` makes it (its own folder, store namespace, collected garbage);
+    what the connector keeps in its modules outlives it, which a fresh process at the failing
+    seed tells apart (`explore`)."""
+    first: list[CheckResult] | None = None
+    for seed in seeds:
+        started(seed)
+        results = run_scenario(name, replace(ctx, seed=seed))
+        for r in results:
+            r.seed = seed
+        if any(r.failed for r in results):
+            return results
+        first = first if first is not None else results
+    return first or []
+
+
 def _run_here(name: str, ctx: Context) -> list[CheckResult]:
     return _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
 
@@ -82,14 +101,19 @@ def _setup(ctx: Context) -> list[CheckResult]:
 
 class ScenarioProcess:
     """`run_scenario` in a child process, started by the constructor; `result()` collects it. The
-    timeout counts from the moment the process has started."""
+    timeout counts from the moment the process has started. With `seeds`, the child runs
+    `run_seeds` instead, and each seed's run gets the timeout from its own start."""
 
-    def __init__(self, name: str, ctx: Context, timeout: float, start_method: str | None = None) -> None:
+    def __init__(self, name: str, ctx: Context, timeout: float, start_method: str | None = None,
+                 seeds: Sequence[int] = ()) -> None:
         self.name, self.ctx, self.timeout = name, ctx, timeout
+        self.seed: int | None = None
+        """The seed whose run started last (`seeds` only)."""
         mp = scenario_processes(start_method)
         self.receive, send = mp.Pipe(duplex=False)
         # not a daemon: a scenario with several ranks starts its follower processes
-        self.child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat), daemon=False)
+        self.child = mp.Process(target=_child, args=(send, name, pickle.dumps(ctx), ctx.compat, tuple(seeds)),
+                                daemon=False)
         self.answered_at: float | None = None
         """When its results arrived; None until then (or if they never do)."""
         self.started = time.perf_counter()
@@ -105,11 +129,15 @@ class ScenarioProcess:
         (`ended` and `close` collect it, or kill it past that). On a GPU its last step, the driver
         tearing down its CUDA context, is slow enough that waiting for it held up the next scenario."""
         results = None
-        if self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
+        while results is None and self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
             try:
-                results = self.receive.recv()
+                message = self.receive.recv()
             except EOFError:
-                results = None
+                break
+            if isinstance(message, int):   # a seed's run started (`run_seeds`): its own timeout
+                self.seed, self.deadline = message, time.perf_counter() + self.timeout
+            else:
+                results = message
         self.receive.close()
         if results is not None:
             self.answered_at = time.perf_counter()
@@ -119,7 +147,7 @@ class ScenarioProcess:
         why = (f"did not finish within {self.timeout:g} s (a connector hook hung?)"
                if self.child.exitcode in (None, -9) else
                f"the scenario's process died (exit code {self.child.exitcode})")
-        return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why])]
+        return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why], seed=self.seed)]
 
     def ended(self) -> bool:
         """Whether the child has ended (collected if so); one that answered more than `EXIT_GRACE_S`
@@ -160,7 +188,7 @@ def run_isolated(name: str, ctx: Context, timeout: float, start_method: str | No
         process.close()
 
 
-def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
+def _child(send, name: str, ctx_blob: bytes, compat: str | None, seeds: tuple[int, ...] = ()) -> None:
     # A forked child must not enter the OpenMP pool its parent may have started (it would hang);
     # with one thread torch runs everything inline. The scenarios are small.
     torch.set_num_threads(1)
@@ -170,7 +198,15 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
         # no collection: this process ends at once (os._exit), its memory with it; on a GPU the
         # collection's finalizers (freeing pinned and device memory) took 0.6 s a process with 16
         # starting at once (results/h200-host-async-x10/startup-probe-16.log)
-        send.send(run_scenario(name, pickle.loads(ctx_blob), collect=False))
+        ctx = pickle.loads(ctx_blob)
+        if not seeds:
+            send.send(run_scenario(name, ctx, collect=False))
+            return
+        # What the parent built (torch, kvtool, the connector's modules) is never garbage: out of the
+        # collector's sight, each seed's collection (`run_seeds`) scans only that run's objects
+        # (48 ms a run otherwise, a fifth of a small scenario).
+        gc.freeze()
+        send.send(run_seeds(name, ctx, seeds, started=send.send))
     finally:
         send.close()
         os._exit(0)
@@ -282,9 +318,11 @@ def gpu_jobs_cap(models: Sequence[str], tokens_per_block: int, num_ranks: int, f
 
 def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isolated: bool = True,
             on_result: Callable[[list[CheckResult]], None] | None = None, jobs: int = 1,
-            overlap: bool = True) -> list[CheckResult]:
+            overlap: bool = True, seeds: Sequence[int] = ()) -> list[CheckResult]:
     """Registration first for each model; a model whose layout the connector refuses runs nothing else.
     Results, and the calls of `on_result`, come in the serial order (`plan`) whatever `jobs` is.
+    With `seeds`, each scenario (not the registration) runs at those seeds one after another in
+    its one process, until one fails (`run_seeds`): its results are that seed's, else the first's.
 
     `jobs` > 1 (isolated only) runs up to that many scenario processes at once, each exactly as
     `run_isolated` runs one, and so as isolated as a serial one: its own process (fork or fork-server
@@ -309,15 +347,18 @@ def run_all(contexts: Iterable[Context], names: list[str], timeout: float, isola
                 on_result(results)
 
     if isolated:
-        _run_processes(schedule, contexts, timeout, jobs, report, overlap)
+        _run_processes(schedule, contexts, timeout, jobs, report, overlap, seeds)
     else:
         while (task := schedule.take()) is not None:
-            report(schedule.finish(task, run_scenario(task.name, contexts[task.model])))
+            ctx = contexts[task.model]
+            results = run_seeds(task.name, ctx, seeds) if seeds and task.name != SETUP else run_scenario(task.name, ctx)
+            report(schedule.finish(task, results))
     return everything
 
 
 def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, jobs: int,
-                   report: Callable[[list[list[CheckResult]]], None], overlap: bool = True) -> None:
+                   report: Callable[[list[list[CheckResult]]], None], overlap: bool = True,
+                   seeds: Sequence[int] = ()) -> None:
     """Keep up to `jobs` scenario processes running until the schedule is done. Every process is
     started from this thread (no fork while another thread holds a lock); any still running when
     this ends early (an interrupt, say) is killed. Those that answered may end beside the next
@@ -335,7 +376,8 @@ def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, 
                     process.close()
                 ending = []
             while len(flight) < jobs and (task := schedule.take()) is not None:
-                flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout)
+                flight[task] = ScenarioProcess(task.name, contexts[task.model], timeout,
+                                               seeds=seeds if task.name != SETUP else ())
             for task in _answered(flight):
                 results = flight[task].result()      # still in `flight` until answered: an interrupt kills it
                 ending.append(flight[task])

@@ -103,3 +103,23 @@ class ClaimsOneBlockMore(HostConnectorScheduler):
                 tracker.planned[(j, g)] = tracker.planned[(j - 1, g)]   # the entry of the block before it
                 self.pin(tracker.planned[(j, g)])
         return num + max(extra, 0), is_async
+
+
+ENGINES_BUILT = [0]
+"""Schedulers of `WrongFromTheSecondEngine` built in this process: module state, which outlives an engine."""
+
+
+class WrongFromTheSecondEngine(ClaimsOneBlockMore):
+    """Correct in the first engine of its process, off by one block from the second on: what a
+    connector that keeps state in its module (a singleton cache, a counter) can do. Run alone at any
+    seed, a one-engine scenario passes; after another seed's run in the same process it fails."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ENGINES_BUILT[0] += 1
+        self.wrong = ENGINES_BUILT[0] > 1
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self.wrong:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return HostConnectorScheduler.get_num_new_matched_tokens(self, request, num_computed_tokens)

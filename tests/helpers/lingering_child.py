@@ -23,7 +23,7 @@ def lingering_options(folder: Path, after: str, seconds: float, until: str = "an
     return {"linger-folder": str(folder), "linger-after": after, "linger-s": str(seconds), "linger-until": until}
 
 
-def lingering_child(send, name: str, ctx_blob: bytes, compat: str | None) -> None:
+def lingering_child(send, name: str, ctx_blob: bytes, compat: str | None, seeds: tuple[int, ...] = ()) -> None:
     ctx = pickle.loads(ctx_blob)
     options = dict(ctx.spec.options)
     folder = Path(options["linger-folder"])
