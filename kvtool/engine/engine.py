@@ -31,6 +31,7 @@ from kvtool.engine.ranks import (FinishedOrder, Followers, PassOrder, RankReport
                                  rank_manager_config)
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from kvtool.engine.token_model import ReferenceTokens
 from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.errors import ConnectorError, ConstructionError, InputError, IterationLimitError, OutOfPagesError
 from kvtool.group_pages import GroupPages
@@ -75,7 +76,9 @@ class EngineConfig:
     """How long a collective waits for a rank before the run ends naming it."""
     fidelity: str = "bytes"
     """`bytes`: pools hold KV bytes the fake engine writes and verifies; `blocks`: virtual pools,
-    nothing written or verified (see `no_bytes`), for a connector that moves no bytes."""
+    nothing written or verified (see `no_bytes`), for a connector that moves no bytes; `tokens`:
+    the tokens `bytes` would generate, nothing written or verified (`token_model`), for a run
+    with no connector (a reference)."""
     forget_finished: bool = False
     """Drop a request's state once it is over (a long streamed replay); `states` then holds the
     live ones only."""
@@ -127,9 +130,7 @@ class Engine:
         if config.fidelity == "blocks":
             manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
         self.manager = KvCacheManager(manager_config)
-        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, config.seed,
-                               model_heads=heads_across_ranks(manager_config.model)) \
-            if config.fidelity == "bytes" else NoBytesModel(self.manager.layer_groups)
+        self.fake = _bytes_model(config.fidelity, self.manager, config.seed, heads_across_ranks(manager_config.model))
         self.stats = EngineStats()
         self.states: dict[int, RequestState] = {}
         self._waiting: dict[int, RequestState] = {}
@@ -754,10 +755,20 @@ class Engine:
         return self.fake.num_integrity_errors
 
 
+def _bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads: int):
+    """What writes and checks the pages' bytes at `fidelity` (`_require_fidelity` has passed)."""
+    if fidelity == "blocks":
+        return NoBytesModel(manager.layer_groups)
+    model = ReferenceTokens if fidelity == "tokens" else FakeEngine
+    return model(manager.layout, manager.layer_groups, seed, model_heads=model_heads)
+
+
 def _require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> None:
     """InputError for a fidelity this engine cannot run, or one the connector does not fit."""
-    if config.fidelity not in ("bytes", "blocks"):
+    if config.fidelity not in ("bytes", "blocks", "tokens"):
         raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks")
+    if config.fidelity == "tokens" and (connector is not None or config.num_ranks != 1):
+        raise InputError("token fidelity is for a reference run: one rank and no connector")
     moves_bytes = connector is None or getattr(connector.scheduler_class, "kvtool_moves_bytes", True)
     if config.fidelity == "blocks":
         if config.num_ranks != 1 or config.process_group_of_one:

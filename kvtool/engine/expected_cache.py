@@ -45,8 +45,9 @@ class ExpectedBytesCache:
 
     def at(self, request_id: int, layer_id: int, hashes: np.ndarray, positions: np.ndarray,
            compute: Compute) -> list[torch.Tensor]:
-        """Each buffer's expected bytes at `positions` (non-empty, each < len(hashes)) of the
-        request whose prefix hashes are `hashes`, for `layer_id`."""
+        """Each buffer's expected bytes at `positions` (non-empty, ascending without repeats, each
+        < len(hashes)) of the request whose prefix hashes are `hashes`, for `layer_id`. Read-only:
+        a run of consecutive positions is a view of the cache."""
         key = (request_id, layer_id)
         entry = self._entries.get(key)
         end = int(positions.max()) + 1
@@ -57,8 +58,8 @@ class ExpectedBytesCache:
                 [torch.cat([old[:valid], new]) for old, new in zip(entry.parts, grown)]
             entry = self._keep(key, _Entry(hashes[:end].copy(), parts))
             if entry is None:   # larger than the whole budget: not kept
-                return [part[torch.from_numpy(positions)] for part in parts]
-        return [part[torch.from_numpy(positions)] for part in entry.parts]
+                return _rows(parts, positions)
+        return _rows(entry.parts, positions)
 
     def forget(self, request_id: int) -> None:
         for key in [k for k in self._entries if k[0] == request_id]:
@@ -75,6 +76,14 @@ class ExpectedBytesCache:
         self._entries[key] = entry
         self._bytes += entry.nbytes
         return entry
+
+
+def _rows(parts: list[torch.Tensor], positions: np.ndarray) -> list[torch.Tensor]:
+    first, count = int(positions[0]), len(positions)
+    if int(positions[-1]) - first + 1 == count:   # ascending without repeats: consecutive
+        return [part[first:first + count] for part in parts]
+    index = torch.from_numpy(positions)
+    return [part[index] for part in parts]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

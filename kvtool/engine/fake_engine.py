@@ -16,7 +16,6 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvtool.blocks import num_blocks
 from kvtool.engine.byte_origin import Coordinate, Origins
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
@@ -122,6 +121,7 @@ class FakeEngine:
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
         self._expected_cache = ExpectedBytesCache()
+        self._views: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._buffers: dict[int, list[_LayerBuffer]] = {}
         self._group_of: dict[int, LayerGroupSpec] = {}
         for group in self.layer_groups:
@@ -172,7 +172,7 @@ class FakeEngine:
             keep = np.isin(positions, attended)
             found, positions = found[torch.from_numpy(keep).to(found.device)], positions[keep]
         rows = found.to(torch.int64).sum(dim=1)
-        weights = torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1).to(found.device)
+        weights = digest_weights(positions, layer_id).to(found.device)
         return int((rows * weights).sum()) & CHECKSUM_MASK
 
     def merge(self, issues: list[IntegrityIssue], errors_by_request: Counter, rank: int) -> None:
@@ -216,11 +216,12 @@ class FakeEngine:
         """Positions below `end` in blocks that are not stale at `history`."""
         tpb = self.layout.tokens_per_block
         stale = group.stale_range(history, tpb)
-        blocks = [j for j in range(num_blocks(end, tpb)) if j not in stale]
-        if not blocks:
-            return np.zeros(0, dtype=np.int64)
-        positions = (np.array(blocks, dtype=np.int64)[:, None] * tpb + np.arange(tpb)[None, :]).ravel()
-        return positions[positions < end]
+        positions = np.arange(max(end, 0), dtype=np.int64)
+        if len(stale) and stale.step == 1:   # one run of blocks: the positions between its ends go
+            return positions[(positions < stale.start * tpb) | (positions >= stale.stop * tpb)]
+        if len(stale):
+            return positions[~np.isin(positions // tpb, np.array(stale, dtype=np.int64))]
+        return positions
 
     def _positions_with_pages(self, pages: Sequence[int], start: int, end: int) -> np.ndarray:
         """Positions in [start, end) whose block has a page (not past `pages`, not BAD_PAGE_INDEX)."""
@@ -267,9 +268,10 @@ class FakeEngine:
             found = _moved(found, torch.device("cpu"))
         expected = _moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
         for lb, found_part, expected_part in zip(buffers, found, expected):
+            if torch.equal(found_part, expected_part):
+                continue
             bad = (found_part != expected_part).any(dim=-1)
-            if bool(bad.any()):
-                self._record(request_id, group, layer_id, lb, positions, bad, expected_part, found_part)
+            self._record(request_id, group, layer_id, lb, positions, bad, expected_part, found_part)
         return torch.cat([part.reshape(len(positions), -1) for part in found], dim=1)
 
     def _expected_at(self, request_id: int, buffers: list[_LayerBuffer], layer_id: int, hashes: PrefixHashes,
@@ -301,9 +303,15 @@ class FakeEngine:
         return page_ids
 
     def _view(self, lb: _LayerBuffer) -> torch.Tensor:
+        """`lb`'s region as [slots, buffers, tokens, heads, head bytes], made once per storage tensor."""
         region = lb.region
-        return region.as_tensor().view(region.num_slots, len(region.buffers), self.layout.tokens_per_block,
+        cached = self._views.get(id(lb))
+        if cached is not None and cached[0] is region.storage:
+            return cached[1]
+        view = region.as_tensor().view(region.num_slots, len(region.buffers), self.layout.tokens_per_block,
                                        lb.num_heads, lb.head_bytes)
+        self._views[id(lb)] = (region.storage, view)
+        return view
 
     def _record(self, request_id: int, group: LayerGroupSpec, layer_id: int, lb: _LayerBuffer,
                 positions: np.ndarray, bad: torch.Tensor, expected: torch.Tensor, found: torch.Tensor) -> None:
@@ -328,6 +336,11 @@ class FakeEngine:
         if len(self.issues) < MAX_RECORDED_ISSUES:
             self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
                                               position, head, "-", "-", what))
+
+
+def digest_weights(positions: np.ndarray, layer_id: int) -> torch.Tensor:
+    """int64 [positions]: what each attended position's byte sum is multiplied by in a digest."""
+    return torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1)
 
 
 def _moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

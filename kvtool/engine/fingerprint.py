@@ -8,6 +8,8 @@ back as a mismatch, and the coordinates say where.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kvtool.blocks import ceil_div
@@ -93,9 +95,25 @@ class PrefixHashes:
 
 def coordinate_keys(layer_id: int, role: Role, num_heads: int, first_head: int = 0) -> np.ndarray:
     """Keys of global heads [first_head, first_head + num_heads): a tensor-parallel shard's bytes
-    are exactly its slice of the whole model's, so a rank holding another rank's heads is caught."""
-    base = (int(layer_id) << 24) | (_ROLE_INDEX[role] << 16)
-    return mix64(np.arange(first_head, first_head + num_heads, dtype=np.uint64) | np.uint64(base))
+    are exactly its slice of the whole model's, so a rank holding another rank's heads is caught.
+    Read-only: one array per coordinate set, computed once."""
+    return _coordinate_keys(int(layer_id), role, int(num_heads), int(first_head))
+
+
+@functools.lru_cache(maxsize=4096)
+def _coordinate_keys(layer_id: int, role: Role, num_heads: int, first_head: int) -> np.ndarray:
+    base = (layer_id << 24) | (_ROLE_INDEX[role] << 16)
+    keys = mix64(np.arange(first_head, first_head + num_heads, dtype=np.uint64) | np.uint64(base))
+    keys.flags.writeable = False
+    return keys
+
+
+@functools.lru_cache(maxsize=256)
+def _word_salts(num_words: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        salts = np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD)
+    salts.flags.writeable = False
+    return salts
 
 
 def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_heads: int,
@@ -104,8 +122,7 @@ def expected_bytes(prefix_hashes: np.ndarray, layer_id: int, role: Role, num_hea
     keys = coordinate_keys(layer_id, role, num_heads, first_head)
     fingerprints = mix64(prefix_hashes[:, None] ^ keys[None, :])
     num_words = ceil_div(head_bytes, 8)
-    with np.errstate(over="ignore"):
-        words = fingerprints[:, :, None] ^ (np.arange(num_words, dtype=np.uint64) * np.uint64(_GOLD))[None, None, :]
+    words = fingerprints[:, :, None] ^ _word_salts(num_words)[None, None, :]
     raw = words.view(np.uint8).reshape(len(prefix_hashes), num_heads, num_words * 8)
     return raw[:, :, :head_bytes]
 

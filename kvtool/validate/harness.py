@@ -116,16 +116,19 @@ class Run:
 
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
-                  max_batch_size: int, pause_to_grow: bool = False, verify_all: bool = True) -> EngineConfig:
-    """Pages poisoned and (`verify_all`) every live page verified each iteration; loads bounded in
-    wall-clock time; slot order and idle polls from the seed's schedule."""
+                  max_batch_size: int, pause_to_grow: bool = False, reference: bool = False) -> EngineConfig:
+    """Pages poisoned and every live page verified each iteration; loads bounded in wall-clock time;
+    slot order and idle polls from the seed's schedule. A `reference` run (no connector) computes
+    only its tokens (`tokens` fidelity): nothing moved its pages, so checking them would only test
+    kvtool, whose own tests do; those checks were two fifths of validate's time."""
     schedule = schedule_for(ctx.seed)
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True, keep_reusable_pages=local_reuse,
                                    slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
-                        verify_all_after_iteration=verify_all, max_transmission_seconds=ctx.load_timeout,
+                        verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",
+                        max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True,
                         idle_wait_seconds=schedule.idle_wait_seconds, warmup_seconds=ctx.warmup,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
@@ -146,9 +149,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
     requests = ctx.cut.apply(requests) if ctx.cut else requests
     if num_slots == DEFAULT_SLOTS and chunk_size is None and max_batch_size == DEFAULT_BATCH:
         chunk_size, max_batch_size = schedule.chunk_size, schedule.max_batch_size or max_batch_size
-    # A run without the connector is a reference: nothing moved its pages, so checking every live
-    # page after every iteration would only test kvtool (its own tests do); a third of validate's time.
-    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow, verify_all=connector)
+    config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow,
+                           reference=not connector)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
     result = Run(engine)
     engine.events.subscribe(result.events)
