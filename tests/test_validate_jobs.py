@@ -352,3 +352,16 @@ def test_jobs_beyond_the_gpus_free_memory_are_lowered_said_as_a_warning_when_ask
 def pools_at_max_slots(model: str) -> int:
     groups = plan_pool_groups(plan_layer_groups(load_model(model), 4))
     return placed_bytes(groups, [MAX_SLOTS] * len(groups))
+
+
+def test_a_scenario_running_its_seeds_does_not_hold_up_the_others(tmp_path, monkeypatch):
+    """With two jobs and three seeds a scenario, a scenario whose process announces each seed's start
+    but answers only once the three scenarios after it have started: they start beside it (an
+    announcement wakes the scheduler but answers nothing), so it answers PASS."""
+    from tests.helpers.seeded_child import seeded_child
+    monkeypatch.setattr(runner_module, "_child", seeded_child)
+    names = ["cold-warm", "clamp", "deferral", "contract"]
+    spec = _lingering_host({"folder": str(tmp_path), "hold": "cold-warm", "others": ",".join(names[1:])})
+    results = run_all([Context(spec, "tiny")], names, 60, jobs=2, seeds=(0, 1, 2))
+    assert [(r.scenario, r.verdict) for r in results] == [(SETUP, Verdict.PASS)] + [(n, Verdict.PASS) for n in names]
+    assert [r.seed for r in results] == [None, 0, 0, 0, 0]

@@ -175,7 +175,7 @@ def validate(
         def progress(rs: list[CheckResult]) -> None:
             prefix = ""
             if explore_seeds and seeds and rs[0].seed is not None and not any(r.failed for r in rs):
-                prefix = f"seeds {seeds[0]}..{seeds[-1]} "
+                prefix = f"seeds {seeds[0]}..{seeds[-1]} " if len(seeds) > 1 else f"seed {seeds[0]} "
             elif explore_seeds:
                 prefix = f"seed {rs[0].seed if rs[0].seed is not None else cs[0].seed} "
             if explore_seeds and not seeds:   # after a failure: the run alone, or a probe of the shrink step

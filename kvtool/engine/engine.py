@@ -766,7 +766,7 @@ def _bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads:
 def _require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> None:
     """InputError for a fidelity this engine cannot run, or one the connector does not fit."""
     if config.fidelity not in ("bytes", "blocks", "tokens"):
-        raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks")
+        raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks (tokens: reference runs only)")
     if config.fidelity == "tokens" and (connector is not None or config.num_ranks != 1):
         raise InputError("token fidelity is for a reference run: one rank and no connector")
     moves_bytes = connector is None or getattr(connector.scheduler_class, "kvtool_moves_bytes", True)

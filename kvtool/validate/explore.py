@@ -12,7 +12,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.results import CheckResult
 from kvtool.validate.runner import SETUP
 from kvtool.validate.schedule import schedule_for
-from kvtool.validate.shrink import Cut, reproduces, shrink
+from kvtool.validate.shrink import Cut, shrink
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,16 @@ class Finding:
     smallest: Cut = Cut()
     """The smallest cut of the scenario that still failed all of `checks` at `seed` (Cut(): none smaller)."""
     alone: bool = True
-    """It failed again when run alone at `seed`, in a fresh process. False: only after the earlier
-    seeds' runs in the same process, so state the connector keeps in its modules across engines."""
+    """It failed again when run alone at `seed`, in a fresh process. False: it passed there, so it
+    failed only after the earlier seeds' runs in the same process (state the connector keeps
+    across engines), or it depends on timing."""
+    first_seed: int | None = None
+    """The explored seeds' first: where a run that reproduces a finding not `alone` starts."""
 
     def line(self, reproduce: str) -> str:
         after = "" if self.alone else (
-            " only after the earlier seeds ran in the same process: alone, in a fresh process, it passed, so "
-            "the likely cause is state the connector keeps in its modules from one engine to the next")
+            " only after the earlier seeds ran in the same process: alone, in a fresh process, it passed. "
+            "Likely state the connector keeps from one engine to the next, or a failure that depends on timing")
         return (f"{self.scenario}[{self.model}] failed {', '.join(self.checks)} at seed {self.seed}{after} "
                 f"({schedule_for(self.seed).describe()}); reproduce: {reproduce}")
 
@@ -96,14 +99,17 @@ def explore(contexts: list[Context], names: list[str], num_seeds: int,
             continue
         seed = group[0].seed if group[0].seed is not None else first
         at_seed = replace(by_model[model], seed=seed)
-        again = run_all([at_seed], [scenario], ())
-        if reproduces(again, scenario, failed):
-            chosen += [r for r in again if r.scenario == scenario]
-            smallest = shrink(at_seed, scenario, failed, lambda c, name=scenario: run_all([c], [name], ()))
-            findings.append(Finding(scenario, model, seed, tuple(failed), smallest))
+        again = [r for r in run_all([at_seed], [scenario], ()) if r.scenario == scenario]
+        failed_again = [r.check for r in again if r.failed]
+        if failed_again:   # what the fresh process found stands: its results, its failed checks
+            for r in again:
+                r.seed = seed
+            chosen += again
+            smallest = shrink(at_seed, scenario, failed_again, lambda c, name=scenario: run_all([c], [name], ()))
+            findings.append(Finding(scenario, model, seed, tuple(failed_again), smallest, first_seed=first))
         else:
             chosen += group
-            findings.append(Finding(scenario, model, seed, tuple(failed), alone=False))
+            findings.append(Finding(scenario, model, seed, tuple(failed), alone=False, first_seed=first))
     return chosen, findings
 
 
@@ -115,7 +121,11 @@ def _by_scenario(results: list[CheckResult]) -> dict[tuple[str, str], list[Check
 
 
 def reproduce_command(target: str, finding: Finding, options: list[str], cut: Cut = Cut()) -> str:
-    """`kvtool validate TARGET --scenario S --model M --seed K OPTIONS... CUT`, quoted for a shell."""
+    """`kvtool validate TARGET --scenario S --model M --seed K OPTIONS... CUT`, quoted for a shell;
+    for a finding not `alone`, `--seed FIRST --explore K-FIRST+1`: the seeds that led to it."""
+    seeds = ["--seed", str(finding.seed)]
+    if not finding.alone and finding.first_seed is not None:   # the seeds before it, in one process
+        seeds = ["--seed", str(finding.first_seed), "--explore", str(finding.seed - finding.first_seed + 1)]
     words = ["kvtool", "validate", target, "--scenario", finding.scenario, "--model", finding.model,
-             "--seed", str(finding.seed), *options, *cut.options()]
+             *seeds, *options, *cut.options()]
     return shlex.join(words)

@@ -99,6 +99,14 @@ def _setup(ctx: Context) -> list[CheckResult]:
                         [error] if error else ["the layout was accepted"])]
 
 
+@dataclass(frozen=True)
+class SeedStarted:
+    """What a child running `run_seeds` sends as each seed's run starts (`time.monotonic()`)."""
+
+    seed: int
+    at: float
+
+
 class ScenarioProcess:
     """`run_scenario` in a child process, started by the constructor; `result()` collects it. The
     timeout counts from the moment the process has started. With `seeds`, the child runs
@@ -116,6 +124,9 @@ class ScenarioProcess:
                                 daemon=False)
         self.answered_at: float | None = None
         """When its results arrived; None until then (or if they never do)."""
+        self.results: list[CheckResult] | None = None
+        self.hung_up = False
+        """The child's end of the pipe closed (it ended) before its results came."""
         self.started = time.perf_counter()
         self.child.start()
         # Closed at once, before any other child is forked: the child's end must be the only one, so that
@@ -123,25 +134,34 @@ class ScenarioProcess:
         send.close()
         self.deadline = time.perf_counter() + timeout
 
+    def ready(self) -> bool:
+        """Whether `result()` would return at once: the results came, the child's end of the pipe
+        closed, or the deadline passed. Reads, without waiting, what the child sent so far: a
+        seed's start (`run_seeds`) moves the deadline to that start plus the timeout."""
+        while self.results is None and not self.hung_up and self.receive.poll(0):
+            try:
+                message = self.receive.recv()
+            except EOFError:
+                self.hung_up = True
+                break
+            if isinstance(message, SeedStarted):
+                late = max(0.0, time.monotonic() - message.at)   # how long it waited in the pipe
+                self.seed, self.deadline = message.seed, time.perf_counter() + self.timeout - late
+            else:
+                self.results = message
+        return self.results is not None or self.hung_up or time.perf_counter() >= self.deadline
+
     def result(self) -> list[CheckResult]:
         """Wait for the child's results until the deadline; a timeout or a dead child is an ERROR result.
         A child that sent its results is not waited for: it ends by itself within `EXIT_GRACE_S`
         (`ended` and `close` collect it, or kill it past that). On a GPU its last step, the driver
         tearing down its CUDA context, is slow enough that waiting for it held up the next scenario."""
-        results = None
-        while results is None and self.receive.poll(max(0.0, self.deadline - time.perf_counter())):
-            try:
-                message = self.receive.recv()
-            except EOFError:
-                break
-            if isinstance(message, int):   # a seed's run started (`run_seeds`): its own timeout
-                self.seed, self.deadline = message, time.perf_counter() + self.timeout
-            else:
-                results = message
+        while not self.ready():
+            self.receive.poll(max(0.0, self.deadline - time.perf_counter()))
         self.receive.close()
-        if results is not None:
+        if self.results is not None:
             self.answered_at = time.perf_counter()
-            return results
+            return self.results
         self.reap(1.0)
         seconds = round(time.perf_counter() - self.started, 3)
         why = (f"did not finish within {self.timeout:g} s (a connector hook hung?)"
@@ -206,7 +226,7 @@ def _child(send, name: str, ctx_blob: bytes, compat: str | None, seeds: tuple[in
         # collector's sight, each seed's collection (`run_seeds`) scans only that run's objects
         # (48 ms a run otherwise, a fifth of a small scenario).
         gc.freeze()
-        send.send(run_seeds(name, ctx, seeds, started=send.send))
+        send.send(run_seeds(name, ctx, seeds, started=lambda seed: send.send(SeedStarted(seed, time.monotonic()))))
     finally:
         send.close()
         os._exit(0)
@@ -391,8 +411,11 @@ def _run_processes(schedule: Schedule, contexts: list[Context], timeout: float, 
 
 
 def _answered(flight: dict[Task, ScenarioProcess]) -> list[Task]:
-    """Wait until a process in flight sent its results, ended or ran past its deadline; those tasks."""
-    soonest = min(process.deadline for process in flight.values())
-    readable = wait([process.receive for process in flight.values()], max(0.0, soonest - time.perf_counter()))
-    now = time.perf_counter()
-    return [task for task, process in flight.items() if process.receive in readable or process.deadline <= now]
+    """Wait until a process in flight sent its results, ended or ran past its deadline; those tasks.
+    A seed's start (`SeedStarted`) wakes this wait but answers nothing: it waits on."""
+    while True:
+        ready = [task for task, process in flight.items() if process.ready()]
+        if ready:
+            return ready
+        soonest = min(process.deadline for process in flight.values())
+        wait([process.receive for process in flight.values()], max(0.0, soonest - time.perf_counter()))
