@@ -31,8 +31,8 @@ from kvtool.engine.ranks import (FinishedOrder, Followers, PassOrder, RankReport
                                  rank_manager_config)
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 from kvtool.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from kvtool.engine.token_model import ReferenceTokens
 from kvtool.engine.scheduler_output import build_scheduler_output
+from kvtool.engine.token_model import ReferenceTokens
 from kvtool.errors import ConnectorError, ConstructionError, InputError, IterationLimitError, OutOfPagesError
 from kvtool.group_pages import GroupPages
 from kvtool.manager.config import KvCacheManagerConfig

@@ -165,15 +165,8 @@ class FakeEngine:
 
     @staticmethod
     def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
-        """Order-sensitive digest of the bytes the last position attends to: a block moved to another
-        position changes it, as it would change a real model's output. A sum over the bytes modulo
-        2**64, so the digests of tensor-parallel shards add up to the whole model's."""
-        if len(attended) != len(positions):   # a window slid during the pass: attended is a subset
-            keep = np.isin(positions, attended)
-            found, positions = found[torch.from_numpy(keep).to(found.device)], positions[keep]
-        rows = found.to(torch.int64).sum(dim=1)
-        weights = digest_weights(positions, layer_id).to(found.device)
-        return int((rows * weights).sum()) & CHECKSUM_MASK
+        """`digest` of the bytes `found` at `positions` (a row each)."""
+        return digest(found.to(torch.int64).sum(dim=1), positions, attended, layer_id)
 
     def merge(self, issues: list[IntegrityIssue], errors_by_request: Counter, rank: int) -> None:
         """Count another rank's integrity errors here (its issues marked with the rank)."""
@@ -217,11 +210,10 @@ class FakeEngine:
         tpb = self.layout.tokens_per_block
         stale = group.stale_range(history, tpb)
         positions = np.arange(max(end, 0), dtype=np.int64)
-        if len(stale) and stale.step == 1:   # one run of blocks: the positions between its ends go
-            return positions[(positions < stale.start * tpb) | (positions >= stale.stop * tpb)]
-        if len(stale):
-            return positions[~np.isin(positions // tpb, np.array(stale, dtype=np.int64))]
-        return positions
+        if not len(stale):
+            return positions
+        # stale blocks are one run (`stale_block_range`): the positions between its ends go
+        return positions[(positions < stale.start * tpb) | (positions >= stale.stop * tpb)]
 
     def _positions_with_pages(self, pages: Sequence[int], start: int, end: int) -> np.ndarray:
         """Positions in [start, end) whose block has a page (not past `pages`, not BAD_PAGE_INDEX)."""
@@ -338,9 +330,16 @@ class FakeEngine:
                                               position, head, "-", "-", what))
 
 
-def digest_weights(positions: np.ndarray, layer_id: int) -> torch.Tensor:
-    """int64 [positions]: what each attended position's byte sum is multiplied by in a digest."""
-    return torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1)
+def digest(rows: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
+    """Order-sensitive digest of the bytes the last position attends to, from `rows` (int64: each
+    of `positions`' byte sum over the layer's buffers), over those of `positions` in `attended`: a
+    block moved to another position changes it, as it would change a real model's output. A sum
+    over the bytes modulo 2**64, so the digests of tensor-parallel shards add up to the whole model's."""
+    if len(attended) != len(positions):   # a window slid during the pass: attended is a subset
+        keep = np.isin(positions, attended)
+        rows, positions = rows[torch.from_numpy(keep).to(rows.device)], positions[keep]
+    weights = torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1).to(rows.device)
+    return int((rows * weights).sum()) & CHECKSUM_MASK
 
 
 def _moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

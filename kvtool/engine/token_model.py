@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
-from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem, digest_weights
+from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem, digest
 from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec
 
@@ -29,8 +29,8 @@ class ReferenceTokens(FakeEngine):
         """Per (request, layer): each position's byte sum over the layer's buffers, what a digest weighs."""
 
     def forward_layer(self, layer_id: int, items: list[PassItem]) -> None:
-        """Only the passes that sample read, and only for their digest (`FakeEngine._checksum`'s,
-        term for term: a wrapping sum of each attended position's byte sum times its weight)."""
+        """Only the passes that sample read, and only for their digest: `FakeEngine.forward_layer`'s,
+        from each position's expected byte sum instead of the bytes found."""
         group = self._group_of[layer_id]
         for item in items:
             if not item.samples:
@@ -40,15 +40,11 @@ class ReferenceTokens(FakeEngine):
             readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
             if not len(readable) or self._page_ids(group, item.request_id, pages, readable, layer_id, "read") is None:
                 continue
+            rows = self._row_sums.at(item.request_id, layer_id, hashes.array(), readable,
+                                     lambda some: [self._byte_sums(layer_id, some)])[0]
             last = item.sampled_after
             attended = self._positions_in_live_blocks(group, pages, last, last)
-            digested = readable if len(attended) == len(readable) else readable[np.isin(readable, attended)]
-            if not len(digested):
-                continue
-            rows = self._row_sums.at(item.request_id, layer_id, hashes.array(), digested,
-                                     lambda some: [self._byte_sums(layer_id, some)])[0]
-            weights = digest_weights(digested, layer_id)
-            item.checksum = (item.checksum + (int((rows * weights).sum()) & CHECKSUM_MASK)) & CHECKSUM_MASK
+            item.checksum = (item.checksum + digest(rows, readable, attended, layer_id)) & CHECKSUM_MASK
 
     def forget(self, request_id: int) -> None:
         super().forget(request_id)
