@@ -16,33 +16,70 @@ def closed(tiny):
     return tiny
 
 
+@pytest.fixture
+def in_use(tiny):
+    """Two blocks and a partial one used by an open cache."""
+    run_prompt(tiny, "a", list(range(10)))
+    check_manager(tiny)
+    return tiny
+
+
 def _pages(manager):
+    """Pages in use, by slot."""
     return sorted(manager.page_table.pages_of(0).values(), key=lambda p: p.slot)
 
 
-def test_a_count_nobody_holds_is_caught(closed):
-    _pages(closed)[0].num_held = 1
-    with pytest.raises(LogicError, match=r"counts \(active 0, held 1\) but caches and holds reference it"):
-        check_manager(closed)
+def _droppable_slots(manager):
+    return manager.page_table.droppable(0).in_eviction_order().tolist()
+
+
+def test_a_count_nobody_holds_is_caught(in_use):
+    _pages(in_use)[0].num_held = 1
+    with pytest.raises(LogicError, match=r"counts \(active 1, held 1\) but caches and holds reference it"):
+        check_manager(in_use)
 
 
 def test_a_droppable_page_off_the_eviction_list_is_caught(closed):
-    page = _pages(closed)[1]
-    closed.page_table._unlist_droppable(page)
+    slot = _droppable_slots(closed)[1]
+    closed.page_table.droppable(0)._generation[slot] += 1   # its eviction entry goes stale
     with pytest.raises(LogicError, match="eviction list and status disagree"):
         check_manager(closed)
 
 
-def test_a_page_pointing_at_a_node_that_does_not_hold_it_is_caught(closed):
-    first, second = _pages(closed)[:2]
-    del second.node.pages[second.layer_group_id]
-    second.node = first.node
+def test_a_droppable_page_pointing_at_a_node_that_does_not_hold_it_is_caught(closed):
+    droppable = closed.page_table.droppable(0)
+    first, second = _droppable_slots(closed)[:2]
+    closed.tree.pages[droppable.node[second], 0] = -1
+    droppable.node[second] = droppable.node[first]
     with pytest.raises(LogicError, match="points at a node that does not hold it"):
         check_manager(closed)
 
 
-def test_a_node_holding_a_page_that_points_elsewhere_is_caught(closed):
-    first, second = _pages(closed)[:2]
+def test_a_page_in_use_pointing_at_a_node_that_does_not_hold_it_is_caught(in_use):
+    first, second = _pages(in_use)[:2]
+    in_use.tree.pages[second.node, 0] = -1
+    second.node = first.node
+    with pytest.raises(LogicError, match="points at a node that does not hold it"):
+        check_manager(in_use)
+
+
+def test_a_node_holding_a_page_that_points_elsewhere_is_caught(in_use):
+    first, second = _pages(in_use)[:2]
     first.node = second.node
     with pytest.raises(LogicError, match="disagree about each other"):
+        check_manager(in_use)
+
+
+def test_a_node_holding_a_droppable_page_that_points_elsewhere_is_caught(closed):
+    droppable = closed.page_table.droppable(0)
+    first, second = _droppable_slots(closed)[:2]
+    droppable.node[first] = droppable.node[second]
+    with pytest.raises(LogicError, match="which no page of its layer group owns"):
+        check_manager(closed)
+
+
+def test_a_freed_slot_still_droppable_is_caught(closed):
+    slot = _droppable_slots(closed)[0]
+    closed.page_table.allocators[0]._owned[slot] = 0
+    with pytest.raises(LogicError, match="owned slots and page objects disagree"):
         check_manager(closed)

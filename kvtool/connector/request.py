@@ -8,6 +8,7 @@ The runtime changes a request only through the underscore methods.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from typing import Sequence
 
 
@@ -16,6 +17,10 @@ def cache_salt_id(cache_salt: str | None) -> int | None:
     if cache_salt is None:
         return None
     return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
+
+
+def _kept_as_given(tokens: Sequence[int]) -> bool:
+    return type(tokens) is tuple or (type(tokens) is array and tokens.itemsize == 4 and tokens.typecode in "IL")
 
 
 def max_kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
@@ -29,8 +34,10 @@ class Request:
                  cache_salt: str | None = None, is_generation_only: bool = False, is_dummy: bool = False,
                  arrival: float = 0.0) -> None:
         self._request_id = request_id
-        self._prompt = prompt_token_ids if type(prompt_token_ids) is tuple else tuple(map(int, prompt_token_ids))
-        """A tuple as given is kept as it is (the caller vouches for plain ints)."""
+        self._prompt: Sequence[int] = prompt_token_ids if _kept_as_given(prompt_token_ids) else \
+            tuple(map(int, prompt_token_ids))
+        """A tuple, or an `array` of 4-byte unsigned ints (a trace's prompts: 4 bytes a token), is kept
+        as it is (the caller vouches for plain ints and will not change it)."""
         self._generated: list[int] = []
         self._tokens: list[int] | None = None
         """Prompt then generated tokens, built at the first `_token_view` and kept up to date."""
@@ -163,7 +170,7 @@ class Request:
             self._tokens = [*self._prompt, *self._generated]
         return self._tokens
 
-    def _prompt_view(self) -> tuple[int, ...] | list[int]:
+    def _prompt_view(self) -> Sequence[int]:
         """`prompt_token_ids` without the copy, for the runtime."""
         return self._prompt if self._context_len == len(self._prompt) else self._token_view()[:self._context_len]
 

@@ -36,8 +36,27 @@ def root_key(scope: ReuseScope) -> bytes:
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 
 
+def token_array(tokens: Sequence[int]) -> array:
+    """The tokens as a compact `array` of 4-byte unsigned ints (4 bytes a token, not a Python int
+    each); an array of that type is copied without converting. ValueError for ids outside [0, 2**32)."""
+    try:
+        return array(_UINT32, tokens)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must lie in [0, 2**32)") from None
+
+
+def token_array_from_native(buffer: bytes) -> array:
+    """`token_array` of tokens already packed as native-order 4-byte unsigned ints (a numpy
+    uint32 array's bytes), without a Python int per token."""
+    tokens = array(_UINT32)
+    tokens.frombytes(buffer)
+    return tokens
+
+
 def tokens_bytes(tokens: Sequence[int]) -> bytes:
     """The tokens as 4-byte little-endian ints; ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, array) and tokens.typecode == _UINT32 and sys.byteorder == "little":
+        return tokens.tobytes()
     try:
         packed = array(_UINT32, tokens)
     except (OverflowError, TypeError):

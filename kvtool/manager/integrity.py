@@ -1,7 +1,8 @@
 """`check_manager(manager)`: the manager's invariants, checked from scratch.
 
 - pages are conserved per pool group: free + cached (droppable) + in use == total;
-- no slot is owned twice, every owned slot has exactly one page object, free slots are not owned;
+- no slot is owned twice; an owned slot is a page in use (one object) or droppable, never both;
+  free slots are neither;
 - every page's reference counts equal what live caches and holds actually reference;
 - tree and pages agree (a node's page points back at the node), partial blocks are leaves;
 - region invariants of the layout, and each cache's own invariant.
@@ -17,7 +18,7 @@ import numpy as np
 from kvtool.errors import LogicError
 from kvtool.manager.layout import check_layout
 from kvtool.manager.pages import Page
-from kvtool.types import KvCacheStatus, PageStatus, PoolGroupIndex
+from kvtool.types import KvCacheStatus, PoolGroupIndex
 
 if TYPE_CHECKING:
     from kvtool.manager.manager import KvCacheManager
@@ -63,29 +64,32 @@ def _require_listed(manager: KvCacheManager, page: Page, user: object) -> None:
 def _check_pool_group(manager: KvCacheManager, pg: PoolGroupIndex, active: Counter, held: Counter) -> None:
     allocator = manager.page_table.allocators[pg]
     pages = manager.page_table.pages_of(pg)
-    free = allocator.free_slot_array()
-    # Slot sets as masks over the pool: a pool of millions of slots is checked without a set of them.
-    if len(free) and (free.min() < 0 or free.max() >= allocator.num_slots or
-                      np.bincount(free, minlength=allocator.num_slots).max() > 1):
+    droppable = manager.page_table.droppable(pg)
+    # Slot sets as masks over the pool: a pool of millions of slots is checked without a set of
+    # them, or an int64 array of them (the never-used tail of the free list is a range).
+    free = np.zeros(allocator.num_slots, dtype=bool)
+    never_used, freed = allocator.free_slot_parts()
+    free[never_used.start:never_used.stop] = True
+    if len(freed) and (freed.min() < 0 or freed.max() >= allocator.num_slots or free[freed].any() or
+                       len(np.unique(freed)) != len(freed)):
         raise LogicError(f"pool group {pg}: a slot is in the free list twice")
-    with_page = _mask(pages, allocator.num_slots)
-    if with_page is None or with_page[free].any() or not np.array_equal(allocator.owned_mask(), with_page):
+    free[freed] = True
+    num_free = int(free.sum())
+    in_use = _mask(pages, allocator.num_slots)
+    cached = droppable.is_droppable
+    if in_use is None or (in_use & free).any() or (in_use & cached).any() or (cached & free).any() or \
+            not np.array_equal(allocator.owned_mask(), in_use | cached):
         raise LogicError(f"pool group {pg}: owned slots and page objects disagree")
-    droppable = manager.page_table.droppable_pages(pg)
-    listed = set(droppable)   # a page's hash is its identity
-    if len(listed) != len(droppable):
-        raise LogicError(f"pool group {pg}: a page is listed for eviction twice")
-    in_use = 0
+    if not droppable.eviction_list_agrees():
+        raise LogicError(f"pool group {pg}: eviction list and status disagree")
     for page in pages.values():   # no status property, no Counter default: millions of pages
         key = id(page)
-        if page.num_active or page.num_held:
-            in_use += 1
-            if (page.num_active, page.num_held) != (active.get(key, 0), held.get(key, 0)) or page in listed:
-                _page_error(page, active, held)
-        elif key in active or key in held or page.node is None or page not in listed:
+        if (page.num_active, page.num_held) != (active.get(key, 0), held.get(key, 0)):
             _page_error(page, active, held)
-    if len(free) + len(droppable) + in_use != allocator.num_slots:
-        raise LogicError(f"pool group {pg}: free {len(free)} + cached {len(droppable)} + in use {in_use} "
+        if not (page.num_active or page.num_held):
+            _page_error(page, active, held)
+    if num_free + len(droppable) + len(pages) != allocator.num_slots:
+        raise LogicError(f"pool group {pg}: free {num_free} + cached {len(droppable)} + in use {len(pages)} "
                          f"!= total {allocator.num_slots}")
 
 
@@ -105,29 +109,59 @@ def _page_error(page: Page, active: Counter, held: Counter) -> None:
     if (page.num_active, page.num_held) != (active[key], held[key]):
         raise LogicError(f"{page}: counts (active {page.num_active}, held {page.num_held}) but caches and "
                          f"holds reference it (active {active[key]}, held {held[key]})")
-    if page.status is PageStatus.DROPPABLE and page.node is None:
-        raise LogicError(f"{page} is referenced by nobody and was not freed")
-    raise LogicError(f"{page}: eviction list and status disagree")
+    raise LogicError(f"{page} is referenced by nobody and was neither freed nor made droppable")
 
 
 def _check_tree(manager: KvCacheManager) -> None:
-    """Every page a node holds points back at it and owns its slot; and as many pages point at a
-    node as nodes hold (so the two sets are one: no page points at a node that does not hold it)."""
-    tables = {pg.pool_group_index: manager.page_table.pages_of(pg.pool_group_index) for pg in manager.pool_groups}
-    held_by_nodes = 0
-    for node in manager.tree.nodes():
-        if not node.is_full and node.children:
-            raise LogicError(f"{node}: a partial block has children")
-        for group_id, page in node.pages.items():
-            if page.node is not node or page.layer_group_id != group_id or page.is_scratch:
-                raise LogicError(f"{node} and {page} disagree about each other")
-            if tables[page.pool_group_index].get(page.slot) is not page:
-                raise LogicError(f"{node} uses {page}, whose slot is not owned by that page")
-            held_by_nodes += 1
-    pointing = sum(page.node is not None for table in tables.values() for page in table.values())
+    """Every page slot a node holds is a page of that layer group that points back at the node
+    (in use, or droppable), and every page pointing at a node is held by it; partial blocks are
+    leaves. Nodes are checked a chunk at a time: a tree of millions is checked in little memory."""
+    tree, table = manager.tree, manager.page_table
+    held_by_nodes = sum(_check_nodes(manager, nodes) for nodes in tree.node_id_chunks(_CHUNK))
+    pointing = sum(len(table.droppable(pg.pool_group_index)) +
+                   sum(page.node is not None for page in table.pages_of(pg.pool_group_index).values())
+                   for pg in manager.pool_groups)
     if pointing != held_by_nodes:
-        for table in tables.values():
-            for page in table.values():
-                if page.node is not None and page.node.pages.get(page.layer_group_id) is not page:
+        for pg in manager.pool_groups:
+            for page in table.pages_of(pg.pool_group_index).values():
+                if page.node is not None and (not tree.is_alive(page.node) or
+                                              tree.pages[page.node, page.layer_group_id] != page.slot):
                     raise LogicError(f"{page} points at a node that does not hold it")
+            droppable = table.droppable(pg.pool_group_index)
+            for slot in droppable.droppable_slots().tolist():
+                node, gid = int(droppable.node[slot]), int(droppable.layer_group[slot])
+                if not tree.is_alive(node) or tree.pages[node, gid] != slot:
+                    raise LogicError(f"droppable slot {slot} points at a node that does not hold it")
         raise LogicError(f"{pointing} pages point at a node, {held_by_nodes} are held by the tree's nodes")
+
+
+_CHUNK = 1 << 19
+
+
+def _check_nodes(manager: KvCacheManager, nodes: np.ndarray) -> int:
+    """Check these nodes' pages; returns how many (node, layer group) pages they hold."""
+    tree, table = manager.tree, manager.page_table
+    if ((tree.num_tokens[nodes] < tree.tokens_per_block) & (tree.num_children[nodes] > 0)).any():
+        raise LogicError("a partial block has children")
+    held = 0
+    for layer_group in manager.layer_groups:
+        gid = layer_group.layer_group_id
+        droppable, in_use = table.droppable(table.pool_group_of(gid)), table.pages_of(table.pool_group_of(gid))
+        slots = tree.pages[nodes, gid]
+        holding = slots >= 0
+        held += int(holding.sum())
+        owners, slots = nodes[holding], slots[holding]
+        listed = droppable.is_droppable[slots]
+        wrong = listed.copy()
+        wrong[listed] = (droppable.node[slots[listed]] != owners[listed]) | \
+            (droppable.layer_group[slots[listed]] != gid)
+        for node, slot in zip(owners[~listed].tolist(), slots[~listed].tolist()):   # pages in use: few
+            page = in_use.get(slot)
+            if page is None:
+                raise LogicError(f"{tree.describe(node)} holds slot {slot}, which no page of its layer group owns")
+            if page.node != node or page.layer_group_id != gid or page.is_scratch:
+                raise LogicError(f"{tree.describe(node)} and {page} disagree about each other")
+        if wrong.any():
+            node, slot = int(owners[wrong][0]), int(slots[wrong][0])
+            raise LogicError(f"{tree.describe(node)} holds slot {slot}, which no page of its layer group owns")
+    return held

@@ -12,21 +12,24 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, block_key, chain_keys, tokens_bytes
+from kvtool.manager.block_keys import ReuseScope, block_key, chain_keys, token_array, tokens_bytes
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.pages import Page, PageTable
-from kvtool.manager.radix_tree import RadixNode, RadixTree
+from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, LayerGroupId, PageIndex, PoolGroupIndex, Priority
 
 @dataclass
 class Match:
     """A prefix found in the tree: full blocks reused as they are, then maybe part of one more."""
 
-    nodes: list[RadixNode] = field(default_factory=list)
-    partial: RadixNode | None = None
+    nodes: list[int] = field(default_factory=list)
+    """Radix tree node ids, block 0 first."""
+    partial: int | None = None
     num_partial_tokens: int = 0
 
     def num_tokens(self, tokens_per_block: int) -> int:
@@ -70,7 +73,8 @@ class KvCache:
         self._scratch_reuse = context.swa_scratch_reuse
         self._status = KvCacheStatus.SUSPENDED
         reused = match.num_tokens(self.tokens_per_block)
-        self._committed: list[int] = list(tokens[:reused])
+        self._committed = token_array(tokens[:reused])
+        """Compact (4 bytes a token): a long prompt's cache holds its tokens once, as one buffer."""
         self._capacity = self._history = reused
         self._nodes = list(match.nodes)
         self._pages: dict[LayerGroupId, list[Page | None]] = {}
@@ -178,10 +182,11 @@ class KvCache:
         self._snapshot = None
         self._scratch_idle = {g: [] for g in self._scratch_idle}
         self._shared_partial.clear()
-        prune = self._context.tree.prune
-        for node in reversed(self._nodes):
-            node.num_users -= 1
-            prune(node)
+        tree = self._context.tree
+        if self._nodes:
+            chained = np.array(self._nodes, dtype=np.int64)
+            tree.num_users[chained] -= 1   # a cache chains through a node once
+            tree.prune_many(chained)
         self._nodes = []
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)
@@ -328,31 +333,34 @@ class KvCache:
         self._require_active("commit")
         if self.num_committed_tokens + len(tokens) > self._capacity:
             raise LogicError(f"cache {self.id}: committing {len(tokens)} tokens past capacity {self._capacity}")
-        self._committed.extend(tokens)
+        self._committed.extend(token_array(tokens))
         self._history = max(self._history, self.num_committed_tokens)
         tpb = self.tokens_per_block
         first, end = len(self._nodes), self.num_committed_tokens // tpb
         if first >= end:
             return
-        parent = self._nodes[-1] if self._nodes else self._context.tree.root(self.reuse_scope)
+        tree = self._context.tree
+        parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
         packed = tokens_bytes(self._committed[first * tpb:end * tpb])
-        keys = chain_keys(parent.key, packed, tpb)
-        groups, priority, nodes = list(self._pages.items()), self.priority, self._nodes
-        for j, parent in enumerate(self._context.tree.extend(parent, packed, keys), first):
-            for gid, pages in groups:   # _attach_pages, inlined (its tests are these, in this order)
+        keys = chain_keys(tree.key(parent), packed, tpb)
+        chain = tree.extend(parent, np.frombuffer(packed, dtype="<u4"), keys)
+        for gid, pages in self._pages.items():
+            held = tree.pages[chain, gid].tolist()
+            for j, node, slot in zip(range(first, end), chain.tolist(), held):
                 page = pages[j] if j < len(pages) else None
-                if page is not None and page.node is None and not page.is_scratch and gid not in parent.pages:
-                    page.priority = priority
-                    page.node = parent
-                    parent.pages[gid] = page
-            parent.num_users += 1
-            nodes.append(parent)
+                if page is not None and page.node is None and not page.is_scratch and slot == NO_SLOT:
+                    page.priority = self.priority
+                    page.node = node
+                    tree.pages[node, gid] = page.slot
+        tree.num_users[chain] += 1
+        self._nodes.extend(chain.tolist())
 
-    def _attach_pages(self, node: RadixNode, ordinal: int) -> None:
+    def _attach_pages(self, node: int, ordinal: int) -> None:
         """Let the tree hold this cache's pages of block `ordinal` as `node`'s, where it has none."""
+        tree = self._context.tree
         for gid, pages in self._pages.items():
             page = pages[ordinal] if ordinal < len(pages) else None
-            if page is not None and page.node is None and not page.is_scratch and gid not in node.pages:
+            if page is not None and page.node is None and not page.is_scratch and tree.pages[node, gid] == NO_SLOT:
                 page.priority = self.priority
                 self._table.attach(page, node)
 
@@ -364,22 +372,24 @@ class KvCache:
             tree = self._context.tree
             parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
             tokens = self._committed[num_full * tpb:]
-            node = tree.get_or_insert(parent, tokens_bytes(tokens), block_key(parent.key, tokens))
+            node = tree.get_or_insert(parent, tokens, block_key(tree.key(parent), tokens))
             self._attach_pages(node, num_full)
             tree.prune(node)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _adopt_match(self, match: Match, reused: int) -> None:
         tpb = self.tokens_per_block
+        tree = self._context.tree
         blocks = list(match.nodes) + ([match.partial] if match.partial is not None else [])
-        for node in match.nodes:
-            node.num_users += 1
+        if match.nodes:
+            tree.num_users[np.array(match.nodes, dtype=np.int64)] += 1
         for group in self._groups:
             gid = group.layer_group_id
             stale = group.stale_range(reused, tpb)
             pages: list[Page | None] = []
-            for j, node in enumerate(blocks):
-                page = None if j in stale else node.pages[gid]
+            slots = tree.pages[blocks, gid].tolist() if blocks else []
+            for j, slot in enumerate(slots):
+                page = None if j in stale else self._table.tree_page(gid, slot)
                 if page is not None:
                     self._table.acquire(page, active=False)
                 pages.append(page)

@@ -12,14 +12,15 @@ from typing import Sequence
 import torch
 
 from kvtool.errors import UnsupportedTierError
-from kvtool.manager.block_keys import ReuseScope, chained_keys
+from kvtool.manager.block_keys import ReuseScope, chain_keys, root_key, tokens_bytes
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
-from kvtool.manager.radix_tree import RadixNode, RadixTree
+from kvtool.manager.key_index import keys_array
+from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
 from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
@@ -75,7 +76,7 @@ class KvCacheManager:
             allocated_pools(self.pool_groups, self.num_slots, self.device)
         self.layout = build_layout(self.layer_groups, self.pool_groups, self.num_slots, pools,
                                    config.tokens_per_block, config.model.shard_name, config.model.dtype.name)
-        self.tree = RadixTree(config.tokens_per_block)
+        self.tree = RadixTree(config.tokens_per_block, len(self.layer_groups), max(self.num_slots) + 1024)
         pool_group_of = {lg: pg.pool_group_index for pg in self.pool_groups for lg in pg.layer_group_ids}
         self.page_table = PageTable([SlotAllocator(n, slot_order(config.slot_order, config.slot_order_seed + i))
                                      for i, n in enumerate(self.num_slots)], pool_group_of, self.tree)
@@ -113,16 +114,11 @@ class KvCacheManager:
         for windowed groups. A match may end inside a block (partial reuse, copied on write).
         """
         tpb = self.tokens_per_block
-        node = self.tree.find_root(scope)
-        if node is None:
+        root = self.tree.find_root(scope)
+        if root is None:
             return Match()
-        path: list[RadixNode] = []
-        for key in chained_keys(tokens, tpb, scope):
-            child = node.children.get(key)
-            if child is None or not child.is_full:
-                break
-            path.append(child)
-            node = child
+        path = self._full_blocks_found(tokens, scope)
+        node = path[-1] if path else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if rest else None
         if partial and self._usable(Match(path, partial[0], partial[1])):
@@ -131,12 +127,32 @@ class KvCacheManager:
         # usable, and building every prefix of a long path up front costs O(blocks^2).
         return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
+    def _full_blocks_found(self, tokens: Sequence[int], scope: ReuseScope) -> list[int]:
+        """Node ids of the longest run of `tokens`' full blocks in the tree. Blocks are hashed a
+        window at a time, windows doubling: a prompt that misses early hashes little more."""
+        tpb = self.tokens_per_block
+        num_full = len(tokens) // tpb
+        previous, path, start, window = root_key(scope), [], 0, _FIRST_MATCH_WINDOW
+        while start < num_full:
+            stop = min(num_full, start + window)
+            keys = chain_keys(previous, tokens_bytes(tokens[start * tpb:stop * tpb]), tpb)
+            found = self.tree.find_chain(keys_array(keys))
+            path.extend(found.tolist())
+            if len(found) < len(keys):
+                break
+            previous, start, window = keys[-1], stop, 2 * window
+        return path
+
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])
+        if not blocks:
+            return True
         length = match.num_tokens(self.tokens_per_block)
         for group in self.layer_groups:
             stale = group.stale_range(length, self.tokens_per_block)
-            if any(group.layer_group_id not in node.pages for j, node in enumerate(blocks) if j not in stale):
+            missing = self.tree.pages[blocks, group.layer_group_id] == NO_SLOT
+            missing[stale.start:stale.stop] = False
+            if missing.any():
                 return False
         return True
 
@@ -206,6 +222,10 @@ class KvCacheManager:
 
     def _forget_hold(self, hold: "PageHold") -> None:
         self._holds.pop(id(hold), None)
+
+
+_FIRST_MATCH_WINDOW = 16
+"""Blocks hashed before the first lookup of a match."""
 
 
 class PageHold:

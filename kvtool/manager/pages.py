@@ -3,24 +3,25 @@
 A page is one block's slot in one layer group. Its status follows from its users:
 LOCKED (an active cache uses it), HELD (only suspended caches or an async-save hold),
 DROPPABLE (only the tree). A page nobody references is freed at once. Droppable pages are
-evicted LRU within priority buckets, lowest priority first.
+evicted LRU within priority buckets, lowest priority first (`DroppablePages`).
+
+A page in use is a `Page` object, one per slot, shared by its users; a droppable page is no
+object, only cells of `DroppablePages` (a trace caches millions). Taken back into use (a prefix
+reused from the tree), it gets a new `Page` object.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Iterable
 
+
 from kvtool.errors import LogicError, OutOfPagesError
+from kvtool.manager.droppable import DroppablePages
 from kvtool.manager.storage import SlotAllocator
 from kvtool.types import DEFAULT_PRIORITY, LayerGroupId, PageIndex, PageStatus, PoolGroupIndex, Priority
 
 if TYPE_CHECKING:
-    from kvtool.manager.radix_tree import RadixNode, RadixTree
-
-
-_NO_BUCKET: "OrderedDict[Page, Page]" = OrderedDict()
-"""`release_many`'s bucket before its first page: never written (the first page always finds its own)."""
+    from kvtool.manager.radix_tree import RadixTree
 
 
 class Page:
@@ -34,7 +35,8 @@ class Page:
         self.slot = slot
         self.num_active = 0
         self.num_held = 0
-        self.node: RadixNode | None = None
+        self.node: int | None = None
+        """The radix tree node holding this page, if any."""
         self.priority: Priority = DEFAULT_PRIORITY
         self.is_scratch = is_scratch
 
@@ -59,7 +61,8 @@ class PageTable:
         self._pool_group_of = pool_group_of
         self._tree = tree
         self._pages: list[dict[PageIndex, Page]] = [{} for _ in allocators]
-        self._droppable: list[dict[Priority, OrderedDict[Page, Page]]] = [{} for _ in allocators]
+        """Pages in use, by slot, per pool group."""
+        self._droppable = [DroppablePages(a.num_slots) for a in allocators]
         self.num_evictions = 0
         self.on_allocate: Callable[[Page], None] | None = None
         self.on_free: Callable[[Page], None] | None = None
@@ -74,7 +77,7 @@ class PageTable:
         return self._pool_group_of[layer_group_id]
 
     def num_droppable(self, pool_group: PoolGroupIndex) -> int:
-        return sum(len(bucket) for bucket in self._droppable[pool_group].values())
+        return len(self._droppable[pool_group])
 
     def num_available(self, pool_group: PoolGroupIndex) -> int:
         """Slots an allocation could get now: free ones plus evictable ones."""
@@ -116,10 +119,21 @@ class PageTable:
             pages.append(page)
         return pages
 
+    def tree_page(self, layer_group_id: LayerGroupId, slot: int) -> Page:
+        """The page in `slot` the tree holds for `layer_group_id`: its object when in use, else a
+        new one taken out of the droppable set (so a user must `acquire` it at once)."""
+        pool_group = self._pool_group_of[layer_group_id]
+        page = self._pages[pool_group].get(PageIndex(slot))
+        if page is not None:
+            return page
+        node, group, priority = self._droppable[pool_group].take(slot)
+        page = Page(LayerGroupId(group), pool_group, PageIndex(slot), False)
+        page.node, page.priority = node, priority
+        self._pages[pool_group][page.slot] = page
+        return page
+
     def acquire(self, page: Page, active: bool) -> None:
-        """One more user of an existing page (a reuse from the tree, or a hold)."""
-        if page.status is PageStatus.DROPPABLE:
-            self._unlist_droppable(page)
+        """One more user of a page in use (a reuse from the tree, or a hold)."""
         self._add_user(page, active)
 
     def release(self, page: Page, active: bool) -> None:
@@ -128,9 +142,7 @@ class PageTable:
 
     def release_many(self, pages: Iterable[Page], active: bool) -> None:
         """`release` of each page, in order (one call for a closing cache's thousands)."""
-        droppable = self._droppable
-        bucket: OrderedDict[Page, Page] = _NO_BUCKET     # replaced before the first insert
-        bucket_of = None   # a cache's pages mostly share one (pool group, priority)
+        kept: list[Page] = []
         for page in pages:
             if active:
                 if page.num_active <= 0:
@@ -147,10 +159,18 @@ class PageTable:
             elif not self.keep_reusable:
                 self._drop(page)
             else:
-                if bucket_of != (page.pool_group_index, page.priority):
-                    bucket_of = (page.pool_group_index, page.priority)
-                    bucket = droppable[page.pool_group_index].setdefault(page.priority, OrderedDict())
-                bucket[page] = page   # keyed by the page itself: its hash is its identity
+                kept.append(page)
+        if kept:
+            self._make_droppable(kept)
+
+    def _make_droppable(self, pages: list[Page]) -> None:
+        for pool_group in dict.fromkeys(p.pool_group_index for p in pages):
+            mine = [p for p in pages if p.pool_group_index == pool_group]
+            table = self._pages[pool_group]
+            for page in mine:
+                del table[page.slot]
+            self._droppable[pool_group].add([p.slot for p in mine], [p.node for p in mine],  # type: ignore[misc]
+                                            [p.layer_group_id for p in mine], [p.priority for p in mine])
 
     def set_active(self, page: Page, active: bool) -> None:
         """Move one user between suspended (HELD) and active (LOCKED)."""
@@ -165,32 +185,36 @@ class PageTable:
             page.num_active -= 1
             page.num_held += 1
 
-    def attach(self, page: Page, node: RadixNode) -> None:
+    def attach(self, page: Page, node: int) -> None:
         """Let the tree reference `page` as `node`'s page for its layer group."""
         if page.node is not None or page.is_scratch:
             raise LogicError(f"{page} cannot join the tree")
         page.node = node
-        node.pages[page.layer_group_id] = page
+        self._tree.pages[node, page.layer_group_id] = page.slot
 
     def pages_of(self, pool_group: PoolGroupIndex) -> dict[PageIndex, Page]:
+        """Pages in use, by slot (droppable ones are `droppable_pages`)."""
         return self._pages[pool_group]
 
+    def droppable(self, pool_group: PoolGroupIndex) -> DroppablePages:
+        return self._droppable[pool_group]
+
     def droppable_pages(self, pool_group: PoolGroupIndex) -> list[Page]:
-        """Droppable pages in eviction order (lowest priority first, least recently released first)."""
-        buckets = self._droppable[pool_group]
-        return [p for priority in sorted(buckets) for p in buckets[priority].values()]
+        """Droppable pages in eviction order (lowest priority first, least recently released
+        first), as new objects describing them."""
+        droppable = self._droppable[pool_group]
+        pages = []
+        for slot in droppable.in_eviction_order().tolist():
+            page = Page(LayerGroupId(int(droppable.layer_group[slot])), pool_group, PageIndex(slot), False)
+            page.node, page.priority = int(droppable.node[slot]), Priority(int(droppable.priority[slot]))
+            pages.append(page)
+        return pages
 
     def _add_user(self, page: Page, active: bool) -> None:
         if active:
             page.num_active += 1
         else:
             page.num_held += 1
-
-    def _unlist_droppable(self, page: Page) -> None:
-        bucket = self._droppable[page.pool_group_index][page.priority]
-        del bucket[page]
-        if not bucket:
-            del self._droppable[page.pool_group_index][page.priority]
 
     def evict_all(self, pool_group: PoolGroupIndex) -> int:
         """Evict every droppable page of `pool_group` (in eviction order); returns how many."""
@@ -204,46 +228,38 @@ class PageTable:
 
     def _evict(self, pool_group: PoolGroupIndex, count: int) -> None:
         """`_evict_one` `count` times, without the page callbacks (none is set)."""
-        buckets = self._droppable[pool_group]
-        table = self._pages[pool_group]
-        free_slot = self.allocators[pool_group].free
-        prune = self._tree.prune
-        for _ in range(count):
-            if not buckets:
-                raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
-            priority = min(buckets)
-            bucket = buckets[priority]
-            page = bucket.popitem(last=False)[1]
-            if not bucket:
-                del buckets[priority]
-            node = page.node
-            assert node is not None, "a droppable page holds a cached block"
-            del node.pages[page.layer_group_id]
-            page.node = None
-            del table[page.slot]
-            free_slot(page.slot)
-            prune(node)
-            self.num_evictions += 1
+        droppable = self._droppable[pool_group]
+        if count > len(droppable):
+            raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
+        evicted = droppable.evict(count)
+        self._tree.pages[evicted.nodes, evicted.layer_groups] = -1
+        self.allocators[pool_group].free_many(evicted.slots)
+        self._tree.prune_many(evicted.nodes)
+        self.num_evictions += count
 
     def _evict_one(self, pool_group: PoolGroupIndex) -> None:
-        buckets = self._droppable[pool_group]
-        if not buckets:
+        droppable = self._droppable[pool_group]
+        if not len(droppable):
             raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
-        page = next(iter(buckets[min(buckets)].values()))
-        self._unlist_droppable(page)
+        evicted = droppable.evict(1)
+        slot, node, group = int(evicted.slots[0]), int(evicted.nodes[0]), int(evicted.layer_groups[0])
+        page = Page(LayerGroupId(group), pool_group, PageIndex(slot), False)
+        page.node = node
+        self._pages[pool_group][page.slot] = page   # _drop frees it as a page in use
         self._drop(page)
 
     def _drop(self, page: Page) -> None:
-        """Evict `page` from the tree (unlisted as droppable already, or never listed)."""
+        """Evict `page` (in use by nobody, not droppable) from the tree."""
         node = page.node
         assert node is not None
-        del node.pages[page.layer_group_id]
+        self._tree.pages[node, page.layer_group_id] = -1
         page.node = None
+        ordinal = self._tree.block_ordinal(node)
         self._free(page)
         self._tree.prune(node)
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(page, node.block_ordinal)
+            self.on_evict(page, ordinal)
 
     def _free(self, page: Page) -> None:
         if self.on_free is not None:

@@ -1,162 +1,302 @@
-"""The radix tree of committed blocks, one root per reuse scope.
+"""The radix tree of committed blocks, one root per reuse scope, as arrays indexed by node id.
 
-A node is one block: its chained key, its tokens, and at most one page per layer group. Full
-blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf.
-A node stays while it holds a page, has children, or some cache chains through it.
+A node is one block: its chained key, its tokens, and at most one page (slot) per layer group.
+Full blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf.
+A node stays while it holds a page, has children, or some cache chains through it (its users).
 
-A node keeps its tokens packed (4-byte little-endian, as `tokens_bytes` packs them, the bytes its
-key was hashed from): a tree of millions of blocks holds 4 bytes a token instead of a tuple of
-int objects (about 36 bytes a token), and a partial match compares bytes.
+The tree of a long trace holds millions of blocks, so a node is a row of numpy arrays, not an
+object: its key in the `KeyIndex` (32 bytes and a table cell), its tokens in one uint32 row, its
+parent, its children as a doubly linked list (newest first), counts and page slots as int32
+cells: about 190 bytes a block of 32 tokens. Whole prompts are looked up, added and pruned with
+array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
+pages' slots), so rows never used cost no memory, and only grow past it.
+Node ids are reused once pruned; a caller holds an id only while the node is alive (a cache
+chaining through a node keeps it alive).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 from kvtool.errors import LogicError
-from kvtool.manager.block_keys import ReuseScope, root_key, tokens_bytes, unpack_tokens
-from kvtool.types import LayerGroupId
+from kvtool.manager.block_keys import ReuseScope, root_key, unpack_tokens
+from kvtool.manager.growable import grow_rows
+from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
 
-
-class RadixNode:
-    __slots__ = ("key", "parent", "packed", "is_full", "children", "heads", "pages", "num_users", "depth")
-
-    def __init__(self, key: bytes, parent: "RadixNode | None", packed: bytes, is_full: bool) -> None:
-        self.key = key
-        self.parent = parent
-        self.packed = packed
-        """The block's tokens, packed by `tokens_bytes`."""
-        self.is_full = is_full
-        self.children: dict[bytes, RadixNode] = {}
-        self.heads: dict[bytes, list[RadixNode]] | None = None
-        """Once the node has more than WIDE_NODE children: its children by their first packed
-        token, in insertion order (a partial match looks only at those sharing it)."""
-        self.pages: dict[LayerGroupId, Any] = {}
-        """The page table's pages holding this block, per layer group; opaque to the tree."""
-        self.num_users = 0
-        self.depth: int = 0 if parent is None else parent.depth + 1
-
-    @property
-    def block_ordinal(self) -> int:
-        return self.depth - 1
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return unpack_tokens(self.packed)
-
-    def __repr__(self) -> str:
-        return f"RadixNode(block={self.block_ordinal}, tokens={len(self.packed) // 4}, pages={sorted(self.pages)})"
-
-
-class RadixTree:
-    def __init__(self, tokens_per_block: int) -> None:
-        self.tokens_per_block = tokens_per_block
-        self._roots: dict[bytes, RadixNode] = {}
-
-    def root(self, scope: ReuseScope) -> RadixNode:
-        key = root_key(scope)
-        if key not in self._roots:
-            self._roots[key] = RadixNode(key, None, b"", True)
-        return self._roots[key]
-
-    def find_root(self, scope: ReuseScope) -> RadixNode | None:
-        return self._roots.get(root_key(scope))
-
-    def get_or_insert(self, parent: RadixNode, packed: bytes, key: bytes) -> RadixNode:
-        """The child of `parent` with `key` (a block whose tokens `tokens_bytes` packed into
-        `packed`), inserted when missing. Partial blocks become leaves."""
-        if not parent.is_full:
-            raise LogicError("a partial block cannot have children")
-        node = parent.children.get(key)
-        if node is None:
-            node = RadixNode(key, parent, packed, len(packed) == 4 * self.tokens_per_block)
-            parent.children[key] = node
-            if parent.heads is not None:
-                parent.heads.setdefault(packed[:4], []).append(node)
-            elif len(parent.children) > WIDE_NODE:
-                parent.heads = {}
-                for child in parent.children.values():
-                    parent.heads.setdefault(child.packed[:4], []).append(child)
-        return node
-
-    def extend(self, parent: RadixNode, packed: bytes, keys: list[bytes]) -> list[RadixNode]:
-        """`get_or_insert` of consecutive full blocks (their tokens `packed` back to back, one key
-        each; trailing bytes are ignored), each the child of the one before: the chain's nodes. Past the first block the tree
-        did not know, every block is new (a new node has no children), so the rest are made
-        without looking: a prefill commits thousands of blocks."""
-        step, nodes = 4 * self.tokens_per_block, []
-        i = 0
-        while i < len(keys):
-            known = parent.children.get(keys[i])
-            parent = known if known is not None else self.get_or_insert(parent, packed[i * step:(i + 1) * step],
-                                                                         keys[i])
-            nodes.append(parent)
-            i += 1
-            if known is None:
-                break
-        for j in range(i, len(keys)):
-            node = RadixNode(keys[j], parent, packed[j * step:(j + 1) * step], True)
-            parent.children[keys[j]] = node
-            nodes.append(node)
-            parent = node
-        return nodes
-
-    def best_partial(self, parent: RadixNode, chunk: Sequence[int]) -> tuple[RadixNode, int] | None:
-        """The child sharing the longest token prefix with `chunk` (shorter than a block), if any."""
-        best: tuple[RadixNode, int] | None = None
-        packed = tokens_bytes(chunk)
-        candidates = parent.children.values() if parent.heads is None else parent.heads.get(packed[:4], ())
-        for child in candidates:
-            common = common_packed_prefix(child.packed, packed)
-            if common == len(chunk) and child.is_full and len(chunk) == self.tokens_per_block:
-                continue  # a whole-block match is a full match, not a partial one
-            if common and (best is None or common > best[1]):
-                best = (child, common)
-        return best
-
-    def prune(self, node: RadixNode) -> None:
-        """Remove `node` and then its ancestors while each holds nothing and nobody chains through it."""
-        while node.parent is not None and not node.pages and not node.children and node.num_users == 0:
-            parent = node.parent
-            del parent.children[node.key]
-            if parent.heads is not None:
-                _unlist_head(parent.heads, node)
-            node.parent = None
-            node = parent
-        if node.parent is None and not node.children:
-            self._roots.pop(node.key, None)
-
-    def nodes(self) -> Iterator[RadixNode]:
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
+NO_NODE = -1
+NO_SLOT = -1
+"""`pages` cell of a layer group where the node holds no page."""
+_FREE = 0
+"""`num_tokens` of an unused id (a live node has at least one token; a root counts as full)."""
 
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
 
 
-def _unlist_head(heads: dict[bytes, list[RadixNode]], node: RadixNode) -> None:
-    same = heads[node.packed[:4]]
-    same.remove(node)
-    if not same:
-        del heads[node.packed[:4]]
+class RadixTree:
+    def __init__(self, tokens_per_block: int, num_layer_groups: int = 1, expected_nodes: int = 1024) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.num_layer_groups = num_layer_groups
+        self._index = KeyIndex(expected_nodes)
+        self._roots: dict[bytes, int] = {}
+        rows = max(expected_nodes, 16)
+        self.parent = np.zeros(rows, dtype=np.int32)
+        self.num_tokens = np.zeros(rows, dtype=np.int16)
+        self.num_users = np.zeros(rows, dtype=np.int32)
+        self.num_children = np.zeros(rows, dtype=np.int32)
+        self._first_child = np.zeros(rows, dtype=np.int32)
+        self._next_sibling = np.zeros(rows, dtype=np.int32)
+        self._prev_sibling = np.zeros(rows, dtype=np.int32)
+        self.tokens = np.zeros((rows, tokens_per_block), dtype=np.uint32)
+        self.pages = np.zeros((rows, num_layer_groups), dtype=np.int32)
+        """Slot of each node's page per layer group (NO_SLOT: none); the page table writes it."""
+        self._heads: dict[int, dict[int, list[int]]] = {}
+        """Children of a node with more than WIDE_NODE, by first token, in insertion order."""
+        self._free_ids: list[int] = []
+        self._next_id = 0
 
+    # ---- reading -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Nodes alive, roots included."""
+        return len(self._index)
 
-def common_packed_prefix(a: bytes, b: bytes) -> int:
-    """How many leading tokens two `tokens_bytes` packings share."""
-    if a[:4] != b[:4]:
-        return 0   # the usual case (different blocks): no loop
-    n = min(len(a), len(b)) // 4
-    if a[:4 * n] == b[:4 * n]:
-        return n
-    low, high = 1, n   # a[:4*low] equal, a[:4*high] not: bisect on whole tokens
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if a[:4 * middle] == b[:4 * middle] else (low, middle)
-    return low
+    def key(self, node: int) -> bytes:
+        return self._index.key(node)
+
+    def is_full(self, node: int) -> bool:
+        return int(self.num_tokens[node]) == self.tokens_per_block
+
+    def block_ordinal(self, node: int) -> int:
+        """The block's position in its prompt (its depth below the root, less one): a walk up."""
+        depth = 0
+        while int(self.parent[node]) != NO_NODE:
+            node, depth = int(self.parent[node]), depth + 1
+        return depth - 1
+
+    def block_tokens(self, node: int) -> tuple[int, ...]:
+        return unpack_tokens(self.tokens[node, :self.num_tokens[node]].astype("<u4").tobytes())
+
+    def children(self, node: int) -> list[int]:
+        """In insertion order."""
+        out, child = [], int(self._first_child[node])
+        while child != NO_NODE:
+            out.append(child)
+            child = int(self._next_sibling[child])
+        return out[::-1]
+
+    def nodes(self) -> Iterator[int]:
+        """Every live node, roots included (no order promised)."""
+        return iter(self.node_ids().tolist())
+
+    def node_ids(self) -> np.ndarray:
+        return self._index.ids()
+
+    def node_id_chunks(self, size: int) -> Iterator[np.ndarray]:
+        """Every live node, a chunk of at most `size` ids at a time (int32)."""
+        for start in range(0, self._next_id, size):
+            ids = np.arange(start, min(start + size, self._next_id), dtype=np.int32)
+            yield ids[self.num_tokens[ids] != _FREE]
+
+    def is_alive(self, node: int) -> bool:
+        return 0 <= node < len(self.num_tokens) and int(self.num_tokens[node]) != _FREE
+
+    def describe(self, node: int) -> str:
+        pages = [g for g in range(self.num_layer_groups) if self.pages[node, g] != NO_SLOT]
+        return f"node {node} (block {self.block_ordinal(node)}, tokens={int(self.num_tokens[node])}, pages={pages})"
+
+    # ---- roots and lookups -------------------------------------------------------------------
+    def root(self, scope: ReuseScope) -> int:
+        key = root_key(scope)
+        node = self._roots.get(key)
+        if node is None:
+            node = self._new_ids(1)[0]
+            self._init_rows(np.array([node]), NO_NODE, self.tokens_per_block)
+            self._index.add_many(np.array([node]), keys_array([key]))
+            self._roots[key] = node
+        return node
+
+    def find_root(self, scope: ReuseScope) -> int | None:
+        return self._roots.get(root_key(scope))
+
+    def find_chain(self, keys: np.ndarray) -> np.ndarray:
+        """Node ids of the longest run of `keys` ((n, 4) keys of consecutive full blocks, the first a
+        child of some node) present in the tree; a chained key present means its parent is too."""
+        found = self._index.find_many(keys)
+        missing = np.flatnonzero(found == EMPTY)
+        chain = found if not len(missing) else found[:missing[0]]
+        full = self.num_tokens[chain] == self.tokens_per_block
+        return chain if full.all() else chain[:np.flatnonzero(~full)[0]]
+
+    def best_partial(self, parent: int, chunk: Sequence[int]) -> tuple[int, int] | None:
+        """The child sharing the longest token prefix with `chunk` (at most a block), if any: the
+        first inserted among equals. A whole-block match is a full match, not a partial one."""
+        if not len(chunk):
+            return None
+        heads = self._heads.get(parent)
+        candidates = heads.get(int(chunk[0]), []) if heads is not None else self.children(parent)
+        if not candidates:
+            return None
+        ids = np.array(candidates, dtype=np.int64)   # insertion order: argmax takes the first inserted
+        width = len(chunk)
+        equal = self.tokens[ids, :width] == np.asarray(chunk, dtype=np.uint32)
+        equal &= np.arange(width) < self.num_tokens[ids][:, None]
+        common = np.where(equal.all(axis=1), width, np.argmin(equal, axis=1))
+        if width == self.tokens_per_block:
+            common[(common == width) & (self.num_tokens[ids] == width)] = 0
+        best = int(np.argmax(common))
+        return (int(ids[best]), int(common[best])) if common[best] else None
+
+    # ---- growing -----------------------------------------------------------------------------
+    def get_or_insert(self, parent: int, tokens: Sequence[int], key: bytes) -> int:
+        """The child of `parent` keyed `key` (a block of `tokens`), inserted when missing. Partial
+        blocks become leaves."""
+        if not self.is_full(parent):
+            raise LogicError("a partial block cannot have children")
+        node = self._index.find(key)
+        if node != EMPTY:
+            return node
+        node = self._new_ids(1)[0]
+        self._init_rows(np.array([node]), parent, len(tokens))
+        self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
+        self._index.add_many(np.array([node]), keys_array([key]))
+        self._link(parent, node)
+        return node
+
+    def extend(self, parent: int, tokens: np.ndarray, keys: list[bytes]) -> np.ndarray:
+        """`get_or_insert` of consecutive full blocks (their `tokens`, a uint32 array of at least
+        len(keys) blocks; one key each), each the child of the one before: the chain's node ids.
+        Past the first block the tree does not know, every block is new (a new node has no
+        children), so they are made at once: a prefill commits thousands of blocks."""
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        if not self.is_full(parent):
+            raise LogicError("a partial block cannot have children")
+        packed = keys_array(keys)
+        # Blocks chain: a first block unknown means all are (the usual prefill).
+        known = self._index.find_many(packed[:1])
+        if known[0] != EMPTY and len(keys) > 1:
+            known = self._index.find_many(packed)
+        elif len(keys) > 1:
+            known = np.full(len(keys), EMPTY, dtype=np.int64)
+        missing = np.flatnonzero(known == EMPTY)
+        if not len(missing):
+            return known
+        first = int(missing[0])
+        below = int(known[first - 1]) if first else parent
+        new = np.array(self._new_ids(len(keys) - first), dtype=np.int64)
+        tpb = self.tokens_per_block
+        parents = np.concatenate(([below], new[:-1]))
+        self._init_rows(new, parents, tpb)
+        self.tokens[new] = tokens[first * tpb:len(keys) * tpb].reshape(-1, tpb)
+        # Each new block is the only child of the one before it.
+        self._first_child[new[:-1]] = new[1:]
+        self.num_children[new[:-1]] = 1
+        self._index.add_many(new, packed[first:])
+        self._link(below, int(new[0]))
+        return np.concatenate((known[:first], new))
+
+    def _new_ids(self, count: int) -> list[int]:
+        reused = self._free_ids[len(self._free_ids) - min(count, len(self._free_ids)):]
+        del self._free_ids[len(self._free_ids) - len(reused):]
+        fresh = list(range(self._next_id, self._next_id + count - len(reused)))
+        self._next_id += len(fresh)
+        if self._next_id > len(self.num_tokens):
+            self._grow(self._next_id)
+        return reused + fresh
+
+    def _grow(self, rows: int) -> None:
+        for name in ("parent", "num_tokens", "num_users", "num_children", "_first_child", "_next_sibling",
+                     "_prev_sibling", "tokens", "pages"):
+            grow_rows(getattr(self, name), rows)
+
+    def _init_rows(self, ids: np.ndarray, parent, num_tokens: int) -> None:
+        """A new node's row (rows are zero until first used, and cleared when pruned)."""
+        self.parent[ids] = parent
+        self.num_tokens[ids] = num_tokens
+        self.num_users[ids] = 0
+        self.num_children[ids] = 0
+        self._first_child[ids] = NO_NODE
+        self._next_sibling[ids] = NO_NODE
+        self._prev_sibling[ids] = NO_NODE
+        self.pages[ids] = NO_SLOT
+
+    def _link(self, parent: int, child: int) -> None:
+        """Add `child` to `parent`'s children (the linked list's head is the newest)."""
+        first = int(self._first_child[parent])
+        self._next_sibling[child] = first
+        self._prev_sibling[child] = NO_NODE
+        if first != NO_NODE:
+            self._prev_sibling[first] = child
+        self._first_child[parent] = child
+        count = int(self.num_children[parent]) + 1
+        self.num_children[parent] = count
+        heads = self._heads.get(parent)
+        if heads is not None:
+            heads.setdefault(int(self.tokens[child, 0]), []).append(child)
+        elif count > WIDE_NODE:
+            heads = self._heads[parent] = {}
+            for each in self.children(parent):
+                heads.setdefault(int(self.tokens[each, 0]), []).append(each)
+
+    # ---- pruning -----------------------------------------------------------------------------
+    def prune(self, node: int) -> None:
+        """Remove `node` and then its ancestors while each holds nothing and nobody chains through it."""
+        self.prune_many(np.array([node], dtype=np.int64))
+
+    def prune_many(self, nodes: np.ndarray) -> None:
+        """`prune` of each node (the result does not depend on their order)."""
+        candidates = np.unique(np.asarray(nodes, dtype=np.int64))
+        removed: list[np.ndarray] = []
+        while len(candidates):
+            candidates = candidates[self._prunable(candidates)]
+            if not len(candidates):
+                break
+            removed.append(candidates)
+            self.num_tokens[candidates] = _FREE   # gone: a parent's cascade sees it as not alive
+            parents = self.parent[candidates].astype(np.int64)
+            parents = parents[parents != NO_NODE]
+            np.subtract.at(self.num_children, parents, 1)
+            candidates = np.unique(parents)
+        if removed:
+            self._remove(np.concatenate(removed))
+
+    def _prunable(self, nodes: np.ndarray) -> np.ndarray:
+        return ((self.num_tokens[nodes] != _FREE) & (self.num_children[nodes] == 0) &
+                (self.num_users[nodes] == 0) & (self.pages[nodes] == NO_SLOT).all(axis=1))
+
+    def _remove(self, gone: np.ndarray) -> None:
+        """Forget pruned nodes: unlink those whose parent stays, free every id."""
+        parents = self.parent[gone].astype(np.int64)
+        staying = (parents != NO_NODE) & (self.num_tokens[np.maximum(parents, 0)] != _FREE)
+        for node, parent in zip(gone[staying].tolist(), parents[staying].tolist()):
+            self._unlink(parent, node)
+        for node in gone[parents == NO_NODE].tolist():
+            self._roots.pop(self._index.key(node), None)
+        if self._heads:
+            wide = np.fromiter(self._heads, dtype=np.int64, count=len(self._heads))
+            for node in wide[np.isin(wide, gone)].tolist():
+                del self._heads[node]
+        self._index.remove_many(gone)
+        self.num_tokens[gone] = _FREE
+        self._free_ids.extend(gone.tolist())
+
+    def _unlink(self, parent: int, child: int) -> None:
+        before, after = int(self._prev_sibling[child]), int(self._next_sibling[child])
+        if before == NO_NODE:
+            self._first_child[parent] = after
+        else:
+            self._next_sibling[before] = after
+        if after != NO_NODE:
+            self._prev_sibling[after] = before
+        heads = self._heads.get(parent)
+        if heads is not None:
+            head = int(self.tokens[child, 0])
+            same = heads[head]
+            same.remove(child)
+            if not same:
+                del heads[head]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

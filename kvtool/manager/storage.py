@@ -90,6 +90,17 @@ class SlotAllocator:
         self._owned[slot] = 0
         self._freed.append(slot)
 
+    def free_many(self, slots: np.ndarray) -> None:
+        """`free` of each slot, in order."""
+        if not len(slots):
+            return
+        owned = self.owned_mask()
+        if slots.min() < 0 or slots.max() >= self.num_slots or not owned[slots].all() or \
+                len(np.unique(slots)) != len(slots):
+            raise LogicError("a slot freed but not owned")
+        np.frombuffer(self._owned, dtype=np.uint8)[slots] = 0
+        self._freed.extend(slots.tolist())
+
     def hand_out_last_first(self, count: int) -> None:
         """Make the next `count` allocations take the highest slots (kvtool validate keeps a canary
         there, because a connector that indexes with BAD_PAGE_INDEX writes slot -1, the last one)."""
@@ -113,6 +124,11 @@ class SlotAllocator:
         """`free_slots()` as an int64 array, in the same order."""
         freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
         return np.concatenate([np.arange(self._next_fresh, self.num_slots, dtype=np.int64), freed])
+
+    def free_slot_parts(self) -> tuple[range, np.ndarray]:
+        """The free list as the never-used slots (a range, at its head in FIFO order) and the rest."""
+        freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
+        return range(self._next_fresh, self.num_slots), freed
 
     def free_slots(self) -> list[PageIndex]:
         return [*range(self._next_fresh, self.num_slots), *self._freed]  # type: ignore[list-item]

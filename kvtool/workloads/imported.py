@@ -18,6 +18,7 @@ from typing import Any
 from kvtool.blocks import ceil_div
 from kvtool.connector.request import Request
 from kvtool.errors import InputError
+from kvtool.manager.block_keys import token_array_from_native
 from kvtool.workloads.synthesis import synthesize_tokens
 
 
@@ -65,7 +66,7 @@ def parse_record(raw: dict[str, Any], index: int, fmt: TraceFormat, block_size: 
             raise InputError(f"{key} must be an integer, got {raw[key]!r}")
     if "type" in raw and not isinstance(raw["type"], str):
         raise InputError(f"type must be a string, got {raw['type']!r}")
-    tokens = tuple(synthesize_tokens(hash_ids, input_length, size).tolist())
+    tokens = token_array_from_native(synthesize_tokens(hash_ids, input_length, size).tobytes())
     return Request(index, tokens, 0 if prefill_only else output_length, arrival=float(stamp) * fmt.seconds_per_tick)
 
 
