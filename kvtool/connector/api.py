@@ -65,6 +65,10 @@ class RequestData:
     new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
     cache_salt_id: int | None = None
 
+    def __post_init__(self) -> None:
+        if type(self.new_tokens) is not list:   # a compact prompt's slice: connectors get a list
+            self.new_tokens = list(self.new_tokens)
+
 
 @dataclass
 class SchedulerOutput:

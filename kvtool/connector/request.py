@@ -66,7 +66,7 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self._token_view()[:self._context_len] if self._context_len != len(self._prompt) else list(self._prompt)
+        return list(self._token_view()[:self._context_len]) if self._context_len != len(self._prompt) else list(self._prompt)
 
     @property
     def prompt_len(self) -> int:
@@ -163,9 +163,12 @@ class Request:
         if self._tokens is not None:
             self._tokens.append(self._generated[-1])
 
-    def _token_view(self) -> list[int]:
+    def _token_view(self) -> Sequence[int]:
         """The runtime's view of `get_tokens()` without the copy: read it, never change it (it
-        grows as tokens are generated)."""
+        grows as tokens are generated). A prefill-only request with a compact prompt (a trace's)
+        is its prompt: it never grows, and 4 bytes a token need no list of ints."""
+        if not self._max_new_tokens and type(self._prompt) is array and self._context_len == len(self._prompt):
+            return self._prompt
         if self._tokens is None:
             self._tokens = [*self._prompt, *self._generated]
         return self._tokens

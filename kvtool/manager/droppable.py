@@ -3,7 +3,7 @@ evicted lowest priority first, least recently released first.
 
 Such a page has no `Page` object (a trace leaves millions of them): its node, layer group and
 priority are cells of arrays indexed by slot (zeroed lazily: slots never used cost nothing), and
-the eviction order is one FIFO of slots per priority. A page taken back into use (`take`) stays in its FIFO but is skipped when reached: each
+the eviction order is one FIFO of slots per priority. A page taken back into use (`take_many`) stays in its FIFO but is skipped when reached: each
 slot's generation counts its releases, and a FIFO entry is live only while it names the slot's
 current generation and the slot is still droppable.
 """
@@ -90,11 +90,11 @@ class DroppablePages:
             fifo.push(mine, self._generation[mine])
         self._drop_stale_entries()
 
-    def take(self, slot: int) -> tuple[int, int, Priority]:
-        """Take a droppable slot back into use: its (node, layer group, priority)."""
-        self.is_droppable[slot] = False
-        self._count -= 1
-        return int(self.node[slot]), int(self.layer_group[slot]), Priority(int(self.priority[slot]))
+    def take_many(self, slots: np.ndarray) -> list[tuple[int, Priority]]:
+        """`take` of each droppable slot: (node, priority) each (their layer group is the caller's)."""
+        self.is_droppable[slots] = False
+        self._count -= len(slots)
+        return list(zip(self.node[slots].tolist(), self.priority[slots].tolist()))
 
     def contains(self, slot: int) -> bool:
         return bool(self.is_droppable[slot])

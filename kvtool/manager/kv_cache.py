@@ -386,13 +386,11 @@ class KvCache:
         for group in self._groups:
             gid = group.layer_group_id
             stale = group.stale_range(reused, tpb)
-            pages: list[Page | None] = []
             slots = tree.pages[blocks, gid].tolist() if blocks else []
-            for j, slot in enumerate(slots):
-                page = None if j in stale else self._table.tree_page(gid, slot)
-                if page is not None:
-                    self._table.acquire(page, active=False)
-                pages.append(page)
+            live = [slot for j, slot in enumerate(slots) if j not in stale] if stale else slots
+            acquired = iter(self._table.acquire_tree_pages(gid, live))
+            pages: list[Page | None] = [None if j in stale else next(acquired) for j in range(len(slots))] \
+                if stale else list(acquired)
             self._pages[gid] = pages
             if match.partial is not None and pages and pages[-1] is not None:
                 self._shared_partial[gid] = pages[-1]

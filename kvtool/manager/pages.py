@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable
 
 
+import numpy as np
+
 from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager.droppable import DroppablePages
 from kvtool.manager.storage import SlotAllocator
@@ -119,18 +121,25 @@ class PageTable:
             pages.append(page)
         return pages
 
-    def tree_page(self, layer_group_id: LayerGroupId, slot: int) -> Page:
-        """The page in `slot` the tree holds for `layer_group_id`: its object when in use, else a
-        new one taken out of the droppable set (so a user must `acquire` it at once)."""
+    def acquire_tree_pages(self, layer_group_id: LayerGroupId, slots: list[int]) -> list[Page]:
+        """The pages in these slots (distinct) that the tree holds for `layer_group_id`, each with
+        one more held user: their objects when in use, else new ones, taken out of the droppable
+        set at once (a reused prefix's thousands of pages)."""
         pool_group = self._pool_group_of[layer_group_id]
-        page = self._pages[pool_group].get(PageIndex(slot))
-        if page is not None:
-            return page
-        node, group, priority = self._droppable[pool_group].take(slot)
-        page = Page(LayerGroupId(group), pool_group, PageIndex(slot), False)
-        page.node, page.priority = node, priority
-        self._pages[pool_group][page.slot] = page
-        return page
+        table, droppable = self._pages[pool_group], self._droppable[pool_group]
+        taken = droppable.is_droppable[np.array(slots, dtype=np.int64)]
+        revived = iter(droppable.take_many(np.array(slots, dtype=np.int64)[taken]))
+        pages = []
+        for slot, was_droppable in zip(slots, taken.tolist()):
+            if was_droppable:
+                node, priority = next(revived)
+                page = table[PageIndex(slot)] = Page(layer_group_id, pool_group, PageIndex(slot), False)
+                page.node, page.priority = node, priority
+            else:
+                page = table[PageIndex(slot)]
+            page.num_held += 1
+            pages.append(page)
+        return pages
 
     def acquire(self, page: Page, active: bool) -> None:
         """One more user of a page in use (a reuse from the tree, or a hold)."""
