@@ -9,7 +9,6 @@ None (reported as BAD_PAGE_INDEX) where a block has no page: stale blocks of win
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import groupby
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -39,7 +38,8 @@ class Match:
 @dataclass
 class _ResizePlan:
     releases: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
-    allocations: list[tuple[LayerGroupId, int, bool]] = field(default_factory=list)
+    allocations: list[tuple[LayerGroupId, Sequence[int], bool]] = field(default_factory=list)
+    """Runs of block ordinals (ascending) of one layer group to give pages, transient (scratch) or not."""
     copies: list[tuple[LayerGroupId, int, Page]] = field(default_factory=list)
 
 
@@ -234,13 +234,23 @@ class KvCache:
             pages = self._pages[gid]
             stale = group.stale_range(history, tpb)
             transient = self._transient_blocks(group)
-            for j in self._blocks_to_plan(group, pages, num_new, capacity):
+            blocks = self._blocks_to_plan(group, pages, num_new, capacity)
+            if type(blocks) is range and blocks.start >= len(pages) and not stale and not transient:
+                if len(blocks):   # the usual growth: new blocks past the end, all given pages
+                    plan.allocations.append((gid, blocks, False))
+                continue
+            for j in blocks:
                 page = pages[j] if j < len(pages) else None
                 if j >= num_new or j in stale:
                     if page is not None:
                         plan.releases.append((gid, j, page))
                 elif page is None:
-                    plan.allocations.append((gid, j, j in transient))
+                    is_transient = j in transient
+                    last = plan.allocations[-1] if plan.allocations else None
+                    if last is not None and last[0] == gid and last[2] == is_transient and isinstance(last[1], list):
+                        last[1].append(j)
+                    else:
+                        plan.allocations.append((gid, [j], is_transient))
                 elif self._shared_partial.get(gid) is page and capacity > self._capacity:
                     plan.copies.append((gid, j, page))
         return plan
@@ -273,12 +283,14 @@ class KvCache:
             elif page.num_active + page.num_held == 1:
                 pg = self._table.pool_group_of(gid)
                 needed[pg] = needed.get(pg, 0) - 1
-        for gid, _, transient in plan.allocations:
-            if transient and ring[gid]:
-                ring[gid] -= 1
-                continue
+        for gid, ordinals, transient in plan.allocations:
+            count = len(ordinals)
+            if transient:
+                from_ring = min(count, ring[gid])
+                ring[gid] -= from_ring
+                count -= from_ring
             pg = self._table.pool_group_of(gid)
-            needed[pg] = needed.get(pg, 0) + 1
+            needed[pg] = needed.get(pg, 0) + count
         for gid, _, _ in plan.copies:
             pg = self._table.pool_group_of(gid)
             needed[pg] = needed.get(pg, 0) + 1
@@ -292,7 +304,7 @@ class KvCache:
         self._snapshot = None
         self._apply_changes(plan, num_blocks)
         if old is not None and not (plan.releases or plan.copies) and \
-                all(j >= lengths[gid] for gid, j, _ in plan.allocations):
+                all(ordinals[0] >= lengths[gid] for gid, ordinals, _ in plan.allocations):
             # Pages only appended: the snapshot grows by the new tail instead of being rebuilt from
             # every block (a long request's decode would otherwise cost O(blocks) a new block).
             self._snapshot = GroupPages(
@@ -317,12 +329,13 @@ class KvCache:
             self._pages[gid][j] = private
             del self._shared_partial[gid]
             self._table.release(shared, active=True)
-        for (gid, transient), run in groupby(plan.allocations, key=lambda allocation: (allocation[0], allocation[2])):
-            ordinals = [j for _, j, _ in run]
+        for gid, ordinals, transient in plan.allocations:
             pages, idle = self._pages[gid], self._scratch_idle[gid]
             if transient:
                 for j in ordinals:
                     pages[j] = idle.pop() if idle else self._table.allocate(gid, active=True, is_scratch=True)
+            elif type(ordinals) is range:
+                pages[ordinals.start:ordinals.stop] = self._table.allocate_many(gid, len(ordinals), active=True)
             else:
                 for j, page in zip(ordinals, self._table.allocate_many(gid, len(ordinals), active=True)):
                     pages[j] = page
@@ -344,16 +357,19 @@ class KvCache:
         packed = tokens_bytes(self._committed[first * tpb:end * tpb])
         keys = chain_keys(tree.key(parent), packed, tpb)
         chain = tree.extend(parent, np.frombuffer(packed, dtype="<u4"), keys)
+        nodes = chain.tolist()
         for gid, pages in self._pages.items():
             held = tree.pages[chain, gid].tolist()
-            for j, node, slot in zip(range(first, end), chain.tolist(), held):
-                page = pages[j] if j < len(pages) else None
+            attached_nodes, attached_slots = [], []
+            for page, node, slot in zip(pages[first:end], nodes, held):
                 if page is not None and page.node is None and not page.is_scratch and slot == NO_SLOT:
                     page.priority = self.priority
                     page.node = node
-                    tree.pages[node, gid] = page.slot
+                    attached_nodes.append(node)
+                    attached_slots.append(page.slot)
+            tree.pages[attached_nodes, gid] = attached_slots
         tree.num_users[chain] += 1
-        self._nodes.extend(chain.tolist())
+        self._nodes.extend(nodes)
 
     def _attach_pages(self, node: int, ordinal: int) -> None:
         """Let the tree hold this cache's pages of block `ordinal` as `node`'s, where it has none."""

@@ -173,13 +173,19 @@ class PageTable:
             self._make_droppable(kept)
 
     def _make_droppable(self, pages: list[Page]) -> None:
-        for pool_group in dict.fromkeys(p.pool_group_index for p in pages):
-            mine = [p for p in pages if p.pool_group_index == pool_group]
-            table = self._pages[pool_group]
-            for page in mine:
-                del table[page.slot]
-            self._droppable[pool_group].add([p.slot for p in mine], [p.node for p in mine],  # type: ignore[misc]
-                                            [p.layer_group_id for p in mine], [p.priority for p in mine])
+        by_pool_group: dict[PoolGroupIndex, tuple[list, list, list, list]] = {}
+        for page in pages:
+            pool_group = page.pool_group_index
+            columns = by_pool_group.get(pool_group)
+            if columns is None:
+                columns = by_pool_group[pool_group] = ([], [], [], [])
+            del self._pages[pool_group][page.slot]
+            columns[0].append(page.slot)
+            columns[1].append(page.node)
+            columns[2].append(page.layer_group_id)
+            columns[3].append(page.priority)
+        for pool_group, (slots, nodes, groups, priorities) in by_pool_group.items():
+            self._droppable[pool_group].add(slots, nodes, groups, priorities)
 
     def set_active(self, page: Page, active: bool) -> None:
         """Move one user between suspended (HELD) and active (LOCKED)."""
