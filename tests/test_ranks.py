@@ -134,7 +134,7 @@ def test_the_followers_are_gone_after_the_run():
     config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 32, num_slots=64, device="cpu"),
                           num_ranks=2, tp_size=2, ranks_as_processes=True)
     engine = Engine(config, load_connector("host"))
-    processes = list(engine.followers._processes)
+    processes = list(engine.group.followers._processes)
     engine.close()
     assert all(not p.is_alive() and p.exitcode == 0 for p in processes)
 

@@ -174,11 +174,11 @@ def test_request_finished_receives_the_page_indices():
     engine.add_request(Request(1, list(range(10)), 3))
     final = []
 
-    def spy(state, original=engine._finish):
+    def spy(state, original=engine.lifecycle.finish):
         final.extend(list(p) for p in state.kv.page_indices_by_group())
         original(state)
 
-    engine._finish = spy
+    engine.lifecycle.finish = spy
     engine.run()
     (finished,) = [c for c in sched(engine).calls if c[0] == "finished"]
     assert finished[2] == final == [[0, 1, 2]]

@@ -7,7 +7,7 @@ up among the prefix hashes of the requests this engine knows (live, and the last
 finished). `Origins.describe` says what differs from where the bytes belong: another request's
 prompt, another position, layer, role or head, bytes shifted inside the head. Evidence such as
 `found the bytes of position 4 (...)` names the connector's mistake (a block one off, a swapped
-layer) where hex alone does not.
+layer) where hex alone does not. `found_bytes` says a head's bytes in those words, or as a poison.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kvtool.engine.fingerprint import FINGERPRINTED_ROLES, PrefixHashes, coordinate_keys, unmix64, word_prints
+from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import Role
 
 REMEMBERED = 64
@@ -154,3 +156,23 @@ def _said(origin: _Origin, where: Coordinate) -> str:
         parts.append(f"head {other.head}")
     said = f"the bytes of {', '.join(parts)}" if parts else "its own bytes"
     return said + (f", shifted by {origin.shift * 8} bytes" if origin.shift else "")
+
+
+_UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was handed out",
+                     RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
+
+
+def found_bytes(head: torch.Tensor, expected: torch.Tensor | None = None, origins: Origins | None = None,
+                where: Coordinate | None = None) -> str:
+    """What one head's bytes read back as, then its first 8 bytes in hex: what they mean when every
+    byte is one of the manager's poisons or zero; else, when its first word is `expected`'s, where
+    they first differ; else, given `origins`, whose bytes they are (`Origins.describe`)."""
+    first8 = bytes(head[:8].cpu().tolist())
+    first = int(head[0]) if head.numel() else None
+    meaning = _UNIFORM_MEANINGS.get(first) if first is not None and bool((head == first).all()) else None
+    if meaning is None and expected is not None and bytes(expected[:8].cpu().tolist()) == first8:
+        wrong = int(torch.nonzero(head != expected)[0, 0]) if bool((head != expected).any()) else len(head)
+        meaning = f"its own first bytes, wrong from byte {wrong} of the head"
+    elif meaning is None and origins is not None and where is not None and len(first8) == 8:
+        meaning = origins.describe(int(np.frombuffer(first8, dtype=np.uint64)[0]), where)
+    return f"{meaning} ({first8.hex()})" if meaning else first8.hex()

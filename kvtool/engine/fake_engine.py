@@ -16,12 +16,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvtool.engine.byte_origin import Coordinate, Origins
+from kvtool.engine.byte_origin import Coordinate, Origins, found_bytes
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
-from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
@@ -32,24 +31,6 @@ HOST_COMPARE_BYTES = 1 << 20
 costs less than the compare's kernels and a synchronisation per buffer, and under validate's
 dozen processes sharing one GPU every synchronisation waits its turn. Larger reads (a real model
 in `bench`) are compared where they are."""
-_UNIFORM_MEANINGS = {POISON_BYTE: "a page that was never written since it was handed out",
-                     RELEASED_POISON_BYTE: "a released page", 0: "zeros"}
-
-
-def found_bytes(head: torch.Tensor, expected: torch.Tensor | None = None, origins: Origins | None = None,
-                where: Coordinate | None = None) -> str:
-    """What one head's bytes read back as, then its first 8 bytes in hex: what they mean when every
-    byte is one of the manager's poisons or zero; else, when its first word is `expected`'s, where
-    they first differ; else, given `origins`, whose bytes they are (`Origins.describe`)."""
-    first8 = bytes(head[:8].cpu().tolist())
-    first = int(head[0]) if head.numel() else None
-    meaning = _UNIFORM_MEANINGS.get(first) if first is not None and bool((head == first).all()) else None
-    if meaning is None and expected is not None and bytes(expected[:8].cpu().tolist()) == first8:
-        wrong = int(torch.nonzero(head != expected)[0, 0]) if bool((head != expected).any()) else len(head)
-        meaning = f"its own first bytes, wrong from byte {wrong} of the head"
-    elif meaning is None and origins is not None and where is not None and len(first8) == 8:
-        meaning = origins.describe(int(np.frombuffer(first8, dtype=np.uint64)[0]), where)
-    return f"{meaning} ({first8.hex()})" if meaning else first8.hex()
 
 
 @dataclass(frozen=True)

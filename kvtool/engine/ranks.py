@@ -5,10 +5,11 @@ connector worker.
 
 Each iteration rank 0 broadcasts a `PassOrder` (the connector metadata, the pass items and plan,
 the byte operations its manager did on pages) when there is a pass to run, and a `FinishedOrder`
-(the ids given to `get_finished`) at the end of every iteration; every rank runs the same
-`PassDriver` on its own shard; after each order rank 0 gathers one `RankReport` per follower. The
-runtime acts on a finished id only once every rank reported it. Collectives run under a timeout,
-and a follower that dies or hangs ends the run with one line naming the rank and its last hook.
+(the ids given to `get_finished`) at the end of every iteration (`rank_orders`); every rank runs
+the same `RankPass` on its own shard; after each order rank 0 gathers one `RankReport` per follower
+(`rank_group.ProcessRankGroup` is rank 0's side of this exchange). The runtime acts on a finished
+id only once every rank reported it. Collectives run under a timeout, and a follower that dies or
+hangs ends the run with one line naming the rank and its last hook.
 """
 
 from __future__ import annotations
@@ -19,95 +20,24 @@ import os
 import pickle
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.fake_engine import FakeEngine, IntegrityIssue, PassItem
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.raised import describe_construction_error, describe_error, format_error, stops_kvtool
-from kvtool.engine.pass_driver import PassDriver, PassPlan, RankWorker, ask_end_of_pass
-from kvtool.engine.worker_setup import forward_stream, rank_llm_args, register_worker
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.pass_driver import PassDriver
+from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup, rank_manager_config
+from kvtool.engine.rank_pass import RankPass, WorkerFactory
+from kvtool.engine.worker_setup import forward_stream
 from kvtool.errors import ConnectorError
-from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
-from kvtool.models import heads_across_ranks, shard_model
+from kvtool.models import heads_across_ranks
 
 HOOK_NAME_BYTES = 1024
 """A follower's shared note: the hook it is in, or why its setup failed (said by rank 0)."""
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What a follower needs to build its rank: the manager config of rank 0 (its model unsharded),
-    the slots per pool group rank 0 got, the tensor-parallel size, the connector."""
-
-    manager: KvCacheManagerConfig
-    num_slots: tuple[int, ...]
-    tp_size: int
-    num_ranks: int
-    seed: int
-    spec: ConnectorSpec | None
-    options: tuple[tuple[str, str], ...]
-    port: int
-    """Rank 0's rendezvous port: 0 until `Followers` binds one (the OS picks it)."""
-    timeout_s: float
-    device: str = "cpu"
-    """Where rank 0's pools are ("cpu" or "cuda"): the followers' too, and the backend (gloo, NCCL)."""
-
-
-def rank_manager_config(config: KvCacheManagerConfig, tp_size: int, rank: int) -> KvCacheManagerConfig:
-    """Rank `rank`'s manager config: its shard of the model (the whole model where ranks only
-    replicate, tp_size 1)."""
-    if tp_size == 1:
-        return config
-    return replace(config, model=shard_model(config.model, tp_size, rank))
-
-
-@dataclass
-class PassOrder:
-    """Everything a follower needs to run one pass exactly as rank 0 does (steps 1-2 of
-    `pass_driver`)."""
-
-    iteration: int
-    metadata: Any
-    items: list[PassItem]
-    received: list[PassItem]
-    page_ops: list[tuple]
-    plan: PassPlan
-    verify: list[PassItem] = field(default_factory=list)
-    """Live requests' pages to verify after the pass, up to the history they had before it
-    (rank 0's `verify_all_after_iteration`, on this rank's shard)."""
-
-
-@dataclass
-class FinishedOrder:
-    """The end of an iteration on a follower (step 4 of `pass_driver`): the page operations since
-    the pass, the requests to forget, and the ids `get_finished` is given."""
-
-    page_ops: list[tuple]
-    saving: list[int]
-    loading: list[int]
-    forgotten: list[int]
-    rewinds: dict[int, int] = field(default_factory=dict)
-    """Request id -> tokens it kept after a verify pass rejected drafts (the fake engine rewinds)."""
-
-
-@dataclass
-class RankReport:
-    rank: int
-    failures: list[tuple[str, str]] = field(default_factory=list)
-    """(hook, error) for each hook that raised."""
-    tracebacks: list[str] = field(default_factory=list)
-    """The whole traceback of each of `failures`, in the same order."""
-    finished: Any = None
-    """What get_finished returned (None when it raised, or for a pass order)."""
-    checksums: dict[int, int] = field(default_factory=dict)
-    issues: list[IntegrityIssue] = field(default_factory=list)
-    errors_by_request: Counter = field(default_factory=Counter)
 
 
 class RankGroupError(ConnectorError):
@@ -330,8 +260,9 @@ def _note_setup_failure(hook_name, setup: RankSetup | None, exc: BaseException) 
 
 
 class RankExecutor:
-    """One follower rank: its pools (shard), fake engine and connector worker, driven by the same
-    `PassDriver` as rank 0."""
+    """One follower rank: its pools (shard), and the same `RankPass` as rank 0 runs (its fake
+    engine, its connector worker built by the same `WorkerFactory`); rank 0's page operations are
+    replayed on its shard before each order."""
 
     def __init__(self, rank: int, setup: RankSetup, hook_name=None) -> None:
         self.rank = rank
@@ -339,25 +270,28 @@ class RankExecutor:
         config = replace(rank_manager_config(setup.manager, setup.tp_size, rank),
                          num_slots_by_pool_group=setup.num_slots, device=setup.device)
         self.manager = KvCacheManager(config)
-        self.fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed,
-                               model_heads=heads_across_ranks(config.model))
+        fake = FakeEngine(self.manager.layout, self.manager.layer_groups, setup.seed,
+                          model_heads=heads_across_ranks(config.model))
         self._hook_name = hook_name
         self._report = RankReport(rank)
         workers = []
         if setup.spec is not None:
-            self._enter("constructing the worker")
-            worker = setup.spec.worker_class(rank_llm_args(self.manager, setup.spec, dict(setup.options),
-                                                           rank, setup.num_ranks, setup.tp_size))
-            self._enter("register_kv_cache_layout")
-            register_worker(worker, self.manager)
-            workers.append(RankWorker(rank, worker, ask_end_of_pass(worker, rank)))
-        self.driver = PassDriver(workers, self.fake.layer_ids, self.fake.forward_layer,
-                                 forward_stream(self.manager.device), self._call, self._enter)
+            factory = WorkerFactory(setup.spec, dict(setup.options), self.manager, setup.num_ranks, setup.tp_size,
+                                    self._enter)
+            workers.append(factory.ready(rank, factory.construct(rank)))
+        driver = PassDriver(workers, fake.layer_ids, fake.forward_layer, forward_stream(self.manager.device),
+                            self._call, self._enter)
+        self.rank_pass = RankPass(rank, fake, driver)
         self._enter("")
 
     @property
+    def fake(self) -> FakeEngine:
+        return self.rank_pass.fake
+
+    @property
     def worker(self):
-        return self.driver.workers[0].worker if self.driver.workers else None
+        workers = self.rank_pass.driver.workers
+        return workers[0].worker if workers else None
 
     def _enter(self, hook: str) -> None:
         if self._hook_name is not None:
@@ -367,28 +301,12 @@ class RankExecutor:
         self._report = report = RankReport(self.rank)
         self.manager.replay_page_ops(order.page_ops)
         if isinstance(order, FinishedOrder):
-            answer = self.driver.get_finished(order.saving, order.loading).get(self.rank)
+            answer = self.rank_pass.finish(order).get(self.rank)
             report.finished = answer[1] if answer is not None and answer[0] else None
-            for request_id, length in order.rewinds.items():
-                self.fake.rewind(request_id, length)
-            for request_id in order.forgotten:
-                self.fake.forget(request_id)
         else:
-            self._pass(order, report)
+            self.rank_pass.run_pass(order, report)
         self._enter("")
         return report
-
-    def _pass(self, order: PassOrder, report: RankReport) -> None:
-        for item in order.received:
-            self.fake.write_context(item)
-        before = Counter(self.fake.errors_by_request)
-        num_issues = len(self.fake.issues)
-        self.driver.run_pass(order.plan, order.metadata, order.items)
-        for item in order.verify:
-            self.fake.verify_cache(item.request_id, item.tokens, item.pages, item.end)
-        report.checksums = {item.request_id: item.checksum for item in order.items if item.samples}
-        report.issues = self.fake.issues[num_issues:]
-        report.errors_by_request = Counter(self.fake.errors_by_request) - before
 
     def _call(self, hook: str, fn, *args) -> tuple[bool, Any]:
         """The follower's hook guard: a failure goes into the report for rank 0, which fails the pass."""

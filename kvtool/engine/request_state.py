@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from kvtool.connector.request import Request
 from kvtool.errors import LogicError
 from kvtool.manager.kv_cache import KvCache
-from kvtool.manager.manager import PageHold
 
 
 class Phase(enum.Enum):
@@ -80,7 +79,6 @@ class RequestState:
     transmission_since: int = -1
     transmission_started_at: float = 0.0
     """time.monotonic() when the asynchronous load began."""
-    hold: PageHold | None = None
     error: str | None = None
     """What went wrong, for people (set with `failure`)."""
     failure: FailureReason | None = None
@@ -142,10 +140,10 @@ class RequestState:
         if self._phase is not Phase.GENERATION:
             self._move(Phase.GENERATION)
 
-    def start_saving(self, hold: PageHold) -> None:
-        """-> SAVING: finished, its asynchronous save in flight, its pages held by `hold`."""
+    def start_saving(self) -> None:
+        """-> SAVING: finished, its asynchronous save in flight (the engine's `lifecycle.SaveHolds`
+        keeps its pages)."""
         self._move(Phase.SAVING)
-        self.hold = hold
 
     def pause(self, num_computed: int) -> None:
         """CONTEXT/GENERATION -> WAITING: its allocation was taken back (the caller closed its
@@ -167,11 +165,8 @@ class RequestState:
         self.reported_tokens, self.reported_blocks = -1, ()
 
     def end(self, phase: Phase, failure: FailureReason | None = None, error: str | None = None) -> None:
-        """-> DONE or FAILED (with its reason), releasing a hold on its pages."""
+        """-> DONE or FAILED (with its reason)."""
         self._move(phase)
-        if self.hold is not None:
-            self.hold.release()
-            self.hold = None
         if failure is not None:
             self.failure = failure
         self.error = error

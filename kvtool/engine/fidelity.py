@@ -1,0 +1,40 @@
+"""Fidelity: how much of the KV a run really moves. `bytes`: pools hold KV bytes the fake engine
+writes and verifies; `blocks`: virtual pools, nothing written (`no_bytes`); `tokens`: the tokens
+`bytes` would generate, nothing written (`token_model`), for a reference run."""
+
+from __future__ import annotations
+
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.engine.engine_config import EngineConfig
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.no_bytes import NoBytesModel
+from kvtool.engine.token_model import ReferenceTokens
+from kvtool.errors import InputError
+from kvtool.manager.manager import KvCacheManager
+
+
+def bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads: int):
+    """What writes and checks the pages' bytes at `fidelity` (`require_fidelity` has passed)."""
+    if fidelity == "blocks":
+        return NoBytesModel(manager.layer_groups)
+    model = ReferenceTokens if fidelity == "tokens" else FakeEngine
+    return model(manager.layout, manager.layer_groups, seed, model_heads=model_heads)
+
+
+def require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> None:
+    """InputError for a fidelity this engine cannot run, or one the connector does not fit."""
+    if config.fidelity not in ("bytes", "blocks", "tokens"):
+        raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks (tokens: reference runs only)")
+    if config.fidelity == "tokens" and (connector is not None or config.num_ranks != 1):
+        raise InputError("token fidelity is for a reference run: one rank and no connector")
+    moves_bytes = connector is None or getattr(connector.scheduler_class, "kvtool_moves_bytes", True)
+    if config.fidelity == "blocks":
+        if config.num_ranks != 1 or config.process_group_of_one:
+            raise InputError("block fidelity runs one rank: drop --num-ranks (or use --fidelity bytes)")
+        if connector is not None and moves_bytes:
+            raise InputError(f"connector {connector.name!r} moves KV bytes, and block fidelity has none: "
+                             "use --connector index, redis-index or mooncake-index (tiers that only index) "
+                             "or --fidelity bytes")
+    elif not moves_bytes:
+        raise InputError(f"connector {connector.name!r} moves no bytes (it stands in for a tier in block "
+                         "fidelity): use it with --fidelity blocks")

@@ -1,0 +1,45 @@
+"""Requests that wait on the connector too long fail: an asynchronous load in transmission past
+`max_transmission_iterations` (or `max_transmission_seconds`), an asynchronous save unreported
+past `max_saving_seconds`."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from kvtool.engine.engine_config import EngineConfig
+from kvtool.engine.request_queues import RequestQueues
+from kvtool.engine.request_state import FailureReason, Phase, RequestState
+
+
+class Watchdogs:
+    def __init__(self, config: EngineConfig, fail: Callable[[RequestState, FailureReason, str], None]) -> None:
+        self._config = config
+        self._fail = fail
+        self._saving_since: dict[int, float] = {}
+        """Request id -> when this check first saw it saving."""
+
+    def check(self, queues: RequestQueues, iteration: int) -> None:
+        """Fail the stuck ones among the started requests (at the end of each iteration)."""
+        seconds, limit = self._config.max_transmission_seconds, self._config.max_transmission_iterations
+        now = time.monotonic()
+        for state in queues.started_in(Phase.TRANSMISSION):
+            if seconds is not None and now - state.transmission_started_at > seconds:
+                self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {seconds:g} s")
+            elif seconds is None and iteration - state.transmission_since > limit:
+                self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
+        self._fail_stuck_saves(queues.started_in(Phase.SAVING), now)
+
+    def _fail_stuck_saves(self, saving: list[RequestState], now: float) -> None:
+        """A request whose asynchronous save is unreported `max_saving_seconds` after the end of
+        the iteration that finished it (when this check first saw it saving)."""
+        seconds = self._config.max_saving_seconds
+        if seconds is None:
+            return
+        since = self._saving_since
+        for request_id in set(since) - {s.request_id for s in saving}:
+            del since[request_id]
+        for state in saving:
+            if now - since.setdefault(state.request_id, now) > seconds:
+                self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"request {state.request_id} waits for its "
+                           f"asynchronous save, which get_finished never reported within {seconds:g} s")
