@@ -112,3 +112,38 @@ def test_a_partial_match_is_the_first_inserted_longest_common_prefix(blocks, pru
         if common and (best is None or common > best[1]):
             best = (node, common)
     assert tree.best_partial(root, chunk) == best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=20))
+def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
+    """Chains grow from random points of earlier ones (`extend`), some are pruned at once, so
+    later chains take recycled ids in no particular order; every live node must still name its
+    parent and hold its tokens."""
+    tpb = 2
+    tree = RadixTree(tpb, expected_nodes=4)
+    root = tree.root(ReuseScope())
+    tree.num_users[root] += 1   # pinned, as a cache chaining through a node pins it
+    model: dict[int, tuple[int, tuple[int, ...]]] = {}   # node -> (parent, tokens)
+    chains: list[list[int]] = []
+    for serial, (branch, length, prune) in enumerate(operations):
+        base = chains[branch % len(chains)] if chains else []
+        parent = base[len(base) // 2] if base and tree.is_alive(base[len(base) // 2]) else root
+        tokens = np.arange(serial * 100, serial * 100 + length * tpb, dtype=np.uint32)
+        keys, previous = [], tree.key(parent)
+        for b in range(length):
+            previous = block_key(previous, tokens[b * tpb:(b + 1) * tpb].tolist())
+            keys.append(previous)
+        chain = tree.extend(parent, tokens, keys).tolist()
+        for b, node in enumerate(chain):
+            model[node] = (chain[b - 1] if b else parent, tuple(tokens[b * tpb:(b + 1) * tpb].tolist()))
+        if prune:
+            tree.prune_many(np.array(chain))
+            for node in chain:
+                model.pop(node)
+        else:
+            tree.num_users[chain] += 1
+            chains.append(chain)
+    for node, (parent, tokens) in model.items():
+        assert tree.is_alive(node) and int(tree.parent[node]) == parent and tree.block_tokens(node) == tokens
+    assert len(tree) == len(model) + 1   # and the root

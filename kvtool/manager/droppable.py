@@ -80,9 +80,10 @@ class DroppablePages:
         self.is_droppable[index] = True
         self._generation[index] += np.uint32(1)
         self._count += len(slots)
-        by_priority = np.array(priorities)
-        for priority in dict.fromkeys(priorities):
-            mine = index if len(set(priorities)) == 1 else index[by_priority == priority]
+        distinct = dict.fromkeys(priorities)
+        by_priority = np.array(priorities) if len(distinct) > 1 else None
+        for priority in distinct:
+            mine = index if by_priority is None else index[by_priority == priority]
             self.priority[mine] = priority
             fifo = self._fifos.get(priority)
             if fifo is None:

@@ -11,6 +11,8 @@ lookup compares all 256 bits of a candidate, so two keys are the same block only
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from kvtool.errors import LogicError
@@ -60,11 +62,25 @@ class KeyIndex:
 
     def find_many(self, keys: np.ndarray) -> np.ndarray:
         """The id of each (n, 4) key, or EMPTY where it is not in the set (int64)."""
-        found, _ = self._probe(keys, want_free=False)
+        if len(keys) == 1:
+            return np.array([self.find(keys[0].tobytes())], dtype=np.int64)
+        found, _ = self._probe(keys)
         return found
 
     def find(self, key: bytes) -> int:
-        return int(self.find_many(np.frombuffer(key, dtype=np.uint64).reshape(1, 4))[0])
+        """The id of one 32-byte key, or EMPTY: the probe sequence walked in Python (one key does
+        not pay a vectorised round's fixed cost)."""
+        mask = int(self._mask)
+        at = int.from_bytes(key[:8], sys.byteorder) & mask
+        step = (int.from_bytes(key[8:16], sys.byteorder) | 1) & mask
+        cells, keys = self._cells, self._keys
+        while True:
+            cell = int(cells[at])
+            if cell == EMPTY:
+                return EMPTY
+            if cell >= 0 and keys[cell].tobytes() == key:
+                return cell
+            at = (at + step) & mask
 
     def add_many(self, ids: np.ndarray, keys: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
@@ -81,7 +97,7 @@ class KeyIndex:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return
-        _, cells = self._probe(self._keys[ids], want_free=False)
+        _, cells = self._probe(self._keys[ids])
         if (cells < 0).any():
             raise LogicError("a block key removed from the index was not in it")
         self._cells[cells] = REMOVED
@@ -96,7 +112,7 @@ class KeyIndex:
     def _start(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return keys[:, 0] & self._mask, (keys[:, 1] | np.uint64(1)) & self._mask
 
-    def _probe(self, keys: np.ndarray, want_free: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(id, cell) of each key: the id where found (EMPTY where not) and the cell holding it
         (-1 where not found)."""
         n = len(keys)
@@ -136,7 +152,7 @@ class KeyIndex:
         step = step.astype(np.int64)
         mask = int(self._mask)
         pending = np.arange(len(ids))
-        while len(pending):
+        while len(pending) > _SCALAR_BELOW:
             at = position[pending]
             before = self._cells[at]
             free = np.flatnonzero(before < 0)
@@ -148,6 +164,12 @@ class KeyIndex:
             placed[taken] = True
             pending = pending[~placed]
             position[pending] = (position[pending] + step[pending]) & mask
+        for k in pending.tolist():   # the few long probe sequences, one by one
+            cell_at = int(position[k])
+            while int(self._cells[cell_at]) >= 0:
+                cell_at = (cell_at + int(step[k])) & mask
+            self._num_removed -= int(self._cells[cell_at]) == REMOVED
+            self._cells[cell_at] = ids[k]
 
     def _reserve(self, extra: int) -> None:
         """Rebuild before adding `extra` would load the table past _MAX_LOAD."""
