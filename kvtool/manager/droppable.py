@@ -31,7 +31,7 @@ class _Fifo:
 
     def push(self, slots: np.ndarray, generations: np.ndarray) -> None:
         if self.head > 1024 and self.head * 2 > self.tail:   # reclaim the consumed front
-            self.keep(np.arange(self.head, self.tail))
+            self.keep(np.ones(self.tail - self.head, dtype=bool))
         end = self.tail + len(slots)
         grow_rows(self.slots, end)
         grow_rows(self.generations, end)
@@ -40,11 +40,14 @@ class _Fifo:
         self.tail = end
 
 
-    def keep(self, entries: np.ndarray) -> None:
-        """Keep only these entries (positions, in order), moved to the front."""
-        self.slots[:len(entries)] = self.slots[entries]
-        self.generations[:len(entries)] = self.generations[entries]
-        self.head, self.tail = 0, len(entries)
+    def keep(self, wanted: np.ndarray) -> None:
+        """Keep only the entries from head to tail that `wanted` (a mask over them) marks, in
+        order, moved to the front."""
+        slots = self.slots[self.head:self.tail][wanted]
+        generations = self.generations[self.head:self.tail][wanted]
+        self.slots[:len(slots)] = slots
+        self.generations[:len(slots)] = generations
+        self.head, self.tail = 0, len(slots)
 
 
 @dataclass(frozen=True)
@@ -168,5 +171,5 @@ class DroppablePages:
         if entries <= self._count + self._count // 4 + 4096:
             return
         for fifo in self._fifos.values():
-            window = np.arange(fifo.head, fifo.tail)
-            fifo.keep(window[self._live(fifo.slots[window], fifo.generations[window])])
+            window = slice(fifo.head, fifo.tail)
+            fifo.keep(self._live(fifo.slots[window], fifo.generations[window]))

@@ -30,6 +30,9 @@ class Match:
     """Radix tree node ids, block 0 first."""
     partial: int | None = None
     num_partial_tokens: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    """The keys of the prompt's first full blocks that the match hashed (at least the matched
+    ones): a commit of the same tokens reuses them instead of hashing the blocks again."""
 
     def num_tokens(self, tokens_per_block: int) -> int:
         return len(self.nodes) * tokens_per_block + self.num_partial_tokens
@@ -77,6 +80,8 @@ class KvCache:
         """Compact (4 bytes a token): a long prompt's cache holds its tokens once, as one buffer."""
         self._capacity = self._history = reused
         self._nodes = list(match.nodes)
+        self._hashed_keys, self._hashed_tokens = match.keys, tokens
+        """The match's keys of `tokens`' first blocks, until a commit has used them."""
         self._pages: dict[LayerGroupId, list[Page | None]] = {}
         self._shared_partial: dict[LayerGroupId, Page] = {}
         self._scratch_idle: dict[LayerGroupId, list[Page]] = {g.layer_group_id: [] for g in self._groups}
@@ -355,7 +360,7 @@ class KvCache:
         tree = self._context.tree
         parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
         packed = tokens_bytes(self._committed[first * tpb:end * tpb])
-        keys = chain_keys(tree.key(parent), packed, tpb)
+        keys = self._block_keys(first, tree.key(parent), packed)
         chain = tree.extend(parent, np.frombuffer(packed, dtype="<u4"), keys)
         nodes = chain.tolist()
         for gid, pages in self._pages.items():
@@ -370,6 +375,22 @@ class KvCache:
             tree.pages[attached_nodes, gid] = attached_slots
         tree.num_users[chain] += 1
         self._nodes.extend(nodes)
+
+    def _block_keys(self, first: int, parent_key: bytes, packed: bytes) -> list[bytes]:
+        """The keys of the full blocks from `first` on (their tokens `packed`, chained after
+        `parent_key`): the match's where it hashed the same tokens after the same key, the rest
+        hashed here."""
+        tpb, known = self.tokens_per_block, self._hashed_keys
+        reused = min(len(known) - first, len(packed) // (4 * tpb))
+        if reused <= 0:
+            self._hashed_keys = []
+            return chain_keys(parent_key, packed, tpb)
+        same_chain = first == 0 or known[first - 1] == parent_key
+        size = 4 * tpb * reused
+        if not same_chain or packed[:size] != tokens_bytes(self._hashed_tokens[first * tpb:(first + reused) * tpb]):
+            self._hashed_keys = []
+            return chain_keys(parent_key, packed, tpb)
+        return known[first:first + reused] + chain_keys(known[first + reused - 1], packed[size:], tpb)
 
     def _attach_pages(self, node: int, ordinal: int) -> None:
         """Let the tree hold this cache's pages of block `ordinal` as `node`'s, where it has none."""

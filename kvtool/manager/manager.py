@@ -117,31 +117,35 @@ class KvCacheManager:
         root = self.tree.find_root(scope)
         if root is None:
             return Match()
-        path = self._full_blocks_found(tokens, scope)
+        path, keys = self._full_blocks_found(tokens, scope)
         node = path[-1] if path else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if rest else None
         if partial and self._usable(Match(path, partial[0], partial[1])):
-            return Match(path, partial[0], partial[1])
+            return Match(path, partial[0], partial[1], keys)
         # Shorter matches are built only as they are tried: with full attention the first one is
         # usable, and building every prefix of a long path up front costs O(blocks^2).
-        return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
+        return next(m for m in (Match(path[:k], keys=keys) for k in range(len(path), -1, -1)) if self._usable(m))
 
-    def _full_blocks_found(self, tokens: Sequence[int], scope: ReuseScope) -> list[int]:
-        """Node ids of the longest run of `tokens`' full blocks in the tree. Blocks are hashed a
-        window at a time, windows doubling: a prompt that misses early hashes little more."""
+    def _full_blocks_found(self, tokens: Sequence[int], scope: ReuseScope) -> tuple[list[int], list[bytes]]:
+        """Node ids of the longest run of `tokens`' full blocks in the tree, and the keys hashed to
+        find them. Blocks are hashed a window at a time, windows doubling: a prompt that misses
+        early hashes little more."""
         tpb = self.tokens_per_block
         num_full = len(tokens) // tpb
-        previous, path, start, window = root_key(scope), [], 0, _FIRST_MATCH_WINDOW
+        previous, start, window = root_key(scope), 0, _FIRST_MATCH_WINDOW
+        path: list[int] = []
+        hashed: list[bytes] = []
         while start < num_full:
             stop = min(num_full, start + window)
             keys = chain_keys(previous, tokens_bytes(tokens[start * tpb:stop * tpb]), tpb)
+            hashed += keys
             found = self.tree.find_chain(keys_array(keys))
             path.extend(found.tolist())
             if len(found) < len(keys):
                 break
             previous, start, window = keys[-1], stop, 2 * window
-        return path
+        return path, hashed
 
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])

@@ -111,7 +111,7 @@ class RadixTree:
         key = root_key(scope)
         node = self._roots.get(key)
         if node is None:
-            node = self._new_ids(1)[0]
+            node = int(self._new_ids(1)[0])
             self._init_rows(np.array([node]), NO_NODE, self.tokens_per_block)
             self._index.add_many(np.array([node]), keys_array([key]))
             self._roots[key] = node
@@ -157,7 +157,7 @@ class RadixTree:
         node = self._index.find(key)
         if node != EMPTY:
             return node
-        node = self._new_ids(1)[0]
+        node = int(self._new_ids(1)[0])
         self._init_rows(np.array([node]), parent, len(tokens))
         self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
         self._index.add_many(np.array([node]), keys_array([key]))
@@ -185,29 +185,31 @@ class RadixTree:
             return known
         first = int(missing[0])
         below = int(known[first - 1]) if first else parent
-        new = np.array(self._new_ids(len(keys) - first), dtype=np.int64)
+        new = self._new_ids(len(keys) - first)
         tpb = self.tokens_per_block
         parents = np.concatenate(([below], new[:-1]))
         # Fresh ids are consecutive: rows written as slices, much cheaper than fancy indexing.
         consecutive = len(new) == 1 or bool((np.diff(new) == 1).all())
         rows = slice(int(new[0]), int(new[-1]) + 1) if consecutive else new
+        but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
         self._init_rows(rows, parents, tpb)
         self.tokens[rows] = tokens[first * tpb:len(keys) * tpb].reshape(-1, tpb)
         # Each new block is the only child of the one before it.
-        self._first_child[new[:-1]] = new[1:]
-        self.num_children[new[:-1]] = 1
+        self._first_child[but_last] = new[1:]
+        self.num_children[but_last] = 1
         self._index.add_many(new, packed[first:])
         self._link(below, int(new[0]))
         return np.concatenate((known[:first], new))
 
-    def _new_ids(self, count: int) -> list[int]:
+    def _new_ids(self, count: int) -> np.ndarray:
+        """`count` unused ids (int64): pruned ones first, then fresh ones (consecutive)."""
         reused = self._free_ids[len(self._free_ids) - min(count, len(self._free_ids)):]
         del self._free_ids[len(self._free_ids) - len(reused):]
-        fresh = list(range(self._next_id, self._next_id + count - len(reused)))
+        fresh = np.arange(self._next_id, self._next_id + count - len(reused), dtype=np.int64)
         self._next_id += len(fresh)
         if self._next_id > len(self.num_tokens):
             self._grow(self._next_id)
-        return reused + fresh
+        return np.concatenate((np.array(reused, dtype=np.int64), fresh)) if reused else fresh
 
     def _grow(self, rows: int) -> None:
         for name in ("parent", "num_tokens", "num_users", "num_children", "_first_child", "_next_sibling",
