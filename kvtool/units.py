@@ -28,3 +28,10 @@ def format_size(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def format_seconds(value: float | None) -> str:
+    """Milliseconds below a second, seconds above; '-' for none (None or NaN)."""
+    if value is None or value != value:
+        return "-"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"

@@ -273,7 +273,7 @@ def test_every_command_is_described_in_full_in_the_list(group):
 
 # ---- 8. trace run's tables say what they count ------------------------------------------------------
 def test_trace_run_labels_its_counts_cost_model_and_ttft(tmp_path, monkeypatch):
-    import kvtool.report.trace_report as trace_report
+    import kvtool.trace.report as trace_report
     legends = []
     monkeypatch.setattr(trace_report, "plot_ttft_cdf", lambda path, runs: legends.extend(runs))
     result = runner.invoke(app, ["trace", "run", str(small_workload(tmp_path)), "--connector", "host",
@@ -415,7 +415,7 @@ def test_an_option_the_chosen_suite_would_ignore_is_refused(args, message, tmp_p
 
 # ---- 12. a bytes-fidelity replay whose decode steps will take long says so first -------------------
 def test_a_long_decode_check_is_announced_with_its_size_and_the_ways_out(tmp_path):
-    from kvtool.cli.trace_setup import ReplayOptions, build_replay, decode_check_note
+    from kvtool.trace.setup import ReplayOptions, build_replay, decode_check_note
     long = small_workload(tmp_path, [{"request_id": i, "prompt": [7] * 20_000, "max_new_tokens": 2_000}
                                      for i in range(2)])
     replay = build_replay(ReplayOptions(long, model="tiny", connector="host", fidelity="bytes"))
@@ -464,7 +464,7 @@ def test_default_capacities_that_cannot_fit_are_left_out_and_said(tmp_path, monk
 def test_fewer_sweep_replays_run_at_once_when_their_host_tiers_would_not_fit_together(capsys):
     import importlib
     import os
-    from kvtool.cli.trace_setup import ReplayOptions
+    from kvtool.trace.setup import ReplayOptions
     sweep = importlib.import_module("kvtool.cli.trace_sweep")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tiers = [ReplayOptions(Path("w"), connector="host", connector_opt=(f"capacity={int(memory * 0.4)}",))] * 4

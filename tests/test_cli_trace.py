@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-from kvtool.engine.trace import TraceSummary
+from kvtool.trace.replay import TraceSummary
 
 runner = CliRunner()
 WORKLOAD = "workloads/shared_prefix.jsonl"

@@ -21,7 +21,7 @@ from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.pass_driver import PassPlan
 from kvtool.engine.ranks import FinishedOrder, PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.engine.trace import run_trace
+from kvtool.trace.replay import run_trace
 from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 
-from kvtool.cli.trace_instances import ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests
+from kvtool.trace.instances import ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests
 from kvtool.connector.request import Request
 from tests.helpers.servers import RedisServer, need_redis
 

@@ -20,8 +20,8 @@ from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
-from kvtool.cli.common import (ExitCode, clean_errors, connector_options, fail, pages_device,
-                               print_connector_help, progress_bar)
+from kvtool.cli.common import ExitCode, clean_errors, fail, pages_device, print_connector_help, progress_bar
+from kvtool.inputs import connector_options
 from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError, KvToolError

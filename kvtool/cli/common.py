@@ -19,20 +19,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from typer.core import TyperCommand, TyperGroup
 
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.connector.options import check_options, declared_options
+from kvtool.connector.options import declared_options
 from kvtool.connectors.registry import BUILTIN_CONNECTORS
 from kvtool.errors import InputError, KvToolError, OutOfMemoryError, UnsupportedTierError, did_you_mean
-from kvtool.manager import KvCacheManagerConfig
-from kvtool.models import ModelSpec, load_model, shard_model
+from kvtool.inputs import warn
 from kvtool.report.run_folder import settled_run_folders, write_file
-from kvtool.units import parse_size
 
 try:
     from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
 except ImportError:                                       # older typer runs on click itself
     from click import exceptions as cli_errors
 
-DEFAULT_GPU_MEMORY = "8GiB"
 CONNECTOR_CHOICES = f"{', '.join(BUILTIN_CONNECTORS)}, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER"
 
 
@@ -151,42 +148,6 @@ def write_text(text: str, output: Path | None, console: Console) -> None:
     write_file(output, text)
 
 
-def manager_config(model: str, tokens_per_block: int, dtype: str | None, gpu_memory: str | None,
-                   num_slots: int | None, default_memory: str = DEFAULT_GPU_MEMORY,
-                   device: str | None = None, tp: tuple[int, int] = (1, 0)) -> KvCacheManagerConfig:
-    """A validated manager config from command-line values (InputError for bad ones); `tp` is
-    (tensor-parallel size, rank): the config of that rank's shard."""
-    if gpu_memory is not None and num_slots is not None:
-        raise InputError("give --gpu-memory or --num-slots, not both")
-    memory = None if num_slots is not None else parse_size(default_memory if gpu_memory is None else gpu_memory)
-    spec = load_model(model, dtype)
-    note_model_origin(spec)
-    spec = shard_model(spec, *tp) if tp != (1, 0) else spec
-    config = KvCacheManagerConfig(spec, tokens_per_block, num_slots=num_slots, memory_bytes=memory, device=device)
-    config.validate()
-    return config
-
-
-def connector_options(spec: ConnectorSpec, pairs: list[str], connector_dir: Path | None = None) -> dict[str, str]:
-    """The KEY=VALUE options for `spec`, checked against the options it declares (InputError for an
-    unknown one); `connector_dir` is the `dir` option, so only for a connector that has one. For a
-    connector that declares no options, a warning line names what is passed unchecked."""
-    options = parse_options(pairs)
-    declared = declared_options(spec.scheduler_class)
-    if connector_dir is not None:
-        if declared is not None and "dir" not in {o.name for o in declared}:
-            raise InputError(f"--connector-dir is the disk connector's folder; connector {spec.name!r} has no "
-                             "dir option")
-        options["dir"] = str(connector_dir)
-    if declared is None:
-        if options:
-            warn(f"connector {spec.name!r} declares no options (kvtool_options); passing "
-                 f"{', '.join(options)} unchecked")
-    else:
-        check_options(spec.name, declared, options)
-    return options
-
-
 def print_connector_help(spec: ConnectorSpec) -> None:
     """The options `spec` declares, one per line (its built-in presets named), on stdout."""
     declared = declared_options(spec.scheduler_class)
@@ -199,36 +160,15 @@ def print_connector_help(spec: ConnectorSpec) -> None:
         print(f"  --connector-opt {option.describe()}")
 
 
-def note_model_origin(spec: ModelSpec) -> None:
-    """Say on stderr which name a model read from a config file got, and from what: `kvtool: model
-    'mistral' (the model_type of PATH)`; nothing for a preset, or a file whose path is the name."""
-    if spec.origin not in ("preset", spec.name):
-        print(f"kvtool: model {spec.name!r} ({spec.origin})", file=sys.stderr)
-
-
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """A library's warning on the terminal as kvtool's own: one line, no source excerpt."""
     text = str(message)
     return f"kvtool: warning: {text.removeprefix('kvtool ')}\n"
 
 
-def warn(message: str) -> None:
-    print(f"kvtool: warning: {message}", file=sys.stderr)
-
-
 def say(message: str) -> None:
     """One line on stderr about what this run does (not a warning, not an error)."""
     print(f"kvtool: {message}", file=sys.stderr)
-
-
-def parse_options(pairs: list[str]) -> dict[str, str]:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InputError(f"connector option {pair!r} is not KEY=VALUE")
-        options[key] = value
-    return options
 
 
 @contextlib.contextmanager

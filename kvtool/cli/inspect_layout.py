@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from kvtool.cli.common import (FORMAT_HELP, OUTPUT_HELP, OutputFormat, clean_errors, deprecated,
-                               is_legacy_output_file, manager_config, write_text)
+from kvtool.cli.common import FORMAT_HELP, OUTPUT_HELP, OutputFormat, clean_errors, deprecated, is_legacy_output_file, write_text
+from kvtool.inputs import manager_config
 from kvtool.manager import compute_layout
 from kvtool.report.layout_report import layout_frame, layout_tables, layout_to_dict
 from kvtool.report.run_folder import prepare_run_folder, write_file, write_json, write_meta

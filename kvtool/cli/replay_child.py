@@ -5,7 +5,7 @@ with its seconds, tokens/s, µs per block, peak resident memory and the counts i
 
 `replay_against` runs it under the source tree being measured (its PYTHONPATH), so it uses only
 what kvtool offered before this file existed (`build_replay`, `run_trace`, `TraceSummary`): the
-same file measures the current tree and an older commit's.
+same file measures the current tree and an older commit's (whose modules had other paths).
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ def replay(trace: Path, tokens_per_block: int, num_slots: int, connector: str, c
     import torch
 
     import kvtool
-    from kvtool.cli.trace_setup import ReplayOptions, build_replay
-    from kvtool.engine.trace import run_trace
+    try:
+        from kvtool.trace.replay import run_trace
+        from kvtool.trace.setup import ReplayOptions, build_replay
+    except ModuleNotFoundError:   # a tree from before the trace package (2e09364 and older)
+        from kvtool.cli.trace_setup import ReplayOptions, build_replay  # type: ignore[no-redef]
+        from kvtool.engine.trace import run_trace  # type: ignore[no-redef]
 
     torch.set_num_threads(1)   # the target is one core
     options = ReplayOptions(trace, prefill_only=True, fidelity="blocks", tokens_per_block=tokens_per_block,

@@ -16,17 +16,17 @@ from dataclasses import replace
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
                                OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
                                progress_bar, say)
-from kvtool.cli.trace_instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
+from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
-from kvtool.cli.trace_setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
+from kvtool.trace.setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
                                     note_store_folder)
 from kvtool.connectors.registry import load_connector
-from kvtool.engine.trace import TraceResult, TraceSummary, run_trace
+from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
 from kvtool.report.instances_report import instances_table, write_instances_folder
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
-from kvtool.report.trace_report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
+from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 

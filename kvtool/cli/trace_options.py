@@ -14,8 +14,8 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from kvtool.cli.trace_setup import ReplayOptions
-from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
+from kvtool.trace.setup import ReplayOptions
+from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
 from kvtool.workloads.source import FORMATS
 
 

@@ -29,17 +29,17 @@ from rich.console import Console
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
                                fail, frame_text, print_connector_help, progress_bar, say)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
-from kvtool.cli.trace_setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
+from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
                                     check_pools_fit_memory, workload_sizes)
 from kvtool.connector.options import declared_options
 from kvtool.connectors.index import parse_token_count
 from kvtool.connectors.registry import load_connector
-from kvtool.engine.trace import run_trace
+from kvtool.trace.replay import run_trace
 from kvtool.errors import InputError, OutOfMemoryError
 from kvtool.manager.storage import host_memory_bytes, memory_shortfall
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_table, write_sweep_folder
-from kvtool.report.trace_report import ttft_stats
+from kvtool.trace.report import ttft_stats
 from kvtool.units import parse_size
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"

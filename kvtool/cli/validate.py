@@ -14,9 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               connector_options, deprecated, fail, frame_text, note_model_origin,
-                               pages_device, parse_options, print_connector_help, say, suggest, warn)
+from kvtool.cli.common import CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors, deprecated, fail, frame_text, pages_device, print_connector_help, say, suggest
+from kvtool.inputs import connector_options, note_model_origin, parse_options, warn
 from kvtool.connectors.registry import load_connector
 from kvtool.errors import InputError
 from kvtool.models import PRESETS, load_model, shard_model

@@ -17,7 +17,7 @@ import pandas as pd
 from rich.table import Table
 
 from kvtool.report.run_folder import write_file, write_json, write_meta
-from kvtool.report.trace_report import format_seconds
+from kvtool.units import format_seconds
 
 
 def sweep_table(frame: pd.DataFrame) -> Table:

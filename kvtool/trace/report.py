@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
-from kvtool.engine.cost_model import CostModel
-from kvtool.engine.trace import TraceResult, TraceSummary
-from kvtool.engine.trace_recorder import RequestRow
+from kvtool.trace.cost_model import CostModel
+from kvtool.trace.replay import TraceResult, TraceSummary
+from kvtool.trace.recorder import RequestRow
 from kvtool.report.run_folder import write_file, write_json, write_meta
-from kvtool.units import format_size
+from kvtool.units import format_seconds, format_size
 
 PERCENTILES = (50, 90, 99)
 
@@ -118,13 +118,6 @@ def cost_model_text(assumptions: dict[str, Any]) -> str:
         parts.append(f"{format_seconds(a.pop('idle_seconds'))} an idle iteration")
     parts += [f"{k}={v}" for k, v in a.items()]
     return "cost model: " + ", ".join(parts)
-
-
-def format_seconds(value: float | None) -> str:
-    """Milliseconds below a second, seconds above; '-' for none (None or NaN)."""
-    if value is None or value != value:
-        return "-"
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def write_trace_folder(folder: Path, result: TraceResult, cost: CostModel | None, ttft: dict[str, Any],

@@ -23,9 +23,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvtool.cli.trace_setup import ReplayOptions, build_replay
+from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.connector.request import Request
-from kvtool.engine.trace import run_trace, token_hit_rate
+from kvtool.trace.replay import run_trace, token_hit_rate
 from kvtool.errors import InputError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
 from kvtool.types import TextEnum

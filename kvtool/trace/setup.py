@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from kvtool.blocks import ceil_div
-from kvtool.cli.common import connector_options, manager_config, parse_options
+from kvtool.inputs import connector_options, manager_config, parse_options
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import declared_options
 from kvtool.connector.request import max_kv_tokens
 from kvtool.connectors.registry import load_connector
-from kvtool.engine.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS, CostModel, cost_model_for
+from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS, CostModel, cost_model_for
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.engine.scheduler import SchedulerConfig

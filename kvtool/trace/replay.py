@@ -16,7 +16,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import Subscriber
-from kvtool.engine.trace_recorder import TraceRecorder
+from kvtool.trace.recorder import TraceRecorder
 from kvtool.errors import InputError, LogicError
 from kvtool.manager.integrity import check_manager
 
