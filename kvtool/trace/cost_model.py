@@ -80,10 +80,12 @@ def cost_model_for(model: ModelSpec, kv_bytes_per_token: int, params: float | No
     """The cost model of `model` (a preset's own figures unless given); InputError when a model
     read from a config file lacks them, or a rate is not positive."""
     known = PRESET_COMPUTE.get(model.name)
-    if (params is None or attention_width is None) and known is None:
-        raise InputError(f"no compute figures for model {model.name!r}: give --params and --attention-width")
-    params = params if params is not None else known[0]
-    width = attention_width if attention_width is not None else known[1]
+    if params is None or attention_width is None:
+        if known is None:
+            raise InputError(f"no compute figures for model {model.name!r}: give --params and --attention-width")
+        params = params if params is not None else known[0]
+        attention_width = attention_width if attention_width is not None else known[1]
+    width = attention_width
     for name, value in (("--params", params), ("--attention-width", width), ("--tflops", tflops),
                         ("--load-gbps", load_gbps)):
         if not value > 0:

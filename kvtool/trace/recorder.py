@@ -71,19 +71,18 @@ class TraceRecorder:
         """Finished in this iteration: its pass (emitted after Finished) may still set first_token."""
 
     def __call__(self, event: EngineEvent) -> None:
-        kind = type(event)
-        if kind is PassDone:
+        if isinstance(event, PassDone):
             self._pass(event)
-        elif kind is Arrived:
+        elif isinstance(event, Arrived):
             self._live[event.request_id] = RequestRow(event.request_id, event.arrival, event.prompt_len)
-        elif kind is Cancel:
+        elif isinstance(event, Cancel):
             self.cancelled_tokens += event.end - event.start
             row = self._live.get(event.request_id)
             if row is not None:
                 row.cancelled_tokens += event.end - event.start
-        elif kind is LoadStarted and event.is_async:
+        elif isinstance(event, LoadStarted) and event.is_async:
             self._scheduled(event.request_id, event.clock)
-        elif kind is Finished:
+        elif isinstance(event, Finished):
             self._finished(event)
 
     def _scheduled(self, request_id: int, clock: float) -> None:
@@ -111,6 +110,7 @@ class TraceRecorder:
     def flush(self, now: float | None = None) -> None:
         """Move the requests that finished into `requests` (at the end of their iteration)."""
         for row in self._ending:
+            assert row.finished is not None, "a row ending has finished"
             row.finished = max(row.finished, now if now is not None else row.finished, row.first_token or 0.0)
             self.requests.append(row)
         self._ending = []

@@ -49,9 +49,11 @@ def tier_table(summary: TraceSummary, title: str = "") -> Table:
 def ttft_stats(rows: list[RequestRow], metric: str = "ttft") -> dict[str, float | None]:
     """p50/p90/p99 and mean TTFT (or `metric`: tpot) in seconds over the requests that have one."""
     values = np.array([getattr(r, metric) for r in rows if getattr(r, metric) is not None])
-    if not values.size:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
-    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES} | {"mean": float(values.mean())}
+    stats: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        stats[f"p{p}"] = float(np.percentile(values, p)) if values.size else None
+    stats["mean"] = float(values.mean()) if values.size else None
+    return stats
 
 
 def compute_saved_seconds(rows: list[RequestRow], cost: CostModel) -> float:
