@@ -41,6 +41,7 @@ from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_table, write_sweep_folder
 from kvtool.trace.report import ttft_stats
 from kvtool.units import parse_size
+from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
 SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes"}
@@ -122,8 +123,10 @@ def trace_sweep(
     folder = prepare_run_folder(output, "trace") if output is not None else None
     for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points
         say(note)
-    rows = _run_all(points, point_options, _jobs_that_fit(point_options, jobs or os.cpu_count() or 1),
-                    Console(stderr=True))
+    with tempfile.TemporaryDirectory(prefix="kvtool-sweep-workload-") as shared:
+        prepared = prepare_workload(build_replay(options).workload, Path(shared)) if len(points) > 1 else None
+        rows = _run_all(points, point_options, _jobs_that_fit(point_options, jobs or os.cpu_count() or 1),
+                        Console(stderr=True), prepared)
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:
         Console().print(sweep_table(frame))
@@ -216,25 +219,29 @@ def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoin
 
 
 def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs: int,
-             console: Console) -> list[dict[str, Any]]:
+             console: Console, prepared: PreparedWorkload | None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any] | None] = [None] * len(points)
     with progress_bar("sweep", len(points), console) as update:
         if jobs == 1 or len(points) == 1:
             for i, (point, each) in enumerate(zip(points, point_options)):
-                rows[i] = run_point(point, each)
+                rows[i] = run_point(point, each, prepared)
                 update(advance=1)
         else:
             with ProcessPoolExecutor(min(jobs, len(points)), mp_context=get_context("spawn")) as pool:
-                futures = {pool.submit(run_point, p, o): i for i, (p, o) in enumerate(zip(points, point_options))}
+                futures = {pool.submit(run_point, p, o, prepared): i
+                           for i, (p, o) in enumerate(zip(points, point_options))}
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
                     update(advance=1)
     return [row for row in rows if row is not None]
 
 
-def run_point(point: SweepPoint, options: ReplayOptions) -> dict[str, Any]:
-    """One replay, as a row of the sweep (runs in a worker process)."""
+def run_point(point: SweepPoint, options: ReplayOptions, prepared: PreparedWorkload | None = None) -> dict[str, Any]:
+    """One replay, as a row of the sweep (runs in a worker process); its requests read from
+    `prepared` (the workload the points share, parsed once) when given."""
     replay: Replay = build_replay(options)
+    if prepared is not None:
+        replay = replace(replay, workload=prepared)
     with tempfile.TemporaryDirectory(prefix="kvtool-sweep-point-") as scratch:
         if _takes_a_folder(replay):
             replay = replace(replay, options={**replay.options, "dir": scratch})
