@@ -73,10 +73,10 @@ def _pause_run(scheduler):
 def test_a_paused_request_replays_in_other_pages_and_is_served_by_the_connector():
     results, r = _pause_run(RecordsAllocations)
     assert {c.verdict.value for c in results} == {"pass"}
-    (paused,) = [rid for rid, s in r.states.items() if s.num_pauses]
-    first, replay = [pages for rid, pages in r.runtime.scheduler.allocations if rid == paused]
+    (paused,) = [rid for rid, s in r.outcomes.items() if s.num_pauses]
+    first, replay = [pages for rid, pages in RecordsAllocations.latest.allocations if rid == paused]
     assert set(replay[0][:len(first[0])]) != set(first[0])
-    assert r.state(paused).num_external > 0 and r.state(paused).num_local_hit == 0
+    assert r.outcome(paused).num_external > 0 and r.outcome(paused).num_local_hit == 0
     assert any(line.startswith(f"exercised: request {paused}'s replay ran in pages other") for line in results[0].evidence)
 
 

@@ -22,7 +22,9 @@ from kvtool.engine.ranks import RankExecutor, RankReport, RankSetup
 from kvtool.errors import ConstructionError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
-from kvtool.validate.harness import Context, Run, engine_config, knock_on
+from kvtool.validate.harness import Context, engine_config
+from kvtool.validate.judges import knock_on
+from kvtool.validate.run_record import RunRecord
 from kvtool.validate.runner import run_all
 from tests.helpers.managers import make_manager
 from tests.helpers.servers import RedisServer, need_redis
@@ -200,20 +202,14 @@ def test_a_passing_run_writes_no_tracebacks(tmp_path):
 
 
 # ---- 4. knock-on failures -----------------------------------------------------------------------
-class _Engine:
-    def __init__(self, failures):
-        self.connector = ConnectorRuntime(None, [])
-        self.connector.failures = failures
-
-
 def test_knock_on_names_the_earlier_failure():
     failure = HookFailure("start_load_kv", None, "RuntimeError: cannot reach the store (my.py:3)")
-    assert knock_on(Run(_Engine([failure])), "no failure could be injected") == (
+    assert knock_on(RunRecord(failures=(failure,)), "no failure could be injected") == (
         "knock-on: no failure could be injected, because of an earlier failure: start_load_kv raised "
         "RuntimeError: cannot reach the store (my.py:3)")
-    assert knock_on(Run(None, error="LogicError: x (engine.py:1)"), "nothing offered") == \
+    assert knock_on(RunRecord(error="LogicError: x (engine.py:1)"), "nothing offered") == \
         "knock-on: nothing offered, because of an earlier failure: the run stopped: LogicError: x (engine.py:1)"
-    assert knock_on(Run(_Engine([])), "no failure could be injected") == "no failure could be injected"
+    assert knock_on(RunRecord(), "no failure could be injected") == "no failure could be injected"
 
 
 def test_no_injected_failure_is_a_knock_on_of_the_connectors_own():

@@ -10,11 +10,13 @@ pages where PyCUDA runs, else `torch`).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.metadata import PageTransfer
@@ -140,9 +142,9 @@ class HostConnectorScheduler(BlockStoreScheduler):
     def unpin(self, location: tuple[int, int]) -> None:
         self.indexes[location[0]].unpin(location[1])
 
-    def kvtool_introspect(self) -> dict:
-        return {**super().kvtool_introspect(), "pinned_entries": sum(i.num_pinned for i in self.indexes.values()),
-                "evicted_entries": sum(i.num_evictions for i in self.indexes.values())}
+    def kvtool_introspection(self) -> Introspection:
+        return replace(super().kvtool_introspection(), pinned_entries=sum(i.num_pinned for i in self.indexes.values()),
+                       evicted_entries=sum(i.num_evictions for i in self.indexes.values()))
 
 
 class HostConnectorWorker(BlockStoreWorker):

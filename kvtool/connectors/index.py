@@ -10,8 +10,10 @@ how tiers are sized in a sweep. It serves no bytes, so it only runs where none a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
+from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.host import HostConnectorScheduler, SlotIndex
@@ -48,8 +50,8 @@ class IndexConnectorScheduler(HostConnectorScheduler):
         self.capacity_blocks = max(tokens // self.tokens_per_block, 1)
         self.indexes = {g.layer_group_id: SlotIndex(self.capacity_blocks) for g in self.groups}
 
-    def kvtool_introspect(self) -> dict:
-        return {**super().kvtool_introspect(), "stored_entries": sum(len(i) for i in self.indexes.values())}
+    def kvtool_introspection(self) -> Introspection:
+        return replace(super().kvtool_introspection(), stored_entries=sum(len(i) for i in self.indexes.values()))
 
 
 class IndexConnectorWorker(BlockStoreWorker):

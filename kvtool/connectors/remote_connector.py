@@ -22,8 +22,10 @@ copied.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
+from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.connectors.remote_store import DEFAULT_STAGING, Entry, RemoteBlockStore, StagedEntry
@@ -82,9 +84,9 @@ class RemoteStoreScheduler(BlockStoreScheduler):
     def unpin(self, location: StagedEntry) -> None:
         self.num_staged_bytes -= location.nbytes
 
-    def kvtool_introspect(self) -> dict:
-        return {**super().kvtool_introspect(), "staged_bytes": self.num_staged_bytes,
-                "ask_errors": self.store.num_errors, "corrupt_entries": self.store.num_corrupt}
+    def kvtool_introspection(self) -> Introspection:
+        return replace(super().kvtool_introspection(), staged_bytes=self.num_staged_bytes,
+                       ask_errors=self.store.num_errors, corrupt_entries=self.store.num_corrupt)
 
 
 class RemoteStoreWorker(BlockStoreWorker):

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtool.blocks import num_blocks
 from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, SchedulerOutput
+from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connector.request import Request
@@ -323,11 +324,15 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker.held_pins = []
 
     # ---- introspection -----------------------------------------------------------------------
+    def kvtool_introspection(self) -> Introspection:
+        """What `kvtool validate` and `trace run` ask (`kvtool.connector.introspection`): ids of
+        requests the connector still holds state for, and block counters."""
+        return Introspection(tracked_request_ids=tuple(sorted(self._trackers)),
+                             saved_blocks=self.num_saved_blocks, loaded_blocks=self.num_loaded_blocks)
+
     def kvtool_introspect(self) -> dict[str, Any]:
-        """The optional introspection hook `kvtool validate` asks: ids of requests the connector still
-        holds state for, entries pinned for pending loads (`pinned_entries`), and block counters."""
-        return {"tracked_request_ids": sorted(self._trackers),
-                "saved_blocks": self.num_saved_blocks, "loaded_blocks": self.num_loaded_blocks}
+        """The dict form of `kvtool_introspection` (the older hook, which `trace run` reads)."""
+        return self.kvtool_introspection().as_dict()
 
     def _tracker(self, request_id: int, cache_salt: str | None) -> _Tracker:
         if request_id not in self._trackers:

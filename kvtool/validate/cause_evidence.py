@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from kvtool.engine.events import SaveFinished, SaveStarted
+from kvtool.engine.events import PassDone, SaveFinished, SaveStarted
+from kvtool.validate.run_record import RunRecord
 
 KEEP_IT_ON_THE_OBJECTS = ("A store must live no longer than the connector objects (one engine): keep it on the "
                           "scheduler and worker, not in a module or class attribute (each engine of a scenario starts "
@@ -19,7 +20,7 @@ KEEP_IT_ON_THE_OBJECTS = ("A store must live no longer than the connector object
                           "engine)")
 
 _BLOCKS_BY_ENGINE: dict[int, set[tuple[int, ...]]] = {}
-"""Blocks (their tokens) each engine with a connector computed in this process (by `id`) since
+"""Blocks (their tokens) each engine with a connector computed in this process (by run id) since
 the last `forget_engines`: what a store kept beyond its engine could serve another."""
 
 
@@ -28,30 +29,42 @@ def forget_engines() -> None:
     _BLOCKS_BY_ENGINE.clear()
 
 
-def note_engine_blocks(engine: object, blocks: set[tuple[int, ...]]) -> None:
-    """The blocks an engine with a connector computed (called once its run is over)."""
-    _BLOCKS_BY_ENGINE[id(engine)] = blocks
+def note_engine_blocks(run_id: int, blocks: set[tuple[int, ...]]) -> None:
+    """The blocks the engine of run `run_id`, with a connector, computed (called once its run is over)."""
+    _BLOCKS_BY_ENGINE[run_id] = blocks
 
 
-def unknown_block_offer(engine: object, request_id: int, start: int, end: int, iteration: int, block: int,
+def computed_blocks(r: RunRecord) -> set[tuple[int, ...]]:
+    """The tokens of every full block a request of `r` computed."""
+    tpb = r.tokens_per_block
+    blocks: set[tuple[int, ...]] = set()
+    for event in r.events.of(PassDone):
+        for rid, _, end in event.items:
+            if rid in r.outcomes:
+                tokens_so_far = r.outcomes[rid].tokens
+                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(end // tpb))
+    return blocks
+
+
+def unknown_block_offer(run_id: int, request_id: int, start: int, end: int, iteration: int, block: int,
                         block_tokens: tuple[int, ...]) -> str:
     """Why an offer holds `block`, which no request of this engine had computed before the ask."""
     offered = (f"request {request_id} was offered tokens [{start}, {end}) at iteration {iteration}, but no request "
                f"of this engine had computed the tokens of its block {block}")
-    if any(block_tokens in blocks for other, blocks in _BLOCKS_BY_ENGINE.items() if other != id(engine)):
+    if any(block_tokens in blocks for other, blocks in _BLOCKS_BY_ENGINE.items() if other != run_id):
         return f"{offered}: the connector serves what an earlier engine saved. {KEEP_IT_ON_THE_OBJECTS}"
     return (f"{offered}, nor had any earlier engine: no request stored block {block}, yet the connector's index "
             "claimed it (an off-by-one in the matched count, or a key that names another block?)")
 
 
-def released_page_load(r, request_id: int, block: int, released: bool) -> str | None:
+def released_page_load(r: RunRecord, request_id: int, block: int, released: bool) -> str | None:
     """Why request `request_id` loaded poison into `block` (`released`: the bytes a page gets when
     freed, 0xde; else those it gets when handed out again, 0xa5): said by what the requests that
     computed that block before it did with their saves; None where neither cause fits."""
-    tpb = r.engine.manager.tokens_per_block
-    tokens = r.state(request_id).request.get_tokens()[:(block + 1) * tpb]
-    savers = [rid for rid, s in r.states.items() if rid != request_id and len(tokens) == (block + 1) * tpb
-              and s.request.get_tokens()[:len(tokens)] == tokens]
+    tpb = r.tokens_per_block
+    tokens = r.outcome(request_id).tokens[:(block + 1) * tpb]
+    savers = [rid for rid, s in r.outcomes.items() if rid != request_id and len(tokens) == (block + 1) * tpb
+              and s.tokens[:len(tokens)] == tokens]
     reported = {e.request_id: e.iteration for e in r.events.of(SaveFinished)}
     started = {e.request_id for e in r.events.of(SaveStarted)}
     early = [rid for rid in savers if rid in started and rid in reported]
@@ -72,12 +85,12 @@ POISONS = {"a released page": True, "a page that was never written": False}
 """How the fake engine's evidence starts for each poison, and whether it is the released one."""
 
 
-def released_page_loads(r) -> list[str]:
+def released_page_loads(r: RunRecord) -> list[str]:
     """A `released_page_load` line per request that loaded poison through the connector, where
     the cause is one of its two."""
     seen: dict[int, tuple[int, bool]] = {}
-    for issue in r.engine.fake.issues:
-        state = r.states.get(issue.request_id)
+    for issue in r.integrity.issues:
+        state = r.outcomes.get(issue.request_id)
         kind = next((released for start, released in POISONS.items() if issue.found.startswith(start)), None)
         if state is not None and kind is not None and issue.request_id not in seen \
                 and state.num_local_hit <= issue.position < state.num_local_hit + state.num_external:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.validate.harness import (Context, Req, Scenario, judge_integrity, judge_warm_hit, reference_tokens, run,
-                                     tokens)
+from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
+from kvtool.validate.judges import judge_integrity, judge_warm_hit
 from kvtool.validate.results import CheckResult
 
 DRAFT_TOKENS = 3

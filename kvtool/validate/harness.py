@@ -1,11 +1,13 @@
-"""Running a connector through a workload for a scenario, and judging what happened."""
+"""Running a connector through a workload for a scenario: the engine, set up and run, and the
+`RunRecord` it leaves for the judges (`judges`, the scenario modules)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from kvtool.connector.loader import ConnectorSpec
@@ -13,16 +15,15 @@ from kvtool.connector.raised import describe_error, format_error, with_wrapped_l
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.events import Ask, Deliver, EventLog, Finished, LoadStarted, PassDone, SaveFinished, SaveStarted
-from kvtool.engine.request_state import FailureReason, Phase
+from kvtool.engine.events import EventLog
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
-from kvtool.validate.cause_evidence import note_engine_blocks, released_page_loads
-from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine
-from kvtool.validate.results import CheckResult, Verdict, verdict
+from kvtool.validate.cause_evidence import computed_blocks, note_engine_blocks
+from kvtool.validate.results import CheckResult
+from kvtool.validate.run_record import RunRecord, record_run
 from kvtool.validate.schedule import schedule_for, settle
 from kvtool.validate.shrink import Cut
 
@@ -94,25 +95,7 @@ def tokens(seed: int, length: int) -> tuple[int, ...]:
     return tuple((seed * 1_000_003 + i * 7919) % 30_011 + 1 for i in range(length))
 
 
-@dataclass
-class Run:
-    engine: Engine | None
-    error: str | None = None
-    canary_issues: int = 0
-    notes: list[str] = field(default_factory=list)
-    events: EventLog = field(default_factory=EventLog)
-    """Everything the engine emitted during the run: what the judges read."""
-
-    @property
-    def states(self):
-        return self.engine.states if self.engine else {}
-
-    def state(self, request_id: int):
-        return self.states[request_id]
-
-    @property
-    def runtime(self):
-        return self.engine.connector if self.engine else None
+_RUN_IDS = itertools.count(1)
 
 
 def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_reuse: bool,
@@ -140,11 +123,13 @@ DEFAULT_SLOTS, DEFAULT_BATCH = 256, 64
 def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, chunk_size: int | None = None,
         local_reuse: bool = False, canary: bool = False, max_batch_size: int = DEFAULT_BATCH, connector: bool = True,
         setup: Callable[[Engine], None] | None = None,
-        on_iteration: Callable[[Engine], None] | None = None, pause_to_grow: bool = False) -> Run:
+        on_iteration: Callable[[Engine], None] | None = None, pause_to_grow: bool = False) -> RunRecord:
     """Replay `requests`; the connector under test is attached unless `connector` is False;
     `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow).
     A run that leaves its shape free (pool, chunks and batch as defaulted) takes the seed's batch
-    cap and chunk size; async work is let run where the seed's schedule says (`schedule.settle`)."""
+    cap and chunk size; async work is let run where the seed's schedule says (`schedule.settle`).
+    `setup` and `on_iteration` are the scenario's hands on the engine (`interventions`); what the
+    judges get is the record, filled once the engine has closed."""
     schedule = schedule_for(ctx.seed)
     requests = ctx.cut.apply(requests) if ctx.cut else requests
     if num_slots == DEFAULT_SLOTS and chunk_size is None and max_batch_size == DEFAULT_BATCH:
@@ -152,8 +137,8 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
     config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow,
                            reference=not connector)
     engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
-    result = Run(engine)
-    engine.events.subscribe(result.events)
+    events = EventLog()
+    engine.events.subscribe(events)
     check_canary = _plant_canary(engine) if canary else None
     if setup:
         setup(engine)
@@ -169,19 +154,21 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
         if pause:
             time.sleep(pause)   # the gate is open: the connector's threads run meanwhile
 
+    error = None
     try:
         # An idle iteration waiting on a load or save sleeps 0.5 ms: allow enough of them for the timeouts.
         engine.run(max_iterations=2000 + int(max(ctx.load_timeout, ctx.save_timeout) * 4000), on_iteration=each)
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash
-        result.error = describe_error(exc)
-        _note_traceback(f"the run stopped: {result.error}", format_error(exc))
+        error = describe_error(exc)
+        _note_traceback(f"the run stopped: {error}", format_error(exc))
     finally:
         engine.close()
         for failure in engine.connector.failures if engine.connector is not None else ():
             _note_traceback(failure.describe(), failure.traceback)
+    record = record_run(engine, events, error, next(_RUN_IDS))
     if connector:
-        note_engine_blocks(engine, computed_blocks(result))
-    return result
+        note_engine_blocks(record.run_id, computed_blocks(record))
+    return record
 
 
 _TRACEBACKS: list[tuple[str, str]] = []
@@ -227,210 +214,13 @@ def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None
     blocks = sum(-(-(len(q.tokens) + q.max_new_tokens + draft_tokens) // tpb) for q in requests)
     num_slots = min(MAX_SLOTS, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)   # pages a block takes <= groups
     result = run(ctx, list(requests), num_slots=num_slots, chunk_size=chunk_size, local_reuse=True, connector=False)
-    return {rid: s.request.generated_token_ids for rid, s in result.states.items()}
+    return {rid: s.generated_token_ids for rid, s in result.outcomes.items()}
 
 
 def reference_tokens(ctx: Context, requests: list[Req]) -> dict[int, list[int]]:
     """Tokens a run without connector generates (what a correct connector must reproduce)."""
     cut = ctx.cut.apply(requests) if ctx.cut else requests
     return _reference((ctx.model, ctx.tokens_per_block, ctx.seed, ctx.draft_tokens), tuple(cut), None)
-
-
-# ---- judging -----------------------------------------------------------------------------------
-def result(scenario: str, ctx: Context, check: str, ok: bool, evidence: list[str]) -> CheckResult:
-    return CheckResult(scenario, ctx.model, check, verdict(ok), 0.0, evidence if not ok else evidence[:3])
-
-
-def skipped(scenario: str, ctx: Context, check: str, why: str) -> CheckResult:
-    return CheckResult(scenario, ctx.model, check, Verdict.SKIP, 0.0, [why])
-
-
-def earlier_failure(r: Run) -> str | None:
-    """The first thing that went wrong in `r` by the connector's doing (its run stopped, or a hook
-    raised), or None."""
-    if r.error:
-        return f"the run stopped: {r.error}"
-    runtime = r.runtime
-    return runtime.failures[0].describe() if runtime is not None and runtime.failures else None
-
-
-def knock_on(r: Run, what: str) -> str:
-    """Evidence that a scenario could not create its case (`what`), said to be a knock-on of the
-    earlier failure in `r` that prevented it, when there was one."""
-    first = earlier_failure(r)
-    return f"knock-on: {what}, because of an earlier failure: {first}" if first else what
-
-
-def judge_integrity(scenario: str, ctx: Context, runs: list[tuple[Run, list[Req]]]) -> CheckResult:
-    evidence = []
-    for r, requests in runs:
-        if r.error:
-            evidence.append(f"the run stopped: {r.error}")
-            continue
-        engine = r.engine
-        evidence += [f"{i.describe()}{source_of(r, i.request_id, i.position)}" for i in engine.fake.issues[:5]]
-        if engine.integrity_errors and not engine.fake.issues:
-            evidence.append(f"{engine.integrity_errors} integrity errors")
-        evidence += failed_by_connector(r) + late_deliveries_gone_wrong(r) + offers_from_elsewhere(r)
-        evidence[:0] = released_page_loads(r)
-        expected = reference_tokens(ctx, requests)
-        for rid, state in r.states.items():
-            if state.phase is Phase.DONE and state.request.generated_token_ids != expected[rid]:
-                evidence.append(f"request {rid}: generated {state.request.generated_token_ids} but a run without "
-                                f"the connector generates {expected[rid]}")
-    return result(scenario, ctx, "integrity", not evidence, evidence)
-
-
-def source_of(r: Run, request_id: int, position: int) -> str:
-    """Where the bytes at `position` of `request_id` came from in its last attempt, said after an
-    integrity issue: the connector's load (which delivery), the local cache, or the request's own
-    computation; nothing for a request never admitted."""
-    deliveries = [e for e in r.events.of(Deliver) if e.request_id == request_id]
-    if not deliveries:
-        return ""
-    last = deliveries[-1]        # a paused request is asked again: its pages are those of its last attempt
-    first, end = last.num_local_hit, last.num_local_hit + last.num_external
-    replayed = f" (attempt {len(deliveries)})" if len(deliveries) > 1 else ""
-    if first <= position < end:
-        return (f"; this position was loaded by the connector (tokens [{first}, {end}) delivered in iteration "
-                f"{last.iteration}{replayed}): its load wrote wrong bytes, or its store held them")
-    if position < first:
-        return f"; this position came from the local cache{replayed} (pages shared with an earlier request)"
-    return f"; this position was computed by the request itself{replayed}: something overwrote its page afterwards"
-
-
-def late_deliveries_gone_wrong(r: Run) -> list[str]:
-    """Requests whose loaded bytes are wrong and whose offer was delivered in a later iteration than
-    it was made: said in words, because the usual cause is a connector that forgets its offers at
-    every build_connector_meta (under the V2 runtime an offer outlives the iteration it was made in)."""
-    asked = {e.request_id: e.iteration for e in r.events.of(Ask)}
-    wrong = set(r.engine.fake.errors_by_request)
-    return [f"request {e.request_id}: offer made at iteration {asked[e.request_id]}, delivered at iteration "
-            f"{e.iteration}, and the loaded bytes are wrong: the connector dropped the offer before it was "
-            "delivered (an offer outlives the iteration it was made in)"
-            for e in r.events.of(Deliver)
-            if e.request_id in wrong and e.num_external and asked.get(e.request_id, e.iteration) < e.iteration]
-
-
-def offers_from_elsewhere(r: Run) -> list[str]:
-    """Offers of blocks no request of this engine had computed: the store outlived an earlier
-    engine, or the index claimed a block nobody stored (`outlived_store` and `cause_evidence`,
-    where the words are)."""
-    return store_outlived_engine(r)
-
-
-def computed_blocks(r: Run) -> set[tuple[int, ...]]:
-    """The tokens of every full block a request of `r` computed."""
-    tpb = r.engine.manager.tokens_per_block
-    blocks: set[tuple[int, ...]] = set()
-    for event in r.events.of(PassDone):
-        for rid, _, end in event.items:
-            if rid in r.states:
-                tokens_so_far = r.states[rid].request.get_tokens()
-                blocks.update(tuple(tokens_so_far[j * tpb:(j + 1) * tpb]) for j in range(end // tpb))
-    return blocks
-
-
-def failed_by_connector(r: Run) -> list[str]:
-    """Requests the connector made fail: nothing they would have produced was proven, so each one
-    counts against it. Not counted here: an abort a scenario asked for, and a load that never
-    landed (`load-completes` judges that)."""
-    return [f"request {rid} failed ({state.error}): a request the connector fails is not served correctly"
-            for rid, state in r.states.items() if state.failure not in _NOT_INTEGRITY_FAILURES
-            and follower_store_lacks(r, rid) is None]   # that one is said in words (offers_from_elsewhere)
-
-
-_NOT_INTEGRITY_FAILURES = (None, FailureReason.ABORTED, FailureReason.STUCK_IN_TRANSMISSION)
-
-
-def judge_warm_hit(scenario: str, ctx: Context, r: Run, warm_ids: list[int]) -> CheckResult:
-    """Each of `warm_ids` repeats a prompt the connector saw: it should be served (tokens loaded
-    intact: the request did not fail and no byte it loaded was wrong). Serving nothing is a miss,
-    not an error (a failure under `--strict`); wrong bytes are the integrity check's."""
-    if r.error:
-        return result(scenario, ctx, "warm-hit", False, [f"the run stopped: {r.error}"])
-    served = {rid: served_intact(r, rid) for rid in warm_ids if rid in r.states or not ctx.cut}   # a cut drops some
-    cold = [rid for rid, n in served.items() if n == 0]
-    if not cold:
-        return result(scenario, ctx, "warm-hit", True, [f"request {rid}: {n} tokens served" for rid, n in served.items()])
-    evidence = [_why_not_served(r, rid) for rid in cold]
-    check = result(scenario, ctx, "warm-hit", False, evidence)
-    return check if ctx.strict else replace(check, verdict=Verdict.MISS)
-
-
-def served_intact(r: Run, request_id: int) -> int:
-    """Tokens the connector loaded for a request that then ran correctly (0 for one that failed
-    or read a wrong byte)."""
-    state = r.state(request_id)
-    broken = state.failure is not None or getattr(r.engine.fake, "errors_by_request", {}).get(request_id, 0)
-    return 0 if broken else state.num_external
-
-
-def _why_not_served(r: Run, request_id: int) -> str:
-    state = r.state(request_id)
-    if state.num_external == 0:
-        return f"request {request_id} repeats a prompt the connector saw, but it offered nothing"
-    why = f"it failed ({state.error})" if state.failure is not None else "bytes it loaded were wrong"
-    return f"request {request_id}: {state.num_external} tokens offered, none served intact: {why}"
-
-
-def judge_holds_nothing(scenario: str, ctx: Context, r: Run, followup_ok: bool | None = None) -> CheckResult:
-    if r.error:
-        return result(scenario, ctx, "holds-nothing", False, [f"the run stopped: {r.error}"])
-    introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
-    if not callable(introspect):
-        ok = followup_ok is not False
-        return result(scenario, ctx, "holds-nothing", ok,
-                      ["no kvtool_introspect hook: judged by a later request on the same prompt, which "
-                       + ("was served correctly" if ok else "went wrong")])
-    state = introspect()
-    gone = {rid for rid, s in r.states.items() if not s.is_live}
-    held = sorted(set(state.get("tracked_request_ids", [])) & gone)
-    pinned = state.get("pinned_entries", 0)
-    evidence = [f"still tracks finished or cancelled request {rid}" for rid in held]
-    if pinned:
-        evidence.append(f"{pinned} store entries still pinned after every request finished")
-    return result(scenario, ctx, "holds-nothing", not evidence, evidence or ["nothing held"])
-
-
-def judge_async(scenario: str, ctx: Context, r: Run) -> list[CheckResult]:
-    """load-completes and finished-ids, wherever the connector went asynchronous (or misreported)."""
-    if r.engine is None:
-        return []
-    runtime, out = r.runtime, []
-    stuck = [f"request {e.request_id}: {r.state(e.request_id).error}" for e in r.events.of(Finished)
-             if e.failure is FailureReason.STUCK_IN_TRANSMISSION]
-    async_loads = [e for e in r.events.of(LoadStarted) if e.is_async]
-    if async_loads or stuck:
-        out.append(result(scenario, ctx, "load-completes", not stuck,
-                          stuck or [f"{len(async_loads)} asynchronous loads landed"]))
-    bad_ids = [v.detail for v in runtime.violations if v.check.is_bad_finished_id]
-    saves = [e.request_id for e in r.events.of(SaveStarted)]
-    reported = {e.request_id for e in r.events.of(SaveFinished)}
-    unsaved = [_unreported_save(r, rid) for rid in saves if rid not in reported]
-    if saves or bad_ids:
-        out.append(result(scenario, ctx, "finished-ids", not bad_ids and not unsaved,
-                          bad_ids + unsaved or [f"{len(saves)} asynchronous saves reported once each"]))
-    return out
-
-
-def _unreported_save(r: Run, request_id: int) -> str:
-    """Why a request's asynchronous save is not done: what the engine's save timeout said when it
-    failed the request (`request 3 waits for its asynchronous save, which ... within 5 s`)."""
-    state = r.state(request_id)
-    if state.failure is FailureReason.STUCK_IN_TRANSMISSION and state.error:
-        return state.error.removeprefix(f"{FailureReason.STUCK_IN_TRANSMISSION.value}: ")
-    return f"request {request_id}: its asynchronous save was never reported"
-
-
-def judge_answers(scenario: str, ctx: Context, r: Run, always: bool = False) -> list[CheckResult]:
-    if r.engine is None:
-        return []
-    bad = [f"{v.check}: request {v.request_id}: {v.detail}" for v in r.runtime.violations
-           if v.check.is_bad_answer]
-    if bad or always:
-        return [result(scenario, ctx, "answers-in-contract", not bad, bad or ["every answer was in contract"])]
-    return []
 
 
 def registration_error(ctx: Context) -> str | None:

@@ -8,10 +8,11 @@ request's KV under this one's keys; later requests repeating these prompts load 
 
 from __future__ import annotations
 
-from kvtool.types import BAD_PAGE_INDEX
-from kvtool.validate.harness import (Context, Req, Scenario, judge_integrity, judge_warm_hit, reference_tokens,
-                                     result, run, tokens)
+from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
+from kvtool.validate.interventions import note_pages
+from kvtool.validate.judges import judge_integrity, judge_warm_hit, result
 from kvtool.validate.results import CheckResult
+from kvtool.validate.run_record import RunRecord
 from kvtool.validate.schedule import schedule_for
 from kvtool.validate.sizing import squeeze_slots
 
@@ -35,8 +36,8 @@ def pause_replay(ctx: Context) -> list[CheckResult]:
     room = squeeze_slots(ctx, (PROMPT_BLOCKS + NEW_BLOCKS) * NUM_GROWING - NEW_BLOCKS - 1
                          - schedule_for(ctx.seed).pause_room_delta)
     pages: dict[int, list] = {}
-    r = run(ctx, growing + again, num_slots=room, pause_to_grow=True, on_iteration=lambda e: _note_pages(e, pages))
-    pauses = {} if r.error else {rid: s.num_pauses for rid, s in r.states.items() if s.num_pauses}
+    r = run(ctx, growing + again, num_slots=room, pause_to_grow=True, on_iteration=note_pages(pages))
+    pauses = {} if r.error else {rid: s.num_pauses for rid, s in r.outcomes.items() if s.num_pauses}
     integrity = judge_integrity("pause-replay", ctx, [(r, growing + again)])
     moved = [] if r.error else moved_pages(r, pages)
     integrity.evidence += moved
@@ -45,19 +46,11 @@ def pause_replay(ctx: Context) -> list[CheckResult]:
                        [f"not exercised: no request was paused with {room} slots per pool group"])]
     if integrity.verdict.value == "pass":
         integrity.evidence = [f"paused: {', '.join(f'request {rid} {n}x' for rid, n in sorted(pauses.items()))}; "
-                              f"repeats served {sum(r.state(q.request_id).num_external for q in again)} tokens"] + moved
+                              f"repeats served {sum(r.outcome(q.request_id).num_external for q in again)} tokens"] + moved
     return [integrity, judge_warm_hit("pause-replay", ctx, r, [q.request_id for q in again])]
 
 
-def _note_pages(engine, pages: dict[int, list]) -> None:
-    """After every iteration: each live request's page lists, one entry per attempt (pause)."""
-    for rid, state in engine.states.items():
-        if state.kv is not None and state.kv.is_active:
-            attempts = pages.setdefault(rid, [])
-            attempts[state.num_pauses:] = [[set(p) - {BAD_PAGE_INDEX} for p in state.kv.page_indices_by_group()]]
-
-
-def moved_pages(r, pages: dict[int, list]) -> list[str]:
+def moved_pages(r: RunRecord, pages: dict[int, list]) -> list[str]:
     """`exercised: ...` / `not exercised: ...` per paused request: whether its replay ran in other
     pages than its first attempt held, and was loaded by the connector (no local match)."""
     out = []
@@ -65,8 +58,8 @@ def moved_pages(r, pages: dict[int, list]) -> list[str]:
         if len(attempts) < 2:
             continue
         kept = sum(len(a & b) for a, b in zip(attempts[0], attempts[-1]))
-        loaded = r.state(rid).num_external
-        happened = kept < sum(map(len, attempts[-1])) and loaded > 0 and r.state(rid).num_local_hit == 0
+        loaded = r.outcome(rid).num_external
+        happened = kept < sum(map(len, attempts[-1])) and loaded > 0 and r.outcome(rid).num_local_hit == 0
         out.append(f"{'exercised' if happened else 'not exercised'}: request {rid}'s replay ran in pages other than "
                    f"its first attempt's ({kept} of them kept) and the connector loaded {loaded} tokens into them")
     return out

@@ -10,10 +10,9 @@ clients' connections.
 
 from __future__ import annotations
 
-from typing import Callable
-
-from kvtool.engine.engine import Engine
-from kvtool.validate.harness import Context, Req, Scenario, judge_integrity, knock_on, result, run, skipped, tokens
+from kvtool.validate.harness import Context, Req, Scenario, run, tokens
+from kvtool.validate.interventions import after_each_offering_ask, every_nth_iteration
+from kvtool.validate.judges import judge_integrity, knock_on, result, skipped
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CheckResult
 
@@ -27,23 +26,6 @@ def _workload(T: int) -> list[Req]:
     prompt = tokens(70, 8 * T + 1)
     return [Req(0, prompt)] + [Req(i, prompt[:(4 + i) * T] + tokens(70 + i, T + 1), arrival=float(i))
                                for i in (1, 2, 3)]
-
-
-def _after_each_ask(disrupt: Callable[[], None], counts: list[int]) -> Callable[[Engine], None]:
-    """Setup that runs `disrupt` right after every ask the connector answers with tokens (the
-    store changes between the offer and the load), counting how often."""
-    def setup(engine: Engine) -> None:
-        scheduler = engine.connector.scheduler
-        ask = scheduler.get_num_new_matched_tokens
-
-        def asked(request, num_computed_tokens):
-            answer = ask(request, num_computed_tokens)
-            if isinstance(answer, tuple) and answer and answer[0]:
-                disrupt()
-                counts.append(answer[0])
-            return answer
-        scheduler.get_num_new_matched_tokens = asked
-    return setup
 
 
 def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, counts=None) -> list[CheckResult]:
@@ -63,18 +45,17 @@ def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, coun
 def lost_after_ask(ctx: Context) -> list[CheckResult]:
     counts: list[int] = []
     server = remote_control(ctx.remote) if ctx.remote else None
-    return _judged("remote-lost-after-ask", ctx, _after_each_ask(lambda: server.flush(), counts), counts=counts)
+    return _judged("remote-lost-after-ask", ctx, after_each_offering_ask(lambda: server.flush(), counts), counts=counts)
 
 
 def restarted_empty(ctx: Context) -> list[CheckResult]:
     server = remote_control(ctx.remote) if ctx.remote else None
 
-    def wipe_and_disconnect(engine: Engine) -> None:
-        if engine.iteration % 3 == 0:
-            server.flush()
-            if server.can_drop_connections:
-                server.drop_connections()
-    return _judged("remote-restarted-empty", ctx, on_iteration=wipe_and_disconnect)
+    def wipe_and_disconnect() -> None:
+        server.flush()
+        if server.can_drop_connections:
+            server.drop_connections()
+    return _judged("remote-restarted-empty", ctx, on_iteration=every_nth_iteration(3, wipe_and_disconnect))
 
 
 def stalled(ctx: Context) -> list[CheckResult]:
@@ -82,7 +63,7 @@ def stalled(ctx: Context) -> list[CheckResult]:
     server = remote_control(ctx.remote) if ctx.remote else None
     if server is not None and not server.can_pause:
         return [skipped("remote-stalled", ctx, "integrity", f"{server.kind} cannot pause its clients")]
-    return _judged("remote-stalled", ctx, _after_each_ask(lambda: server.pause(1500), counts), counts=counts)
+    return _judged("remote-stalled", ctx, after_each_offering_ask(lambda: server.pause(1500), counts), counts=counts)
 
 
 def connections_dropped(ctx: Context) -> list[CheckResult]:

@@ -13,34 +13,31 @@ A connector's store lives no longer than one engine (its scheduler and worker ob
 runs several engines in one process (with --num-ranks, the follower ranks are new processes with
 every engine), and each starts with a cold store (a fresh folder and key namespace, `own_store`).
 A connector that serves what an earlier engine saved (a store in a module or class attribute) is
-told so in words by the integrity check (`harness.offers_from_elsewhere`).
+told so in words by the integrity check (`judges.offers_from_elsewhere`).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.engine.engine import Engine
 from kvtool.engine.events import Ask
-from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.request_state import FailureReason, Phase
-from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model, shard_model
-from kvtool.validate.harness import (Context, Req, Scenario, judge_answers, judge_async, judge_holds_nothing,
-                                     judge_integrity, judge_warm_hit, knock_on, reference_tokens, result, run,
-                                     skipped, tokens)
+from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
+from kvtool.validate.interventions import (InjectedFailure, abort_deferred, evict_local_cache_after,
+                                           release_reusable_pages)
+from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity, judge_warm_hit,
+                                    knock_on, result, skipped)
 from kvtool.validate.outlived_store import follower_store_lacks
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
-from kvtool.validate.sizing import squeeze_slots
 from kvtool.validate.results import CheckResult, Verdict
+from kvtool.validate.run_record import FailureReason, Phase, RunRecord
+from kvtool.validate.sizing import sliding_windows, squeeze_slots
 from kvtool.validate.store_scope import own_store
 
-SENTINEL_ID = -434343
 
-
-def _common(name: str, ctx: Context, r) -> list[CheckResult]:
+def _common(name: str, ctx: Context, r: RunRecord) -> list[CheckResult]:
     """Checks every scenario reports when it saw something to judge: async bookkeeping, answers."""
     return judge_async(name, ctx, r) + judge_answers(name, ctx, r)
 
@@ -83,7 +80,7 @@ def vswa_live_pages(ctx: Context) -> list[CheckResult]:
             Req(4, a[:5 * T] + tokens(7, 2 * T), arrival=1.0), Req(5, b[:6 * T] + tokens(8, T + 1), arrival=1.0)]
     r = run(ctx, reqs, canary=True, num_slots=squeeze_slots(ctx, VSWA_BLOCKS))
     integrity = judge_integrity("vswa-live-pages", ctx, [(r, reqs)])
-    windows = [g for g in plan_layer_groups(load_model(ctx.model), T) if g.window_size is not None]
+    windows = sliding_windows(ctx)
     if windows and not any(len(g.stale_range(len(a), T)) for g in windows) and integrity.verdict is Verdict.PASS:
         integrity = replace(integrity, verdict=Verdict.SKIP, evidence=[
             note or f"not exercised on {load_model(ctx.model).name}: no prompt passes its smallest sliding window "
@@ -148,9 +145,9 @@ def cache_salt(ctx: Context) -> list[CheckResult]:
     r = run(ctx, reqs)
     if r.error:
         return [result("cache-salt", ctx, "salt-isolation", False, [f"the run stopped: {r.error}"])]
-    leaked = r.state(1).num_external
+    leaked = r.outcome(1).num_external
     evidence = [f"request 1 (salt 'bob') was served {leaked} tokens saved under salt 'alice'"] if leaked else \
-        [f"salt 'bob': nothing served; salt 'alice' again: {r.state(2).num_external} tokens served"]
+        [f"salt 'bob': nothing served; salt 'alice' again: {r.outcome(2).num_external} tokens served"]
     return [result("cache-salt", ctx, "salt-isolation", not leaked, evidence),
             judge_integrity("cache-salt", ctx, [(r, reqs)])] + _common("cache-salt", ctx, r)
 
@@ -184,7 +181,7 @@ def _squeeze_requests(ctx: Context) -> list[Req]:
     return [Req(0, prompt), Req(9, tokens(31, 10 * T), max_new_tokens=1, arrival=1.0), Req(1, prompt, arrival=1.0)]
 
 
-def _exercised(r, request_id: int, what: str, happened: bool) -> list[str]:
+def _exercised(r: RunRecord, request_id: int, what: str, happened: bool) -> list[str]:
     """One evidence line: `exercised: WHAT (...)` or `not exercised: WHAT (why; ...)`, the
     parentheses holding request `request_id`'s path (`_path_of`); none when the run failed."""
     if r.error:
@@ -195,14 +192,14 @@ def _exercised(r, request_id: int, what: str, happened: bool) -> list[str]:
     return [f"not exercised: {what} ({why + '; ' if why else ''}{_path_of(r, request_id)})"]
 
 
-def _ask_of(r, request_id: int) -> Ask | None:
+def _ask_of(r: RunRecord, request_id: int) -> Ask | None:
     return next((e for e in r.events.of(Ask) if e.request_id == request_id), None)
 
 
-def _why_not(r, request_id: int) -> str:
+def _why_not(r: RunRecord, request_id: int) -> str:
     """Why request `request_id` got no tokens from the connector, when it got none; else "" (its
     path says what else differed)."""
-    ask, state = _ask_of(r, request_id), r.state(request_id)
+    ask, state = _ask_of(r, request_id), r.outcome(request_id)
     if ask is None:
         return "its ask failed" if state.asked else "the connector was never asked for it"
     if ask.num_offered_tokens == 0:
@@ -210,10 +207,10 @@ def _why_not(r, request_id: int) -> str:
     return "its offer was cancelled" if state.num_external == 0 else ""
 
 
-def _path_of(r, request_id: int) -> str:
+def _path_of(r: RunRecord, request_id: int) -> str:
     """`request N: asked with M tokens matched locally[, deferred Kx], D tokens delivered[, tokens
     [a, b), ... cancelled]`: what its ask, deferrals, delivery and `cancel_load` calls made of it."""
-    ask, state = _ask_of(r, request_id), r.state(request_id)
+    ask, state = _ask_of(r, request_id), r.outcome(request_id)
     if ask is None:
         return f"request {request_id}: {'asked, no answer' if state.asked else 'never asked'}"
     offered, delivered = ask.num_offered_tokens, state.num_external
@@ -222,7 +219,7 @@ def _path_of(r, request_id: int) -> str:
         words.append(f"deferred {state.num_deferrals}x")
     words.append(f"{delivered} tokens delivered" if delivered == offered else
                  f"{delivered} of {offered} offered tokens delivered")
-    cancels = [f"[{start}, {end})" for rid, start, end in r.runtime.cancels if rid == request_id]
+    cancels = [f"[{start}, {end})" for rid, start, end in r.cancels if rid == request_id]
     if cancels:
         words.append(f"tokens {', '.join(cancels)} cancelled")
     return ", ".join(words)
@@ -230,7 +227,7 @@ def _path_of(r, request_id: int) -> str:
 
 def deferral(ctx: Context) -> list[CheckResult]:
     reqs, r = _squeeze(ctx, 14)
-    happened = not r.error and r.state(1).num_deferrals > 0 and r.state(1).num_external > 0
+    happened = not r.error and r.outcome(1).num_deferrals > 0 and r.outcome(1).num_external > 0
     out = [judge_integrity("deferral", ctx, [(r, reqs)]), judge_holds_nothing("deferral", ctx, r)]
     out[0].evidence += _exercised(r, 1, "asked, deferred, then delivered", happened)
     return out + _common("deferral", ctx, r)
@@ -238,7 +235,7 @@ def deferral(ctx: Context) -> list[CheckResult]:
 
 def reserve_failure(ctx: Context) -> list[CheckResult]:
     reqs, r = _squeeze(ctx, 13)
-    happened = not r.error and any(c[0] == 1 and c[1] == 0 for c in r.runtime.cancels) and r.state(1).num_external == 0
+    happened = not r.error and any(c[0] == 1 and c[1] == 0 for c in r.cancels) and r.outcome(1).num_external == 0
     out = [judge_integrity("reserve-failure", ctx, [(r, reqs)]), judge_holds_nothing("reserve-failure", ctx, r)]
     out[0].evidence += _exercised(r, 1, "reserve failed and the offer was cancelled", happened)
     return out + _common("reserve-failure", ctx, r)
@@ -249,7 +246,7 @@ def clamp(ctx: Context) -> list[CheckResult]:
     prompt = tokens(40, 4 * T)
     reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0)]
     r = run(ctx, reqs)
-    happened = not r.error and (1, 4 * T - 1, 4 * T) in r.runtime.cancels
+    happened = not r.error and (1, 4 * T - 1, 4 * T) in r.cancels
     out = [judge_integrity("clamp", ctx, [(r, reqs)]), judge_holds_nothing("clamp", ctx, r)]
     out[0].evidence += _exercised(r, 1, "whole prompt offered, last position cancelled", happened)
     return out + _common("clamp", ctx, r)
@@ -262,8 +259,8 @@ def overtaken_head(ctx: Context) -> list[CheckResult]:
     reqs = [Req(0, shared + tail)] + fillers + [Req(8, shared + tokens(52, 8 * T - 2), max_new_tokens=1, arrival=2.0),
                                                 Req(1, shared + tail, arrival=2.0)]
     r = run(ctx, reqs, num_slots=squeeze_slots(ctx, 14), local_reuse=True)
-    happened = not r.error and any(c[0] == 1 and c[1] == 0 and c[2] < 4 * T for c in r.runtime.cancels) \
-        and r.state(1).num_external > 0
+    happened = not r.error and any(c[0] == 1 and c[1] == 0 and c[2] < 4 * T for c in r.cancels) \
+        and r.outcome(1).num_external > 0
     out = [judge_integrity("overtaken-head", ctx, [(r, reqs)]), judge_holds_nothing("overtaken-head", ctx, r)]
     out[0].evidence += _exercised(r, 1, "offer head overtaken by the local cache and cancelled", happened)
     return out + _common("overtaken-head", ctx, r)
@@ -272,15 +269,10 @@ def overtaken_head(ctx: Context) -> list[CheckResult]:
 def free_before_delivery(ctx: Context) -> list[CheckResult]:
     T = ctx.tokens_per_block
 
-    def abort_deferred(engine: Engine) -> None:
-        state = engine.states.get(1)
-        if state and state.asked and state.phase is Phase.WAITING and state.offer and not state.offer.closed:
-            engine.abort(1)
-
     prompt = tokens(30, 4 * T + 2)
     reqs = _squeeze_requests(ctx) + [Req(2, prompt, arrival=3.0)]
-    followup, r2 = reqs, run(ctx, reqs, num_slots=squeeze_slots(ctx, 14), on_iteration=abort_deferred)
-    happened = not r2.error and r2.state(1).error == "aborted" and any(c[0] == 1 for c in r2.runtime.cancels)
+    followup, r2 = reqs, run(ctx, reqs, num_slots=squeeze_slots(ctx, 14), on_iteration=abort_deferred(1))
+    happened = not r2.error and r2.outcome(1).error == "aborted" and any(c[0] == 1 for c in r2.cancels)
     integrity = judge_integrity("free-before-delivery", ctx, [(r2, followup)])
     out = [judge_holds_nothing("free-before-delivery", ctx, r2, followup_ok=not integrity.failed), integrity]
     out[0].evidence += _exercised(r2, 1, "freed after the ask, before delivery", happened)
@@ -288,19 +280,6 @@ def free_before_delivery(ctx: Context) -> list[CheckResult]:
 
 
 # ---- what a hook's arguments can be: local matches, shared blocks, follow-up turns -------------
-def _evict_local_cache_after(wave: float):
-    """An on_iteration hook: once every request arriving at or before `wave` is gone, evict the
-    local cache's reusable pages (once), so later requests find their prefix only in the connector."""
-    done: list[bool] = []
-
-    def evict(engine: Engine) -> None:
-        early = [s for s in engine.states.values() if s.request.arrival <= wave]
-        if not done and early and not any(s.is_live for s in early) and not engine.manager.holds:
-            engine.manager.evict_reusable()
-            done.append(True)
-    return evict
-
-
 def local_prefix(ctx: Context) -> list[CheckResult]:
     """The connector is asked with a local match (`num_computed_tokens` > 0), on a block boundary and
     inside a block, while another live request shares those pages: it must offer and load only what
@@ -310,7 +289,7 @@ def local_prefix(ctx: Context) -> list[CheckResult]:
     reqs = [Req(0, b), Req(1, b2),
             Req(2, b[:2 * T] + tokens(112, T), arrival=1.0), Req(3, b2[:3 * T + 1], arrival=1.0),
             Req(4, b[:2 * T] + tokens(113, 2 * T), arrival=2.0), Req(5, b, arrival=2.0), Req(6, b2, arrival=2.0)]
-    r = run(ctx, reqs, local_reuse=True, on_iteration=_evict_local_cache_after(0.0))
+    r = run(ctx, reqs, local_reuse=True, on_iteration=evict_local_cache_after(0.0))
     out = [judge_integrity("local-prefix", ctx, [(r, reqs)]), judge_warm_hit("local-prefix", ctx, r, [2, 3, 5, 6])]
     for request_id, where in ((5, "on a block boundary"), (6, "inside a block")):
         out[0].evidence += _exercised(r, request_id, f"a local match {where}, more delivered",
@@ -318,11 +297,11 @@ def local_prefix(ctx: Context) -> list[CheckResult]:
     return out + _common("local-prefix", ctx, r)
 
 
-def _delivered_past_a_local_match(r, request_id: int) -> bool:
+def _delivered_past_a_local_match(r: RunRecord, request_id: int) -> bool:
     """Whether request `request_id` was asked with a local match and delivered tokens past it
     (each sub-case judged by its own request: one declined does not hide the other)."""
     ask = None if r.error else _ask_of(r, request_id)
-    return ask is not None and ask.num_computed_tokens > 0 and r.state(request_id).num_external > 0
+    return ask is not None and ask.num_computed_tokens > 0 and r.outcome(request_id).num_external > 0
 
 
 def moved_blocks(ctx: Context) -> list[CheckResult]:
@@ -337,7 +316,7 @@ def moved_blocks(ctx: Context) -> list[CheckResult]:
             Req(3, x + x + x + y[:3], arrival=1.0),          # the first block, repeated
             Req(4, x + y + v + w + x[:2], arrival=2.0)]      # diverges, then converges again
     r = run(ctx, reqs)
-    served = {i: r.state(i).num_external for i in (1, 2, 3, 4)} if not r.error else {}
+    served = {i: r.outcome(i).num_external for i in (1, 2, 3, 4)} if not r.error else {}
     out = [judge_integrity("moved-blocks", ctx, [(r, reqs)])]
     out[0].evidence += [f"tokens served for prompts that share only moved blocks or a true prefix: {served}"]
     return out + _common("moved-blocks", ctx, r)
@@ -380,19 +359,13 @@ def final_pass_blocks(ctx: Context) -> list[CheckResult]:
         [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id]) + tokens(144 + q.request_id, T + 1), arrival=1.0)
          for q in chat]
     reqs = prefill + chat + again
-    r = run(ctx, reqs, on_iteration=_release_reusable_pages)
+    r = run(ctx, reqs, on_iteration=release_reusable_pages)
     out = [judge_integrity("final-pass-blocks", ctx, [(r, reqs)]),
            judge_warm_hit("final-pass-blocks", ctx, r, [q.request_id for q in again])]
     if not r.error:     # a load of released-page bytes is named by judge_integrity (`released_page_loads`)
         out[0].evidence += [f"tokens served to the repeats of prompts whose last blocks were completed in their "
-                            f"request's last pass: { {q.request_id: r.state(q.request_id).num_external for q in again} }"]
+                            f"request's last pass: { {q.request_id: r.outcome(q.request_id).num_external for q in again} }"]
     return out + _common("final-pass-blocks", ctx, r)
-
-
-def _release_reusable_pages(engine: Engine) -> None:
-    """After every iteration: pages no request uses are freed (and poisoned) at once, rather than
-    kept for the local cache, so nothing reads them afterwards by luck."""
-    engine.manager.evict_reusable()
 
 
 # ---- asynchronous paths and failures -----------------------------------------------------------
@@ -437,78 +410,12 @@ def hook_raises(ctx: Context) -> list[CheckResult]:
             Req(3, prompt, arrival=3.0), Req(4, other, arrival=4.0)]
     runs = []
     for fail in (False, True):   # the baseline sees the same sentinel at the same point, without the failure
-        injected: list[int] = []
-        admitted: set[int] = set()
-        sentinel: list = []
-        free_before: dict[int, set] = {}
+        injection = InjectedFailure(fail)
         with own_store("failing" if fail else "baseline"):   # a disk store must start cold in both
-            runs.append(run(ctx, reqs, setup=lambda e, i=injected, a=admitted, f=fail, b=free_before:
-                            _inject(e, i, a, f, b),
-                            on_iteration=lambda e, i=injected, s=sentinel, b=free_before:
-                            _watch_released_pages(e, i, s, b)))
+            runs.append(run(ctx, reqs, setup=injection.setup, on_iteration=injection.after_iteration))
     baseline, r = runs
-    return [_judge_survival(ctx, r, baseline, reqs, injected, admitted),
+    return [_judge_survival(ctx, r, baseline, reqs, injection.injected, injection.admitted),
             judge_integrity("hook-raises", ctx, [(baseline, reqs)])] + judge_answers("hook-raises", ctx, r)
-
-
-def _inject(engine: Engine, injected: list[int], admitted: set[int], fail: bool, free_before: dict[int, set]) -> None:
-    """Raise once from `wait_for_layer_load` (when `fail`; else only note where it would have);
-    `admitted` gets the requests admitted by then (the others came after the failure),
-    `free_before` each pool group's free slots then."""
-    for worker in engine.connector.workers:
-        original = worker.wait_for_layer_load
-
-        def failing(layer_idx, stream, original=original):
-            states = engine.states.values()
-            loading = any(s.delivered_at == engine.iteration and s.num_external for s in states)
-            warm_runs = engine.states[1].kv is not None and engine.states[1].phase is not Phase.WAITING
-            if not injected and (loading or warm_runs):
-                injected.append(engine.iteration)
-                admitted.update(rid for rid, s in engine.states.items() if s.phase is not Phase.WAITING)
-                free_before.update((i, set(a.free_slots())) for i, a in enumerate(engine.manager.page_table.allocators))
-                if fail:
-                    raise RuntimeError("kvtool validate: injected failure in wait_for_layer_load")
-            return original(layer_idx, stream)
-
-        worker.wait_for_layer_load = failing
-
-
-def _watch_released_pages(engine: Engine, injected: list[int], sentinel: list, free_before: dict[int, set]) -> None:
-    """At the end of the iteration of the failure, hold exactly the slots it released, with known
-    fingerprints (the other free slots stay for the requests that go on); check them after each
-    of the next three iterations, then let them go."""
-    if not injected:
-        return
-    if not sentinel:
-        sentinel.append(_take_released_slots(engine, free_before))
-    check, release, checks_left = sentinel[0]
-    check()
-    if checks_left <= 1:
-        release()
-        sentinel[0] = (lambda: None, lambda: None, 10**9)
-    else:
-        sentinel[0] = (check, release, checks_left - 1)
-
-
-def _take_released_slots(engine: Engine, free_before: dict[int, set]):
-    manager = engine.manager
-    tpb = manager.tokens_per_block
-    allocators = manager.page_table.allocators
-    released = {pg.pool_group_index: sorted(set(allocators[pg.pool_group_index].free_slots())
-                                            - free_before.get(pg.pool_group_index, set()))
-                for pg in manager.pool_groups}
-    free = min(len(released[pg.pool_group_index]) // len(pg.layer_group_ids) for pg in manager.pool_groups)
-    for index, slots in released.items():
-        allocators[index].hand_out_first(slots)
-    cache = manager.create_kv_cache(SENTINEL_ID, [])
-    cache.resume()
-    if free == 0 or not cache.resize(free * tpb):
-        cache.close()
-        return (lambda: None, lambda: None, 0)
-    fill = list(tokens(92, free * tpb))
-    pages = cache.page_indices_by_group()
-    engine.fake.write_context(PassItem(SENTINEL_ID, fill, pages, 0, free * tpb, False))
-    return (lambda: engine.fake.verify_cache(SENTINEL_ID, fill, pages, free * tpb), cache.close, 3)
 
 
 CONNECTOR_RAISED = frozenset({FailureReason.ASK_RAISED, FailureReason.ALLOC_HOOK_RAISED,
@@ -516,33 +423,32 @@ CONNECTOR_RAISED = frozenset({FailureReason.ASK_RAISED, FailureReason.ALLOC_HOOK
 """Failures a connector's own code raised (not a wall-clock limit a busy machine can reach)."""
 
 
-def _judge_survival(ctx: Context, r, baseline, reqs: list[Req], injected: list[int],
+def _judge_survival(ctx: Context, r: RunRecord, baseline: RunRecord, reqs: list[Req], injected: list[int],
                     admitted: set[int]) -> CheckResult:
     if r.error:
         return result("hook-raises", ctx, "survives-hook-failure", False, [f"the run stopped: {r.error}"])
     evidence = [] if injected else [knock_on(r, "no failure could be injected")]
-    already_wrong = set(baseline.engine.fake.errors_by_request) if baseline.engine else set()
-    newly_wrong = set(r.engine.fake.errors_by_request) - already_wrong
-    evidence += [f"after the failure: {i.describe()}" for i in r.engine.fake.issues if i.request_id in newly_wrong][:5]
-    evidence += [f"{r.engine.fake.errors_by_request[rid]} integrity errors in request {rid} only when the failure "
+    already_wrong = set(baseline.integrity.errors_by_request)
+    newly_wrong = set(r.integrity.errors_by_request) - already_wrong
+    evidence += [f"after the failure: {i.describe()}" for i in r.integrity.issues if i.request_id in newly_wrong][:5]
+    evidence += [f"{r.integrity.errors_by_request[rid]} integrity errors in request {rid} only when the failure "
                  "happened" for rid in sorted(newly_wrong)]
     expected = reference_tokens(ctx, reqs)
-    evidence += [f"request {rid} generated {s.request.generated_token_ids} after the failure, "
-                 f"expected {expected[rid]}" for rid, s in r.states.items()
-                 if s.phase is Phase.DONE and s.request.generated_token_ids != expected[rid]
-                 and baseline.state(rid).request.generated_token_ids == expected[rid]]
-    evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.states.items() if s.is_live]
-    failed = [rid for rid, s in r.states.items() if s.phase is Phase.FAILED]
+    evidence += [f"request {rid} generated {s.generated_token_ids} after the failure, "
+                 f"expected {expected[rid]}" for rid, s in r.outcomes.items()
+                 if s.phase is Phase.DONE and s.generated_token_ids != expected[rid]
+                 and baseline.outcome(rid).generated_token_ids == expected[rid]]
+    evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.outcomes.items() if s.is_live]
+    failed = [rid for rid, s in r.outcomes.items() if s.phase is Phase.FAILED]
     evidence += [follower_store_lacks(r, rid) or
-                 f"request {rid} was admitted after the failure and failed only when it happened ({r.state(rid).error}):"
+                 f"request {rid} was admitted after the failure and failed only when it happened ({r.outcome(rid).error}):"
                  " did the connector offer blocks of the failed pass, whose saves never landed?"
-                 for rid in failed if rid not in admitted and r.state(rid).failure in CONNECTOR_RAISED
-                 and baseline.state(rid).phase is not Phase.FAILED]
-    introspect = getattr(r.runtime.scheduler, "kvtool_introspect", None)
-    if callable(introspect):
-        kept = sorted(set(introspect().get("tracked_request_ids", [])) & set(failed))
+                 for rid in failed if rid not in admitted and r.outcome(rid).failure in CONNECTOR_RAISED
+                 and baseline.outcome(rid).phase is not Phase.FAILED]
+    if r.introspection is not None:
+        kept = sorted(set(r.introspection.tracked_request_ids or ()) & set(failed))
         evidence += [f"still tracks failed request {rid}" for rid in kept]
-    later = [rid for rid, s in r.states.items() if s.phase is Phase.DONE and s.request.arrival > 0]
+    later = [rid for rid, s in r.outcomes.items() if s.phase is Phase.DONE and s.arrival > 0]
     summary = [f"failure injected in iteration {injected[0] if injected else '-'}; failed {failed}; "
                f"served afterwards {later}"]
     return result("hook-raises", ctx, "survives-hook-failure", not evidence, evidence + summary)

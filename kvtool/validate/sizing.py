@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtool.manager.layer_groups import plan_layer_groups
+from kvtool.manager.layer_groups import LayerGroupSpec, plan_layer_groups
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.harness import Context
@@ -20,3 +20,8 @@ def pages_per_block(ctx: Context) -> int:
 def squeeze_slots(ctx: Context, blocks: int) -> int:
     """Slots per pool group that hold `blocks` blocks of a request in this model's layout."""
     return blocks * pages_per_block(ctx)
+
+
+def sliding_windows(ctx: Context) -> list[LayerGroupSpec]:
+    """The layer groups of the model's layout at the context's block size that have a sliding window."""
+    return [g for g in plan_layer_groups(load_model(ctx.model), ctx.tokens_per_block) if g.window_size is not None]

@@ -10,6 +10,7 @@ by construction (every run, every seed), not by luck.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 
@@ -75,11 +76,15 @@ class ReplaysIntoOldPages(HostConnectorScheduler):
 
 
 class RecordsAllocations(HostConnectorScheduler):
-    """The host scheduler, recording every `update_state_after_alloc` (request id, page lists)."""
+    """The host scheduler, recording every `update_state_after_alloc` (request id, page lists);
+    `latest` is the one constructed last (a test reads it after the run)."""
+
+    latest: ClassVar[RecordsAllocations | None] = None
 
     def __init__(self, llm_args) -> None:
         super().__init__(llm_args)
         self.allocations: list[tuple[int, list[list[int]]]] = []
+        RecordsAllocations.latest = self
 
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
         self.allocations.append((request.request_id, [list(p) for p in block_ids_by_layer_group]))

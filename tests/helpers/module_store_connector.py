@@ -2,7 +2,7 @@
 outlives the engine. On one rank it serves the next engine of the same process what an earlier one
 saved (correct bytes, by luck: same model, same fingerprints); with several ranks the follower
 ranks' processes are new with every engine, their dicts empty, and their loads fail. `kvtool
-validate` says so in words on one rank and on several (`harness.offers_from_elsewhere`)."""
+validate` says so in words on one rank and on several (`judges.offers_from_elsewhere`)."""
 
 from __future__ import annotations
 
