@@ -186,18 +186,24 @@ def test_request_finished_receives_the_page_indices():
     assert flat[2] == [0, 1, 2]
 
 
+class LateOnRankOne(OracleWorker):
+    """Rank 1 reports its saves only from its fourth `get_finished` on."""
+
+    def __init__(self, llm_args) -> None:
+        super().__init__(llm_args)
+        self.rank = llm_args.rank
+        self.delayed: list[int] = []
+
+    def get_finished(self, finished, loading):
+        saved, loaded = super().get_finished(finished, loading)
+        if self.rank != 1:
+            return saved, loaded
+        self.delayed.extend(saved)
+        return ([] if len(self.delayed) and len(self.finished_calls) < 4 else sorted(set(self.delayed))), loaded
+
+
 def test_async_save_holds_pages_until_every_rank_reports():
-    engine = make_engine(scripted(lambda r, n: (0, False), finish_async=True), num_ranks=2)
-    late = engine.connector.workers[1]
-    original = late.get_finished
-    delayed = []
-
-    def slow(finished, loading):
-        saved, loaded = original(finished, loading)
-        delayed.extend(saved)
-        return ([] if len(delayed) and len(late.finished_calls) < 4 else sorted(set(delayed))), loaded
-
-    late.get_finished = slow
+    engine = make_engine(scripted(lambda r, n: (0, False), finish_async=True, worker=LateOnRankOne), num_ranks=2)
     engine.add_request(Request(1, list(range(10)), 1))
     engine.step()
     state = engine.states[1]

@@ -92,17 +92,17 @@ class Recorder:
     save_start: dict[int, float] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
     delivered: dict[int, int] = field(default_factory=dict)
+    _started: dict[tuple[str, int], float] = field(default_factory=dict)
+    """When each load or save hook now running started, by (hook, rank)."""
 
     def attach(self) -> None:
-        """Subscribe to the engine's events, clock every call into the connector and wrap every
-        worker's load and save hooks."""
+        """Subscribe to the engine's events, clock every call into the connector and observe every
+        worker's load and save hooks (through the pass driver)."""
         self.engine.events.subscribe(self)
         self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
         self.engine.idle_for_connector = self._clocked_call(self.engine.idle_for_connector)
         self._mark_forward_layers(self.engine.driver)
-        for worker in self.engine.connector.workers:
-            for hook in LOAD_HOOKS + SAVE_HOOKS:
-                self._wrap(worker, hook, "load" if hook in LOAD_HOOKS else "save")
+        self.engine.driver.observe(self)
 
     def _clocked(self, outer):
         """`outer` (a context manager factory) clocked as the connector's."""
@@ -154,17 +154,16 @@ class Recorder:
             self._forward_done.synchronize()
         self.runtime_waits += time.perf_counter() - start
 
-    def _wrap(self, worker, hook: str, kind: str) -> None:
-        inner = getattr(worker, hook)
-
-        def timed(*args, **kwargs):
+    def before(self, hook: str, rank: int, args: tuple) -> None:
+        """A `HookObserver`'s: a load or save hook's clock starts once the runtime's work is done."""
+        if hook in LOAD_HOOKS + SAVE_HOOKS:
             self._wait_for_the_runtime(hook, args)
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.hooks.append((kind, self.engine.iteration, start, time.perf_counter()))
-        setattr(worker, hook, timed)
+            self._started[hook, rank] = time.perf_counter()
+
+    def after(self, hook: str, rank: int) -> None:
+        if hook in LOAD_HOOKS + SAVE_HOOKS:
+            kind = "load" if hook in LOAD_HOOKS else "save"
+            self.hooks.append((kind, self.engine.iteration, self._started.pop((hook, rank)), time.perf_counter()))
 
     def __call__(self, event) -> None:
         now = time.perf_counter()

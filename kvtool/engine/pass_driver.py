@@ -12,13 +12,16 @@ An iteration, as TensorRT-LLM's executor runs it (overlap scheduler off):
 
 `PassPlan` says which of 1 and 2 run; `PassDriver.run_pass` runs them for the workers of one
 process and `PassDriver.get_finished` runs 4. Hooks go through one guard (`call`), so a hook that
-raises is recorded in the same words on every rank.
+raises is recorded in the same words on every rank. A worker's hooks are bound once, when its rank
+is set up (`WorkerHooks`): what watches them (the protocol bench's clocks, validate's injected
+failure) is a `HookObserver` given to the driver, told before and after every guarded hook, never a
+patched worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
 
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.rank_context import acting_as
@@ -38,13 +41,61 @@ class PassPlan:
     """The batch holds requests once asynchronous loads left it: the forward pass runs."""
 
 
+class HookObserver(Protocol):
+    """Told around every guarded worker hook a driver runs (`start_load_kv`, `wait_for_layer_load`,
+    `save_kv_layer`, the forward pass callable, `wait_for_save`, `get_finished`), inside the guard:
+    what `before` raises is recorded as that hook's failure, and the hook does not run."""
+
+    def before(self, hook: str, rank: int, args: tuple) -> None:
+        """`hook` of `rank` is about to run with `args`."""
+
+    def after(self, hook: str, rank: int) -> None:
+        """`hook` of `rank` returned or raised."""
+
+
+class _Unobserved:
+    def before(self, hook: str, rank: int, args: tuple) -> None:
+        pass
+
+    def after(self, hook: str, rank: int) -> None:
+        pass
+
+
+UNOBSERVED: HookObserver = _Unobserved()
+
+
+@dataclass(frozen=True)
+class WorkerHooks:
+    """A worker's pass hooks, bound once (a later change to the worker's attributes is not seen)."""
+
+    bind_connector_meta: Callable[[Any], None]
+    start_load_kv: Callable[..., Any]
+    wait_for_layer_load: Callable[..., Any]
+    save_kv_layer: Callable[..., Any]
+    wait_for_save: Callable[..., Any]
+    get_finished: Callable[..., Any]
+
+    @classmethod
+    def of(cls, worker: KvCacheConnectorWorker) -> WorkerHooks:
+        return cls(worker.bind_connector_meta, worker.start_load_kv, worker.wait_for_layer_load,
+                   worker.save_kv_layer, worker.wait_for_save, worker.get_finished)
+
+    def named(self, hook: str) -> Callable[..., Any]:
+        """The bound hook called `hook` (one of the fields: the frozen record, not the worker)."""
+        return getattr(self, hook)
+
+
 @dataclass
 class RankWorker:
-    """One rank's connector worker as a pass drives it."""
+    """One rank's connector worker as a pass drives it, its hooks bound at construction."""
 
     rank: int
     worker: KvCacheConnectorWorker
     end_of_pass: Callable[[], None] | None = None
+    hooks: WorkerHooks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hooks = WorkerHooks.of(self.worker)
 
     def label(self, hook: str) -> str:
         return f"{hook} (rank {self.rank})"
@@ -79,13 +130,18 @@ class PassDriver:
         self._call = call
         self._on_hook = on_hook
         """Told the hook about to run (a follower publishes it, to name a hang)."""
+        self.observer: HookObserver = UNOBSERVED
+
+    def observe(self, observer: HookObserver) -> None:
+        """From now on `observer` is told around every guarded hook (replacing the one before)."""
+        self.observer = observer
 
     def run_pass(self, plan: PassPlan, metadata: Any, items: list) -> bool:
         """Steps 1-2 of the module docstring; False at the first hook that raised (the rest of
         the pass is skipped). With no worker, only the forward runs."""
         if plan.starts:
             for rank_worker in self.workers:
-                rank_worker.worker.bind_connector_meta(metadata)
+                rank_worker.hooks.bind_connector_meta(metadata)
             if not self._each("start_load_kv", self.stream):
                 return False
         if not plan.forwards:
@@ -107,8 +163,10 @@ class PassDriver:
         for rank_worker in self.workers:
             self._on_hook("get_finished")
             with acting_as(rank_worker.rank):
-                answers[rank_worker.rank] = self._call(rank_worker.label("get_finished"),
-                                                       rank_worker.worker.get_finished, list(saving), list(loading))
+                answers[rank_worker.rank] = self._call(
+                    rank_worker.label("get_finished"),
+                    self._observed("get_finished", rank_worker.rank, rank_worker.hooks.get_finished),
+                    list(saving), list(loading))
         return answers
 
     def _each(self, hook: str, *args: Any) -> bool:
@@ -116,8 +174,23 @@ class PassDriver:
         for rank_worker in self.workers:
             self._on_hook(hook)
             with acting_as(rank_worker.rank):
-                ok &= self._call(rank_worker.label(hook), getattr(rank_worker.worker, hook), *args)[0]
+                bound = self._observed(hook, rank_worker.rank, rank_worker.hooks.named(hook))
+                ok &= self._call(rank_worker.label(hook), bound, *args)[0]
         return ok
+
+    def _observed(self, hook: str, rank: int, bound: Callable[..., Any]) -> Callable[..., Any]:
+        """`bound`, with the observer told around it (`bound` itself when nothing observes)."""
+        observer = self.observer
+        if observer is UNOBSERVED:
+            return bound
+
+        def observed(*args: Any) -> Any:
+            observer.before(hook, rank, args)
+            try:
+                return bound(*args)
+            finally:
+                observer.after(hook, rank)
+        return observed
 
     def _end_of_pass(self) -> bool:
         """The forward-pass callables, with the forward stream current."""
@@ -127,5 +200,7 @@ class PassDriver:
                 if rank_worker.end_of_pass is not None:
                     self._on_hook("forward pass callable")
                     with acting_as(rank_worker.rank):
-                        ok &= self._call(rank_worker.label("forward pass callable"), rank_worker.end_of_pass)[0]
+                        end_of_pass = self._observed("forward pass callable", rank_worker.rank,
+                                                     rank_worker.end_of_pass)
+                        ok &= self._call(rank_worker.label("forward pass callable"), end_of_pass)[0]
         return ok

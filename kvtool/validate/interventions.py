@@ -96,16 +96,20 @@ class InjectedFailure:
     admitted: set[int] = field(default_factory=set)
     _free_before: dict[int, set] = field(default_factory=dict)
     _sentinel: list = field(default_factory=list)
+    _engine: Engine | None = None
 
     def setup(self, engine: Engine) -> None:
-        for worker in engine.connector.workers:
-            original = worker.wait_for_layer_load
+        """Observe rank 0's pass driver (the workers of this process)."""
+        self._engine = engine
+        engine.driver.observe(self)
 
-            def failing(layer_idx, stream, original=original):
-                self._maybe_fail(engine)
-                return original(layer_idx, stream)
+    def before(self, hook: str, rank: int, args: tuple) -> None:
+        """A `HookObserver`'s: raising here fails the hook about to run, as if it had raised."""
+        if hook == "wait_for_layer_load" and self._engine is not None:
+            self._maybe_fail(self._engine)
 
-            worker.wait_for_layer_load = failing
+    def after(self, hook: str, rank: int) -> None:
+        pass
 
     def _maybe_fail(self, engine: Engine) -> None:
         states = engine.states.values()
