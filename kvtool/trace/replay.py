@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.introspection import introspect
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import Subscriber
@@ -38,9 +39,9 @@ class TraceSummary:
     cancelled_tokens: int
     """Offered tokens handed back through `cancel_load` (clamped, not reserved, or found locally)."""
     saved_blocks: int | None
-    """Blocks the connector saved, as its `kvtool_introspect` reports; None when it does not."""
+    """Blocks the connector saved, as its introspection reports; None when it does not."""
     loaded_blocks: int | None
-    """Blocks the connector loaded, as its `kvtool_introspect` reports; None when it does not."""
+    """Blocks the connector loaded, as its introspection reports; None when it does not."""
     integrity_errors: int
     """Reads of KV bytes whose fingerprint did not match (wrong, stale or missing data)."""
     iterations: int
@@ -62,7 +63,7 @@ class TraceSummary:
     evictions: int
     """Cached pages the radix tree lost to make room."""
     connector_evictions: int | None
-    """Entries the connector's tier dropped to make room, as its `kvtool_introspect` reports."""
+    """Entries the connector's tier dropped to make room, as its introspection reports."""
     bytes_loaded: int | None
     """KV bytes the connector loaded into the cache (loaded blocks x bytes of one block)."""
     bytes_saved: int | None
@@ -185,8 +186,8 @@ def _invariant_errors(engine: Engine) -> list[str]:
 def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec | None, seconds: float,
              invariant_errors: list[str]) -> TraceSummary:
     runtime = engine.connector
-    introspect = getattr(runtime.scheduler, "kvtool_introspect", None) if runtime else None
-    counters = introspect() if callable(introspect) else {}
+    said = introspect(runtime.scheduler) if runtime else None
+    counters = said.as_dict() if said is not None else {}
     rows = recorder.requests + recorder.unfinished
     prompt_tokens = sum(r.prompt_len for r in rows)
     local = sum(r.local_hit_tokens for r in rows)
