@@ -1,6 +1,7 @@
 """check_manager catches a corrupted manager, each kind of corruption with its own message (its
 fast path over millions of pages must still name what is wrong)."""
 
+import numpy as np
 import pytest
 
 from kvtool.errors import LogicError
@@ -82,4 +83,33 @@ def test_a_freed_slot_still_droppable_is_caught(closed):
     slot = _droppable_slots(closed)[0]
     closed.page_table.allocators[0]._owned[slot] = 0
     with pytest.raises(LogicError, match="owned slots and page objects disagree"):
+        check_manager(closed)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t, n: t.num_children.__setitem__(n, t.num_children[n] + 1), "child count disagrees"),
+    (lambda t, n: t._index.remove_many(np.array([n])), "key index holds other ids"),
+    (lambda t, n: t.parent.__setitem__(n, 999), "parent is not a live full block"),
+    (lambda t, n: t._first_child.__setitem__(t.parent[n], -1), "sibling list is not linked"),
+    (lambda t, n: t.depth.__setitem__(n, 7), "one level up"),
+])
+def test_the_trees_own_bookkeeping_is_checked(closed, corrupt, message):
+    tree = closed.tree
+    node = next(n for n in tree.nodes() if tree.parent[n] != -1)   # a block, not a root
+    corrupt(tree, node)
+    with pytest.raises(LogicError, match=message):
+        check_manager(closed)
+
+
+def test_a_droppable_page_listed_under_another_priority_is_caught(closed):
+    droppable = closed.page_table.droppable(0)
+    droppable.priority[_droppable_slots(closed)[0]] += 1
+    with pytest.raises(LogicError, match="eviction list and status disagree"):
+        check_manager(closed)
+
+
+def test_a_node_holding_a_slot_outside_its_pool_is_caught(closed):
+    node = next(n for n in closed.tree.nodes() if closed.tree.pages[n, 0] >= 0)
+    closed.tree.pages[node, 0] = closed.page_table.allocators[0].num_slots + 3
+    with pytest.raises(LogicError, match="outside its pool"):
         check_manager(closed)

@@ -11,6 +11,9 @@ from kvtool.types import CacheTier
 DEFAULT_TYPICAL_TOKENS = 8192
 
 
+MAX_TOKENS_PER_BLOCK = 32767
+"""A block's token count is an int16 cell of the radix tree (a tree of millions of blocks)."""
+
 @dataclass(frozen=True)
 class KvCacheManagerConfig:
     model: ModelSpec
@@ -46,6 +49,8 @@ class KvCacheManagerConfig:
         """InputError for values no manager can be built from."""
         if self.tokens_per_block <= 0:
             raise InputError(f"tokens per block must be positive, got {self.tokens_per_block}")
+        if self.tokens_per_block > MAX_TOKENS_PER_BLOCK:
+            raise InputError(f"tokens per block must be at most {MAX_TOKENS_PER_BLOCK}, got {self.tokens_per_block}")
         if self.num_slots_by_pool_group is None and (self.num_slots is None) == (self.memory_bytes is None):
             raise InputError("give exactly one of num_slots and memory_bytes")
         if self.num_slots is not None and self.num_slots <= 0:

@@ -63,7 +63,7 @@ class DroppablePages:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.node = np.zeros(num_slots, dtype=np.int32)
-        self.layer_group = np.zeros(num_slots, dtype=np.int16)
+        self.layer_group = np.zeros(num_slots, dtype=np.int8)   # a model has few layer groups
         self.priority = np.zeros(num_slots, dtype=np.int32)
         self.is_droppable = np.zeros(num_slots, dtype=bool)
         self._generation = np.zeros(num_slots, dtype=np.uint32)
@@ -141,16 +141,16 @@ class DroppablePages:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
     def eviction_list_agrees(self) -> bool:
-        """Whether every droppable slot is listed for eviction exactly once (a chunk at a time:
-        millions of entries are checked in little memory)."""
+        """Whether every droppable slot is listed for eviction exactly once, in the FIFO of its
+        priority (a chunk at a time: millions of entries are checked in little memory)."""
         seen = np.zeros(self.num_slots, dtype=bool)
         listed = 0
-        for fifo in self._fifos.values():
+        for priority, fifo in self._fifos.items():
             for start in range(fifo.head, fifo.tail, _CHECK_CHUNK):
                 window = slice(start, min(start + _CHECK_CHUNK, fifo.tail))
                 slots = fifo.slots[window]
                 slots = slots[self._live(slots, fifo.generations[window])]
-                if seen[slots].any():
+                if seen[slots].any() or (self.priority[slots] != priority).any():
                     return False
                 seen[slots] = True
                 if int(seen[slots].sum()) != len(slots):

@@ -117,6 +117,9 @@ def _check_tree(manager: KvCacheManager) -> None:
     (in use, or droppable), and every page pointing at a node is held by it; partial blocks are
     leaves. Nodes are checked a chunk at a time: a tree of millions is checked in little memory."""
     tree, table = manager.tree, manager.page_table
+    problem = tree.structure_problem()
+    if problem:
+        raise LogicError(f"radix tree: {problem}")
     held_by_nodes = sum(_check_nodes(manager, nodes) for nodes in tree.node_id_chunks(_CHUNK))
     pointing = sum(len(table.droppable(pg.pool_group_index)) +
                    sum(page.node is not None for page in table.pages_of(pg.pool_group_index).values())
@@ -151,6 +154,8 @@ def _check_nodes(manager: KvCacheManager, nodes: np.ndarray) -> int:
         holding = slots >= 0
         held += int(holding.sum())
         owners, slots = nodes[holding], slots[holding]
+        if len(slots) and slots.max() >= droppable.num_slots:
+            raise LogicError(f"{tree.describe(int(owners[slots.argmax()]))} holds slot {int(slots.max())}, outside its pool")
         listed = droppable.is_droppable[slots]
         wrong = listed.copy()
         wrong[listed] = (droppable.node[slots[listed]] != owners[listed]) | \

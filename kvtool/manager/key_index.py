@@ -108,6 +108,16 @@ class KeyIndex:
         """Every id in the set (table order)."""
         return self._cells[self._cells >= 0].astype(np.int64)
 
+    def id_chunks(self, size: int):
+        """`ids()` a chunk of the table at a time (int32)."""
+        for start in range(0, len(self._cells), size):
+            cells = self._cells[start:start + size]
+            yield cells[cells >= 0]
+
+    def keys_of(self, ids: np.ndarray) -> np.ndarray:
+        """The (n, 4) keys of these ids."""
+        return self._keys[ids]
+
     # ---- probing -----------------------------------------------------------------------------
     def _start(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return keys[:, 0] & self._mask, (keys[:, 1] | np.uint64(1)) & self._mask

@@ -193,6 +193,7 @@ class KvCache:
             tree.num_users[chained] -= 1   # a cache chains through a node once
             tree.prune_many(chained)
         self._nodes = []
+        self._forget_hashed()
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)
 
@@ -383,14 +384,17 @@ class KvCache:
         tpb, known = self.tokens_per_block, self._hashed_keys
         reused = min(len(known) - first, len(packed) // (4 * tpb))
         if reused <= 0:
-            self._hashed_keys = []
+            self._forget_hashed()
             return chain_keys(parent_key, packed, tpb)
         same_chain = first == 0 or known[first - 1] == parent_key
         size = 4 * tpb * reused
         if not same_chain or packed[:size] != tokens_bytes(self._hashed_tokens[first * tpb:(first + reused) * tpb]):
-            self._hashed_keys = []
+            self._forget_hashed()
             return chain_keys(parent_key, packed, tpb)
         return known[first:first + reused] + chain_keys(known[first + reused - 1], packed[size:], tpb)
+
+    def _forget_hashed(self) -> None:
+        self._hashed_keys, self._hashed_tokens = [], ()
 
     def _attach_pages(self, node: int, ordinal: int) -> None:
         """Let the tree hold this cache's pages of block `ordinal` as `node`'s, where it has none."""

@@ -244,13 +244,14 @@ class PageTable:
     def _evict(self, pool_group: PoolGroupIndex, count: int) -> None:
         """`_evict_one` `count` times, without the page callbacks (none is set)."""
         droppable = self._droppable[pool_group]
-        if count > len(droppable):
-            raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
-        evicted = droppable.evict(count)
+        short = count > len(droppable)
+        evicted = droppable.evict(min(count, len(droppable)))   # as one at a time would: all, then the error
         self._tree.pages[evicted.nodes, evicted.layer_groups] = -1
         self.allocators[pool_group].free_many(evicted.slots)
         self._tree.prune_many(evicted.nodes)
-        self.num_evictions += count
+        self.num_evictions += len(evicted.slots)
+        if short:
+            raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
 
     def _evict_one(self, pool_group: PoolGroupIndex) -> None:
         droppable = self._droppable[pool_group]
@@ -259,7 +260,7 @@ class PageTable:
         evicted = droppable.evict(1)
         slot, node, group = int(evicted.slots[0]), int(evicted.nodes[0]), int(evicted.layer_groups[0])
         page = Page(LayerGroupId(group), pool_group, PageIndex(slot), False)
-        page.node = node
+        page.node, page.priority = node, Priority(int(droppable.priority[slot]))
         self._pages[pool_group][page.slot] = page   # _drop frees it as a page in use
         self._drop(page)
 

@@ -33,6 +33,9 @@ _FREE = 0
 
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
+_CHECK_CHUNK = 1 << 19
+_KEYS_SAMPLED = 1 << 16
+"""Live nodes `structure_problem` looks up by key (evenly spaced; all of them in a small tree)."""
 
 
 class RadixTree:
@@ -43,7 +46,9 @@ class RadixTree:
         self._roots: dict[bytes, int] = {}
         rows = max(expected_nodes, 16)
         self.parent = np.zeros(rows, dtype=np.int32)
-        self.num_tokens = np.zeros(rows, dtype=np.int16)
+        self.num_tokens = np.zeros(rows, dtype=np.int16)   # at most MAX_TOKENS_PER_BLOCK
+        self.depth = np.zeros(rows, dtype=np.int32)
+        """Blocks from the root (a root is 0): an evicted page's block ordinal, without a walk up."""
         self.num_users = np.zeros(rows, dtype=np.int32)
         self.num_children = np.zeros(rows, dtype=np.int32)
         self._first_child = np.zeros(rows, dtype=np.int32)
@@ -69,11 +74,8 @@ class RadixTree:
         return int(self.num_tokens[node]) == self.tokens_per_block
 
     def block_ordinal(self, node: int) -> int:
-        """The block's position in its prompt (its depth below the root, less one): a walk up."""
-        depth = 0
-        while int(self.parent[node]) != NO_NODE:
-            node, depth = int(self.parent[node]), depth + 1
-        return depth - 1
+        """The block's position in its prompt (its depth below the root, less one)."""
+        return int(self.depth[node]) - 1
 
     def block_tokens(self, node: int) -> tuple[int, ...]:
         return unpack_tokens(self.tokens[node, :self.num_tokens[node]].astype("<u4").tobytes())
@@ -106,13 +108,73 @@ class RadixTree:
         pages = [g for g in range(self.num_layer_groups) if self.pages[node, g] != NO_SLOT]
         return f"node {node} (block {self.block_ordinal(node)}, tokens={int(self.num_tokens[node])}, pages={pages})"
 
+    def structure_problem(self) -> str | None:
+        """What is wrong with the tree's own bookkeeping, in words (None: nothing): parents are
+        live full blocks one level up, child counts equal the nodes naming each parent, sibling
+        lists are linked both ways from their parent's first child, wide nodes list exactly their
+        children, the roots are the parentless nodes, and the key index holds exactly the live
+        nodes (a sample of them found by key). A chunk at a time: millions of nodes in little memory."""
+        alive = self.num_tokens[:self._next_id] != _FREE
+        children = 0
+        for start in range(0, self._next_id, _CHECK_CHUNK):
+            ids = np.flatnonzero(alive[start:start + _CHECK_CHUNK]) + start
+            problem = self._links_problem(ids, alive)
+            if problem:
+                return problem
+            children += int(self.num_children[ids].sum())
+        # Counted without a counter a node: no leaf claims a child, and the counts add up to the
+        # nodes that have a parent.
+        if children != int(alive.sum()) - len(self._roots):
+            return "a node's child count disagrees with the nodes naming it their parent"
+        roots = set(np.flatnonzero(alive & (self.parent[:self._next_id] == NO_NODE)).tolist())
+        if roots != set(self._roots.values()):
+            return "the roots listed are not the parentless nodes"
+        for node, by_token in self._heads.items():
+            listed = [child for same in by_token.values() for child in same]
+            if sorted(listed) != sorted(self.children(node)) or \
+                    any(int(self.tokens[c, 0]) != t for t, same in by_token.items() for c in same):
+                return f"wide node {node} lists other children by first token than it has"
+        return self._index_problem(alive)
+
+    def _links_problem(self, ids: np.ndarray, alive: np.ndarray) -> str | None:
+        parents = self.parent[ids].astype(np.int64)
+        inner, above = ids[parents != NO_NODE], parents[parents != NO_NODE]
+        if ((above < 0) | (above >= self._next_id)).any() or not alive[above].all() or \
+                (self.num_tokens[above] != self.tokens_per_block).any() or \
+                (self.depth[inner] != self.depth[above] + 1).any() or (self.depth[ids[parents == NO_NODE]] != 0).any():
+            return "a node's parent is not a live full block one level up"
+        before, after = self._prev_sibling[inner].astype(np.int64), self._next_sibling[inner].astype(np.int64)
+        first = before == NO_NODE
+        if (self._first_child[above[first]] != inner[first]).any() or \
+                (self._next_sibling[before[~first]] != inner[~first]).any() or \
+                (self.parent[before[~first]] != above[~first]).any() or \
+                (self._prev_sibling[after[after != NO_NODE]] != inner[after != NO_NODE]).any():
+            return "a sibling list is not linked both ways from its parent's first child"
+        if ((self.num_children[ids] == 0) != (self._first_child[ids] == NO_NODE)).any():
+            return "a node's child count disagrees with the nodes naming it their parent"
+        return None
+
+    def _index_problem(self, alive: np.ndarray) -> str | None:
+        found = np.zeros(self._next_id, dtype=bool)
+        for ids in self._index.id_chunks(_CHECK_CHUNK):
+            if (ids >= self._next_id).any() or found[ids].any():
+                return "the key index holds an id twice or one never handed out"
+            found[ids] = True
+        if not np.array_equal(found, alive):
+            return "the key index holds other ids than the live nodes"
+        live = np.flatnonzero(alive)
+        sample = live[::max(1, len(live) // _KEYS_SAMPLED)]
+        if not np.array_equal(self._index.find_many(self._index.keys_of(sample)), sample):
+            return "a live node's key does not find it"
+        return None
+
     # ---- roots and lookups -------------------------------------------------------------------
     def root(self, scope: ReuseScope) -> int:
         key = root_key(scope)
         node = self._roots.get(key)
         if node is None:
             node = int(self._new_ids(1)[0])
-            self._init_rows(np.array([node]), NO_NODE, self.tokens_per_block)
+            self._init_rows(np.array([node]), NO_NODE, 0, self.tokens_per_block)
             self._index.add_many(np.array([node]), keys_array([key]))
             self._roots[key] = node
         return node
@@ -158,7 +220,7 @@ class RadixTree:
         if node != EMPTY:
             return node
         node = int(self._new_ids(1)[0])
-        self._init_rows(np.array([node]), parent, len(tokens))
+        self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(tokens))
         self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
         self._index.add_many(np.array([node]), keys_array([key]))
         self._link(parent, node)
@@ -192,7 +254,7 @@ class RadixTree:
         consecutive = len(new) == 1 or bool((np.diff(new) == 1).all())
         rows = slice(int(new[0]), int(new[-1]) + 1) if consecutive else new
         but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
-        self._init_rows(rows, parents, tpb)
+        self._init_rows(rows, parents, int(self.depth[below]) + 1 + np.arange(len(new)), tpb)
         self.tokens[rows] = tokens[first * tpb:len(keys) * tpb].reshape(-1, tpb)
         # Each new block is the only child of the one before it.
         self._first_child[but_last] = new[1:]
@@ -212,13 +274,14 @@ class RadixTree:
         return np.concatenate((np.array(reused, dtype=np.int64), fresh)) if reused else fresh
 
     def _grow(self, rows: int) -> None:
-        for name in ("parent", "num_tokens", "num_users", "num_children", "_first_child", "_next_sibling",
+        for name in ("parent", "num_tokens", "depth", "num_users", "num_children", "_first_child", "_next_sibling",
                      "_prev_sibling", "tokens", "pages"):
             grow_rows(getattr(self, name), rows)
 
-    def _init_rows(self, ids: np.ndarray | slice, parent, num_tokens: int) -> None:
+    def _init_rows(self, ids: np.ndarray | slice, parent, depth, num_tokens: int) -> None:
         """A new node's row (rows are zero until first used, and cleared when pruned)."""
         self.parent[ids] = parent
+        self.depth[ids] = depth
         self.num_tokens[ids] = num_tokens
         self.num_users[ids] = 0
         self.num_children[ids] = 0
