@@ -82,13 +82,16 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(tmp_path, monkey
     """...and leave no run folder behind (bench's default one is created before the sizes are read)."""
     workload = Path("workloads/shared_prefix.jsonl").resolve()
     monkeypatch.chdir(tmp_path)
-    for args in (["trace", "run", str(workload), "--gpu-memory", "1000TiB"],
-                 ["trace", "run", str(workload), "--tokens-per-block", str(2**40)],
-                 ["bench", "--quick", "--batch-bytes", "1000TiB"],
-                 ["bench", "--quick", "--tokens-per-block", str(2**40)]):
+    memory = "more than this machine's memory"
+    for args, message in ((["trace", "run", str(workload), "--gpu-memory", "1000TiB"], memory),
+                          (["trace", "run", str(workload), "--tokens-per-block", str(2**40)],
+                           "tokens per block must be at most 32767"),   # the manager's limit comes first
+                          (["bench", "--quick", "--batch-bytes", "1000TiB"], memory),
+                          (["bench", "--quick", "--tokens-per-block", str(2**40)],
+                           "tokens per block must be at most 32767")):
         result = runner.invoke(app, args)
         assert_clean(result)
-        assert result.exit_code == 2 and "more than this machine's memory" in result.stderr, args
+        assert result.exit_code == 2 and message in result.stderr, args
         assert not (tmp_path / "results").exists(), args
 
 
