@@ -100,9 +100,6 @@ class DroppablePages:
         self._count -= len(slots)
         return list(zip(self.node[slots].tolist(), self.priority[slots].tolist()))
 
-    def contains(self, slot: int) -> bool:
-        return bool(self.is_droppable[slot])
-
     def evict(self, count: int) -> Evicted:
         """The `count` first pages in eviction order, no longer droppable; OutOfPagesError (nothing
         taken) when fewer are droppable."""

@@ -68,18 +68,21 @@ class KeyIndex:
         return found
 
     def find(self, key: bytes) -> int:
-        """The id of one 32-byte key, or EMPTY: the probe sequence walked in Python (one key does
-        not pay a vectorised round's fixed cost)."""
+        """The id of one 32-byte key, or EMPTY (one key does not pay a vectorised round's fixed cost)."""
         mask = int(self._mask)
         at = int.from_bytes(key[:8], sys.byteorder) & mask
-        step = (int.from_bytes(key[8:16], sys.byteorder) | 1) & mask
-        cells, keys = self._cells, self._keys
+        return self._walk(key, at, (int.from_bytes(key[8:16], sys.byteorder) | 1) & mask)[0]
+
+    def _walk(self, key: bytes, at: int, step: int) -> tuple[int, int]:
+        """(id, cell) of `key`, its probe sequence walked in Python from cell `at` by `step`:
+        (EMPTY, -1) when absent."""
+        mask, cells, keys = int(self._mask), self._cells, self._keys
         while True:
             cell = int(cells[at])
             if cell == EMPTY:
-                return EMPTY
+                return EMPTY, -1
             if cell >= 0 and keys[cell].tobytes() == key:
-                return cell
+                return cell, at
             at = (at + step) & mask
 
     def add_many(self, ids: np.ndarray, keys: np.ndarray) -> None:
@@ -144,15 +147,7 @@ class KeyIndex:
             pending = pending[~hit & (value != EMPTY)]
             position[pending] = (position[pending] + step[pending]) & mask
         for k in pending.tolist():   # the few long probe sequences, one by one
-            cell_at, key = int(position[k]), keys[k]
-            while True:
-                cell = int(self._cells[cell_at])
-                if cell == EMPTY:
-                    break
-                if cell >= 0 and (self._keys[cell] == key).all():
-                    found[k], cells[k] = cell, cell_at
-                    break
-                cell_at = (cell_at + int(step[k])) & mask
+            found[k], cells[k] = self._walk(keys[k].tobytes(), int(position[k]), int(step[k]))
         return found, cells
 
     def _place(self, ids: np.ndarray, keys: np.ndarray) -> None:

@@ -127,8 +127,9 @@ class PageTable:
         set at once (a reused prefix's thousands of pages)."""
         pool_group = self._pool_group_of[layer_group_id]
         table, droppable = self._pages[pool_group], self._droppable[pool_group]
-        taken = droppable.is_droppable[np.array(slots, dtype=np.int64)]
-        revived = iter(droppable.take_many(np.array(slots, dtype=np.int64)[taken]))
+        index = np.array(slots, dtype=np.int64)
+        taken = droppable.is_droppable[index]
+        revived = iter(droppable.take_many(index[taken]))
         pages = []
         for slot, was_droppable in zip(slots, taken.tolist()):
             if was_droppable:

@@ -120,11 +120,6 @@ class SlotAllocator:
         """A read-only boolean per slot: owned."""
         return np.frombuffer(self._owned, dtype=np.bool_)
 
-    def free_slot_array(self) -> np.ndarray:
-        """`free_slots()` as an int64 array, in the same order."""
-        freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
-        return np.concatenate([np.arange(self._next_fresh, self.num_slots, dtype=np.int64), freed])
-
     def free_slot_parts(self) -> tuple[range, np.ndarray]:
         """The free list as the never-used slots (a range, at its head in FIFO order) and the rest."""
         freed = np.fromiter(self._freed, dtype=np.int64, count=len(self._freed))
