@@ -1,7 +1,8 @@
 """A minimal, correct KV cache connector: blocks kept in a dict in host memory.
 
-Written against TensorRT-LLM's connector API (V2 layer groups), so it runs unchanged under
-`kvtool validate --compat trtllm` and, without TensorRT-LLM, on kvtool's own identical API:
+Written against TensorRT-LLM's connector API, for its V1 manager (one pool tensor, flat block ids)
+and for KVCacheManagerV2 (layer groups) alike, so it runs unchanged under `kvtool validate --compat
+trtllm` and, without TensorRT-LLM, on kvtool's own identical API, under every runtime:
 
     kvtool validate examples/dict_connector.py:DictConnectorScheduler:DictConnectorWorker
 
@@ -10,7 +11,11 @@ The rules it follows (each one a check of `kvtool validate`):
   mean equal prefixes; a block is offered only when every layer group holds it.
 - Page lists are one list per layer group (position = group id), one entry per block ordinal;
   an entry of BAD_PAGE_INDEX (-1) has no page: `valid_page_slots` skips it, `slot_tensor` refuses it.
-- Loads go into the pages of the offer that is left after `cancel_load` trimmed it.
+- An offer leaves the last prompt token to compute (V1 refuses one that covers the whole prompt;
+  V2 would cut it there anyway).
+- Loads go into the pages of the offer that is left after `cancel_load` trimmed it (release V2).
+- V1 calls the flat hooks with pool-wide block ids of its one pool (`register_kv_caches`), V2 the
+  per-layer-group ones: the flat forms are the one-group case of the grouped ones.
 - `computed_position` excludes what the connector loads (its loads are synchronous; after an
   asynchronous load the first report includes the loaded tokens); a pass saves each block it completes
   (later prefill chunks and decode steps arrive in `cached_requests` as append-deltas).
@@ -80,8 +85,11 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         hits = 0
         while hits < len(keys) and self._num_groups and len(self._stored.get(keys[hits], ())) == self._num_groups:
             hits += 1
-        self._track(request).offer = [num_computed_tokens, num_computed_tokens + hits * tpb]
-        return hits * tpb, False
+        end = min(num_computed_tokens + hits * tpb, request.prompt_len - 1)
+        if end <= num_computed_tokens:
+            return 0, False
+        self._track(request).offer = [num_computed_tokens, end]
+        return end - num_computed_tokens, False
 
     def cancel_load(self, request, start, end):
         offer = self._track(request).offer
@@ -90,12 +98,16 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         elif offer:
             offer[1] = min(offer[1], start)             # a clamped or refused tail
 
+    def update_state_after_alloc(self, request, block_ids):             # V1: one pool, flat ids
+        self.update_state_after_alloc_by_layer_group(request, [block_ids])
+
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
         self._num_groups = len(block_ids_by_layer_group)
         tracked = self._track(request)
         if not tracked.offer or tracked.offer[0] >= tracked.offer[1]:
             return
         tpb, (start, end) = self.tokens_per_block, tracked.offer
+        end = min(end, start + request.py_num_connector_matched_tokens)   # what the runtime committed to load
         last = -(-end // tpb)                          # a clamped tail ends inside a stored block: load it whole
         keys = block_keys(tracked.salt, request.get_tokens(0)[:last * tpb], tpb)
         for group, pages in enumerate(block_ids_by_layer_group):
@@ -120,11 +132,12 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         tracked = self._requests.get(data.request_id)
         if tracked is None:
             return []
+        by_group = data.new_block_ids_by_layer_group or [data.new_block_ids]    # V1 reports flat ids only
         if is_new:
-            tracked.tokens, tracked.pages = list(data.new_tokens), [[] for _ in data.new_block_ids_by_layer_group]
+            tracked.tokens, tracked.pages = list(data.new_tokens), [[] for _ in by_group]
         else:
             tracked.tokens += data.new_tokens
-        for group, delta in enumerate(data.new_block_ids_by_layer_group):
+        for group, delta in enumerate(by_group):
             tracked.pages[group] += delta
         tpb, start = self.tokens_per_block, data.computed_position
         if is_new and tracked.offer:
@@ -136,6 +149,9 @@ class DictConnectorScheduler(KvCacheConnectorScheduler):
         tracked.next_block = max(tracked.next_block, end)
         return [(keys[j], group, page, data.request_id) for group, pages in enumerate(tracked.pages)
                 for j, page in valid_page_slots(pages) if first <= j < end]
+
+    def request_finished(self, request, cache_block_ids):                 # V1
+        return self.request_finished_by_layer_group(request, [cache_block_ids])
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
         self._requests.pop(request.request_id, None)
@@ -160,6 +176,9 @@ class DictConnectorWorker(KvCacheConnectorWorker):
     def register_kv_cache_layout(self, layout):
         self._regions = {group.layer_group_id: group.regions for group in layout.groups}
 
+    def register_kv_caches(self, kv_cache_tensor):                       # V1: block id i is row i
+        self._regions = {0: [_PoolRows(kv_cache_tensor)]}
+
     def start_load_kv(self, stream):
         for key, group, page in self._metadata.loads:
             for region, saved in zip(self._regions[group], self._blocks[(key, group)]):
@@ -178,3 +197,15 @@ class DictConnectorWorker(KvCacheConnectorWorker):
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
         return [], []
+
+
+class _PoolRows:
+    """V1's pool tensor seen as one region: page `i` is row `i` (`[num_layers, kv_factor, block_size]`)."""
+
+    def __init__(self, tensor) -> None:
+        self._tensor = tensor
+
+    def slot_tensor(self, page):
+        if not 0 <= page < self._tensor.shape[0]:
+            raise IndexError(f"block id {page} outside [0, {self._tensor.shape[0]})")
+        return self._tensor[page]

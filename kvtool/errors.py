@@ -64,6 +64,16 @@ class LayoutNotSupportedError(ConnectorError, NotImplementedError):
     raises NotImplementedError there)."""
 
 
+class RefusedSetupError(ConnectorError, InputError):
+    """A runtime refuses to run this setup with a connector attached (TensorRT-LLM's bring-up
+    checks, said in its terms). `blames_connector`: the connector's classes are the reason (a
+    partial implementation); else the model or the configuration is (VSWA on V1, a host tier)."""
+
+    def __init__(self, message: str, blames_connector: bool = False) -> None:
+        super().__init__(message)
+        self.blames_connector = blames_connector
+
+
 class IntegrityError(KvToolError):
     """KV bytes differ from what a full recompute would have written."""
 

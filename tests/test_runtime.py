@@ -83,13 +83,13 @@ def test_reserve_moves_capacity_and_history_together_and_turns_scratch_reuse_off
     engine.add_request(Request(1, list(range(30)), 1))
     seen = {}
 
-    def capture(state, budget, alone, original=engine.scheduler._prepare):
-        n = original(state, budget, alone)
+    def capture(state, budget, admits, original=engine.admission.first_chunk):
+        n = original(state, budget, admits)
         seen.update(capacity=state.kv.capacity, history=state.kv.history_length,
                     scratch=state.kv.scratch_reuse, pages=state.kv.get_page_indices(0))
         return n
 
-    engine.scheduler._prepare = capture
+    engine.admission.first_chunk = capture
     engine.step()
     assert (seen["history"], seen["scratch"]) == (24, False)
     assert seen["capacity"] == 30            # resized to 24 + the 6-token chunk after the reserve
@@ -107,7 +107,7 @@ def test_recorded_tokens_must_fit_below_the_position():
     state.kv.resume()
     state.position = 3      # a broken scheduler state: 12 external tokens cannot sit below position 3
     with pytest.raises(LogicError, match="recorded 12 external tokens at position 3"):
-        engine.scheduler._deliver(state, engine.scheduler.schedule([], [], 2))
+        engine.admission._deliver(state, engine.scheduler.schedule([], [], 2), 2)
 
 
 def test_async_load_keeps_the_request_out_of_the_batch():

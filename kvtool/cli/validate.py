@@ -22,7 +22,9 @@ from kvtool.models import PRESETS, load_model, shard_model
 from kvtool.report.fit_table import report_width
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
 from kvtool.connector.compat import install_compat
+from kvtool.engine.runtimes import RUNTIMES, runtime_name
 from kvtool.validate.harness import Context
+from kvtool.validate.runtime_differences import note_runtime_differences
 from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
@@ -36,6 +38,9 @@ from kvtool.validate.schedule import DEFAULT_SEED
 from kvtool.validate.user_store import user_store_folders, user_store_notice
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
+RUNTIME_HELP = ("The TensorRT-LLM runtime to run under (repeatable): " + "; ".join(
+    f"{name}: {profile.summary}" for name, profile in RUNTIMES.items()) + ". Default: every one the connector "
+    "can take part in (one it cannot, written for another, is skipped; named here, it fails).")
 _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verdict.ERROR: "red",
           Verdict.SKIP: "yellow"}
 
@@ -44,6 +49,7 @@ _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verd
 def validate(
     target: Annotated[str, typer.Argument(help=f"{CONNECTOR_CHOICES}.")] = "host",
     model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
+    runtime: Annotated[list[str], typer.Option(metavar="NAME", help=RUNTIME_HELP)] = [],
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (small, so that every "
                                                   "scenario spans many blocks).")] = 4,
     scenario: Annotated[list[str], typer.Option(help="Run only this scenario (repeatable; see --list).")] = [],
@@ -123,6 +129,7 @@ def validate(
     for name in scenario:
         if name not in SCENARIOS:
             raise InputError(f"unknown scenario {name!r}{suggest(name, SCENARIOS)}; see kvtool validate --list")
+    runtimes = list(dict.fromkeys(runtime_name(name) for name in runtime)) or list(RUNTIMES)
     device = pages_device(device, "cuda" if torch.cuda.is_available() else "cpu")
     if tokens_per_block <= 0:
         raise InputError(f"tokens per block must be positive, got {tokens_per_block}")
@@ -167,7 +174,8 @@ def validate(
         raise InputError(f"--explore must be a number of seeds (0: off), got {explore_seeds}")
     cut = _cut(max_requests, max_new_tokens)
     contexts = [Context(spec, m, tokens_per_block, options, seed, device, load_timeout, compat, num_ranks, tp, remote,
-                        strict, save_timeout=save_timeout, cut=cut, warmup=warmup) for m in models]
+                        strict, save_timeout=save_timeout, cut=cut, warmup=warmup, runtime=name,
+                        runtime_chosen=bool(runtime)) for name in runtimes for m in models]
     console = Console(stderr=True)
 
     def run_seeded(cs: list[Context], names: list[str], seeds: Sequence[int] = ()) -> list[CheckResult]:
@@ -194,6 +202,7 @@ def validate(
                       markup=False, soft_wrap=True)
         console.print(finding.smallest_line(reproduce_command(target, finding, repro, finding.smallest)),
                       highlight=False, markup=False, soft_wrap=True)
+    results = note_runtime_differences(results)
     _print_results(results, target, models, format, all_rows, seeds)
     if junit:
         write_file(junit, junit_xml(results, target, seeds.properties()))
@@ -283,7 +292,7 @@ def _absolute(target: str) -> str:
 def _progress_line(results: list[CheckResult]) -> str:
     r = results[0]
     marks = " ".join(f"{x.check}:{x.verdict.value}" for x in results)
-    return f"{r.scenario}[{r.model}] {marks}"
+    return f"{r.scenario}[{r.model}, {r.runtime}] {marks}"
 
 
 TRACEBACKS = "tracebacks"
@@ -295,7 +304,7 @@ def _write_tracebacks(folder: Path, results: list[CheckResult]) -> int:
     by_file: dict[str, list[str]] = {}
     for r in results:
         if r.tracebacks:
-            texts = by_file.setdefault(f"{r.scenario}-{_file_part(r.model)}.txt", [])
+            texts = by_file.setdefault(f"{r.scenario}-{_file_part(r.model)}-{r.runtime}.txt", [])
             texts += [t for t in r.tracebacks if t not in texts]
     for name, texts in by_file.items():
         write_file(folder / TRACEBACKS / name, "\n\n".join(texts) + "\n")
@@ -352,20 +361,22 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     the evidence does; below NARROW columns, scenario and model share a cell, and so do check,
     verdict and time."""
     folded = [] if all_rows else [r for r in results if _needs_remote(r)]
-    rows = [(r.scenario, r.model, r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]", f"{r.seconds:.2f}s",
-             _evidence_cell(r)) for r in results if not any(r is f for f in folded)]
+    rows = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
+             f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if not any(r is f for f in folded)]
     if folded:
         scenarios = list(dict.fromkeys(r.scenario for r in folded))
         models = list(dict.fromkeys(r.model for r in folded))
+        runtimes = list(dict.fromkeys(r.runtime for r in folded))
         what = f"{len(scenarios)} scenario{'s' * (len(scenarios) != 1)} × {len(models)} model{'s' * (len(models) != 1)}"
-        rows.append((f"remote-* ({what})", ", ".join(models), "", f"[{_STYLE[Verdict.SKIP]}]skip[/]",
-                     f"{sum(r.seconds for r in folded):.2f}s", "skipped, needs --remote URL (--all-rows shows each)"))
+        rows.append((f"remote-* ({what})", ", ".join(models) + "\n" + ", ".join(runtimes), "",
+                     f"[{_STYLE[Verdict.SKIP]}]skip[/]", f"{sum(r.seconds for r in folded):.2f}s",
+                     "skipped, needs --remote URL (--all-rows shows each)"))
     table = Table(title=f"kvtool validate {target}")
     if width < NARROW:
         rows = [(f"{a.replace(' (', chr(10) + '(', 1)}\n{b}", f"{c}\n{d} {e}".lstrip(), f) for a, b, c, d, e, f in rows]
-        columns = ("scenario / model", "check / verdict", "evidence")
+        columns = ("scenario / model, runtime", "check / verdict", "evidence")
     else:
-        columns = ("scenario", "model", "check", "verdict", "time", "evidence")
+        columns = ("scenario", "model / runtime", "check", "verdict", "time", "evidence")
     for i, column in enumerate(columns[:-1]):
         longest = max([len(column)] + [len(line) for row in rows for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
         table.add_column(column, overflow="fold", min_width=longest)
@@ -389,7 +400,8 @@ def _needs_remote(r: CheckResult) -> bool:
 
 
 def _document(results: list[CheckResult], target: str, models: list[str], seeds: SeedsRun | None = None) -> dict:
-    return {"target": target, "models": models, **(seeds.as_dict() if seeds else {}),
+    return {"target": target, "models": models, "runtimes": list(dict.fromkeys(r.runtime for r in results)),
+            **(seeds.as_dict() if seeds else {}),
             "passed": not any(r.failed for r in results),
             "num_failed": sum(r.failed for r in results), "num_missed": sum(r.verdict is Verdict.MISS for r in results),
             "summary": summary_line(results), "results": [r.as_dict() for r in results]}

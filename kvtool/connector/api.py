@@ -70,6 +70,29 @@ class RequestData:
             self.new_tokens = list(self.new_tokens)
 
 
+@dataclass(frozen=True)
+class PrefixReservation:
+    """A promise `reserve_prefix` made: tokens [start, end) of the request's prompt, kept loadable
+    by the connector under `reservation_id` (fresh for every attempt) until released."""
+
+    reservation_id: int
+    request_id: int
+    start: int
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class PrefixLoad(PrefixReservation):
+    """A confirmed load of a reservation (`SchedulerOutput.prefix_loads`): load [start, end) into
+    these pages. `block_ids_by_layer_group` covers the request's blocks from ordinal 0 (position =
+    layer group id, BAD_PAGE_INDEX in place); `tokens` are the prompt's."""
+
+    block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+
+
 @dataclass
 class SchedulerOutput:
     """`new_requests` holds each request the first time it is scheduled (and again, whole, after
@@ -80,9 +103,22 @@ class SchedulerOutput:
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
     attention_dp_rank: int | None = None
-    prefix_loads: list[Any] = field(default_factory=list)
-    """TensorRT-LLM's prefix reservations (`reserve_prefix`, prefix-aware scheduling only): always
-    empty, as with that scheduling off."""
+    prefix_loads: list[PrefixLoad] = field(default_factory=list)
+    """The loads of prefix reservations confirmed in this iteration (`main`'s V2 with a connector
+    that implements reservations): authoritative, also for a request absent from the lists above
+    (it left the batch to load asynchronously). Empty on every other runtime."""
+
+
+RESERVATION_HOOKS = ("reserve_prefix", "release_prefix_reservation", "get_finished_prefix_loads")
+"""The three hooks a connector implements to take part in prefix reservations: all, or none."""
+
+
+def reservation_hooks(scheduler_class: type, worker_class: type) -> tuple[str, ...]:
+    """Which of `RESERVATION_HOOKS` the connector's classes implement (override)."""
+    owners = (scheduler_class, scheduler_class, worker_class)
+    bases = (KvCacheConnectorScheduler, KvCacheConnectorScheduler, KvCacheConnectorWorker)
+    return tuple(name for name, owner, base in zip(RESERVATION_HOOKS, owners, bases)
+                 if getattr(owner, name, None) is not getattr(base, name))
 
 
 def _stand_in(flat: str, grouped: str) -> Callable[..., Any]:
@@ -91,7 +127,16 @@ def _stand_in(flat: str, grouped: str) -> Callable[..., Any]:
         raise NotImplementedError(f"{type(self).__name__} implements {grouped}, not {flat}: "
                                   f"call {grouped} (the runtime always does)")
     stand_in.__name__ = stand_in.__qualname__ = flat
+    stand_in.__kvtool_stand_in__ = True  # type: ignore[attr-defined]
     return stand_in
+
+
+def implements(cls: type, name: str) -> bool:
+    """Whether `cls` has a method `name` of its own making: not abstract, not the stand-in a
+    flat hook becomes in a class that implements only its per-layer-group form."""
+    method = getattr(cls, name, None)
+    return method is not None and not getattr(method, "__isabstractmethod__", False) \
+        and not getattr(method, "__kvtool_stand_in__", False)
 
 
 def _satisfy_flat_forms(cls: type, base: type, grouped_of: dict[str, str]) -> None:
@@ -194,6 +239,18 @@ class KvCacheConnectorScheduler(ABC):
     def wait_for_initialization(self) -> None:
         """Called once, after every worker registered its KV cache. Default: nothing."""
 
+    def reserve_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        """Prefix reservations (`main`'s V2): promise tokens [num_computed_tokens, + count) under
+        `reservation_id`, answered `(count, is_async)`: keep their source loadable and start no
+        transfer (loads start only from `SchedulerOutput.prefix_loads`). The runtime may release
+        all or part of the promise (`release_prefix_reservation`). Not implemented by default."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reserve_prefix")
+
+    def release_prefix_reservation(self, request: Request, reservation_id: int, start: int, end: int) -> None:
+        """Tokens [start, end) of reservation `reservation_id` are released: unused, or loaded on
+        every worker. Each token of a promise is released exactly once. Not implemented by default."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement release_prefix_reservation")
+
 
 class HostStream:
     """What the worker hooks get as `stream` where the KV pages are in host memory (a CPU run): the
@@ -295,6 +352,12 @@ class KvCacheConnectorWorker(ABC):
     @abstractmethod
     def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         """Return once the synchronous saves of this pass no longer need the pages."""
+
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Prefix reservations (`main`'s V2): the ids of confirmed prefix loads whose writes
+        finished on this worker since the last call, synchronous ones too; never waits for other
+        workers. Default: none."""
+        return []
 
     @abstractmethod
     def get_finished(self, finished_gen_req_ids: list[int],

@@ -9,7 +9,41 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 from typing import Sequence
+
+DEFAULT_RETENTION_PRIORITY = 35
+"""TensorRT-LLM's priority of a block no retention range covers (`kDefaultRetentionPriority`)."""
+
+
+@dataclass(frozen=True)
+class TokenRangeRetention:
+    """Prompt tokens [start, end) (end None: to the prompt's end) kept at `priority` (0-100)."""
+
+    start: int
+    end: int | None
+    priority: int
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """A request's KV cache retention config (TensorRT-LLM's `KvCacheRetentionConfig`): priorities
+    for ranges of prompt tokens and for decode blocks. A connector sees it through V1's
+    `RequestData.priorities`, one per new block."""
+
+    token_ranges: tuple[TokenRangeRetention, ...] = ()
+    decode_priority: int = DEFAULT_RETENTION_PRIORITY
+
+    def priority_of_block(self, ordinal: int, tokens_per_block: int, prompt_len: int) -> int:
+        """A block's priority: the range holding its first token for a prompt block (the default
+        where none does), `decode_priority` for a block that starts past the prompt."""
+        first = ordinal * tokens_per_block
+        if first >= prompt_len:
+            return self.decode_priority
+        for r in self.token_ranges:
+            if r.start <= first and (r.end is None or first < r.end):
+                return r.priority
+        return DEFAULT_RETENTION_PRIORITY
 
 
 def cache_salt_id(cache_salt: str | None) -> int | None:
@@ -32,7 +66,7 @@ def max_kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
 class Request:
     def __init__(self, request_id: int, prompt_token_ids: Sequence[int], max_new_tokens: int,
                  cache_salt: str | None = None, is_generation_only: bool = False, is_dummy: bool = False,
-                 arrival: float = 0.0) -> None:
+                 arrival: float = 0.0, retention: RetentionConfig | None = None) -> None:
         self._request_id = request_id
         self._prompt: Sequence[int] = prompt_token_ids if _kept_as_given(prompt_token_ids) else \
             tuple(map(int, prompt_token_ids))
@@ -46,6 +80,7 @@ class Request:
         self._is_generation_only = is_generation_only
         self._is_dummy = is_dummy
         self._arrival = arrival
+        self._retention = retention
         self._context_position = 0
         self._context_len = len(self._prompt)
         """Tokens the context phase computes: the prompt, or (after a pause) every token so far."""
@@ -118,6 +153,11 @@ class Request:
     @property
     def arrival(self) -> float:
         return self._arrival
+
+    @property
+    def kv_cache_retention_config(self) -> RetentionConfig | None:
+        """Its retention priorities (None: none set; V1 then reports `priorities` as None)."""
+        return self._retention
 
     @property
     def num_connector_matched_tokens(self) -> int:

@@ -31,6 +31,7 @@ class ViolationKind(TextEnum):
     NEGATIVE_COUNT = "negative-count"
     ZERO_ASYNC = "zero-async"
     BEYOND_PROMPT = "beyond-prompt"
+    WHOLE_PROMPT = "whole-prompt"
     FINISHED_SHAPE = "finished-shape"
     UNKNOWN_SAVE_ID = "unknown-save-id"
     UNKNOWN_LOAD_ID = "unknown-load-id"
@@ -83,6 +84,9 @@ class HookFailure:
 class Answer:
     num_tokens: int
     is_async: bool
+    refusal: str | None = None
+    """Why the runtime refuses this answer outright (the request fails), where it does: `(0, True)`
+    on runtimes that raise there; None for an answer taken (maybe repaired, see the violations)."""
 
 
 @dataclass
@@ -93,10 +97,17 @@ class _RankReports:
 
 class ConnectorRuntime:
     def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker],
-                 num_ranks: int | None = None) -> None:
+                 num_ranks: int | None = None, flat_hooks: bool = False, refuse_zero_async: bool = False) -> None:
         """`workers` are the ranks in this process (0, 1, ...), kept for inspection (the pass driver
-        calls them); `num_ranks` counts the others too."""
+        calls them); `num_ranks` counts the others too. `flat_hooks`: `update_state_after_alloc`
+        and `request_finished` are called in their flat form with one list (TensorRT-LLM's V1);
+        `refuse_zero_async`: an answer of `(0, True)` is refused, not repaired (the runtimes whose
+        query raises there)."""
         self.scheduler = scheduler
+        self.flat_hooks = flat_hooks
+        self.refuse_zero_async = refuse_zero_async
+        self.calls_cancel_load = True
+        """Whether this runtime hands unused offers back through `cancel_load` (set from the profile)."""
         self.workers = list(workers)
         self.num_ranks = num_ranks or len(self.workers)
         self.violations: list[ContractViolation] = []
@@ -112,6 +123,9 @@ class ConnectorRuntime:
         self._loads = [_RankReports() for _ in range(self.num_ranks)]
         self._saves = [_RankReports() for _ in range(self.num_ranks)]
         self._load_reports: dict[int, set[int]] = {}
+        self.releases: list[tuple[int, int, int, int]] = []
+        """(request id, reservation id, start, end) of every `release_prefix_reservation` call."""
+        self._prefix_reports: dict[int, set[int]] = {}
         self._save_reports: dict[int, set[int]] = {}
 
     # ---- guarded calls -----------------------------------------------------------------------
@@ -138,26 +152,33 @@ class ConnectorRuntime:
             return None
         return self._checked_answer(request, num_computed_tokens, answer)
 
-    def _checked_answer(self, request: Request, num_computed: int, answer: Any) -> Answer:
+    def _checked_answer(self, request: Request, num_computed: int, answer: Any, hook: str = "get_num_new_matched_tokens",
+                        strict: bool = False) -> Answer:
+        """The answer as the runtime takes it: a violation is recorded and repaired to `(0, False)`
+        (a tail past the prompt handed back), or with `strict` (and `(0, True)` under
+        `refuse_zero_async`) refused: the answer carries why, and the request fails."""
         rid = request.request_id
         if (not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], int)
                 or isinstance(answer[0], bool) or not isinstance(answer[1], bool)):
-            self.violate(ViolationKind.ANSWER_SHAPE, rid, f"get_num_new_matched_tokens returned {answer!r}, not (int, bool)")
-            return Answer(0, False)
+            return self._repaired(ViolationKind.ANSWER_SHAPE, rid, f"{hook} returned {answer!r}, not (int, bool)", strict)
         num_tokens, is_async = answer
         if num_tokens < 0:
-            self.violate(ViolationKind.NEGATIVE_COUNT, rid, f"offered {num_tokens} tokens")
-            return Answer(0, False)
+            return self._repaired(ViolationKind.NEGATIVE_COUNT, rid, f"offered {num_tokens} tokens", strict)
         if num_tokens == 0 and is_async:
-            self.violate(ViolationKind.ZERO_ASYNC, rid, "answered (0, True): an asynchronous load of nothing")
-            return Answer(0, False)
+            return self._repaired(ViolationKind.ZERO_ASYNC, rid, "answered (0, True): an asynchronous load of nothing",
+                                  strict or self.refuse_zero_async)
         room = request.prompt_len - num_computed
         if num_tokens > room:
-            self.violate(ViolationKind.BEYOND_PROMPT, rid, f"offered {num_tokens} tokens past position {num_computed} of a "
-                                              f"{request.prompt_len}-token prompt")
-            self.cancel(request, num_computed, num_computed + num_tokens)
-            return Answer(0, False)
+            answer = self._repaired(ViolationKind.BEYOND_PROMPT, rid, f"offered {num_tokens} tokens past position "
+                                    f"{num_computed} of a {request.prompt_len}-token prompt", strict)
+            if not strict and self.calls_cancel_load:
+                self.cancel(request, num_computed, num_computed + num_tokens)
+            return answer
         return Answer(num_tokens, is_async)
+
+    def _repaired(self, check: ViolationKind, request_id: int, detail: str, refuse: bool) -> Answer:
+        self.violate(check, request_id, detail)
+        return Answer(0, False, f"the runtime refuses the answer: {detail}" if refuse else None)
 
     def cancel(self, request: Request, start: int, end: int) -> bool:
         """Hand `[start, end)` back to the connector."""
@@ -173,10 +194,60 @@ class ConnectorRuntime:
         """`update_state_after_alloc_by_layer_group` with fresh `List[List[int]]` (the flat form,
         with `[]`, for a request that has no KV cache: an empty group list)."""
         lists = pages_by_group.as_lists()
-        hook = self.scheduler.update_state_after_alloc_by_layer_group if lists else \
+        grouped = bool(lists) and not self.flat_hooks
+        hook = self.scheduler.update_state_after_alloc_by_layer_group if grouped else \
             self.scheduler.update_state_after_alloc
-        ok, _ = self.call("update_state_after_alloc", hook, request, lists, request_id=request.request_id)
+        ok, _ = self.call("update_state_after_alloc", hook, request, lists if grouped else self._flat(lists),
+                          request_id=request.request_id)
         return ok
+
+    @staticmethod
+    def _flat(lists: list[list[int]]) -> list[int]:
+        """The flat form of page lists: the one group's (V1 has one), [] for a request without a cache."""
+        return lists[0] if len(lists) == 1 else []
+
+    # ---- prefix reservations (`main`'s V2) ---------------------------------------------------
+    def reserve(self, request: Request, num_computed_tokens: int, reservation_id: int) -> Answer | None:
+        """`reserve_prefix`'s answer, checked as `get_num_new_matched_tokens`'s is; None when the
+        hook raised. A malformed answer or `(0, True)` is refused (the request fails)."""
+        ok, answer = self.call("reserve_prefix", self.scheduler.reserve_prefix, request, num_computed_tokens,
+                               reservation_id, request_id=request.request_id)
+        if not ok:
+            return None
+        return self._checked_answer(request, num_computed_tokens, answer, "reserve_prefix", strict=True)
+
+    def release_reservation(self, request: Request, reservation_id: int, start: int, end: int) -> bool:
+        """`release_prefix_reservation(request, reservation_id, start, end)`, recorded in `releases`."""
+        self.releases.append((request.request_id, reservation_id, start, end))
+        ok, _ = self.call("release_prefix_reservation", self.scheduler.release_prefix_reservation, request,
+                          reservation_id, start, end, request_id=request.request_id)
+        return ok
+
+    def collect_prefix_loads(self, tracked: set[int], answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
+        """Every rank's `get_finished_prefix_loads` answer (rank -> (ok, ids)): the ids of
+        `tracked` loads every rank has now reported (each rank's reports count once), and whether
+        every call was ok. An id no confirmed load has, or one a rank reports twice, is a violation."""
+        ok = True
+        for rank, (good, ids) in sorted(answers.items()):
+            ok &= good
+            if not good:
+                continue
+            if not isinstance(ids, (list, tuple)):
+                self.violate(ViolationKind.FINISHED_SHAPE, None, f"rank {rank}: get_finished_prefix_loads returned "
+                                                               f"{ids!r}, not a list of reservation ids")
+                continue
+            for rid in ids:
+                ranks = self._prefix_reports.setdefault(rid, set())
+                if rid not in tracked:
+                    self.violate(ViolationKind.UNKNOWN_LOAD_ID, None, f"rank {rank} reported prefix load {rid}, "
+                                                                      "which no confirmed load has")
+                elif rank in ranks:
+                    self.violate(ViolationKind.REPEATED_LOAD_ID, None, f"rank {rank} reported prefix load {rid} twice")
+                ranks.add(rank)
+        done = sorted(rid for rid in tracked if len(self._prefix_reports.get(rid, ())) == self.num_ranks)
+        for rid in done:
+            del self._prefix_reports[rid]
+        return done, ok
 
     def start_async_load(self, request_id: int) -> None:
         self._new_loading.append(request_id)
@@ -188,8 +259,10 @@ class ConnectorRuntime:
     def finish(self, request: Request, pages_by_group: GroupPages) -> tuple[bool, bool]:
         """(hook ok, saves asynchronously)."""
         lists = pages_by_group.as_lists()
-        hook = self.scheduler.request_finished_by_layer_group if lists else self.scheduler.request_finished
-        ok, result = self.call("request_finished", hook, request, lists, request_id=request.request_id)
+        grouped = bool(lists) and not self.flat_hooks
+        hook = self.scheduler.request_finished_by_layer_group if grouped else self.scheduler.request_finished
+        ok, result = self.call("request_finished", hook, request, lists if grouped else self._flat(lists),
+                               request_id=request.request_id)
         if ok and not isinstance(result, bool):
             self.violate(ViolationKind.FINISHED_SHAPE, request.request_id, f"request_finished returned {result!r}, not a bool")
             result = bool(result)

@@ -28,6 +28,11 @@ class StoreMetadata:
     """Per request: loads reported through get_finished."""
     saves: list[PageTransfer] = field(default_factory=list)
     """Blocks completed by this pass, saved before wait_for_save returns."""
+    prefix_loads: list[int] = field(default_factory=list)
+    """Reservation ids whose confirmed prefix load is among `loads` (reported by
+    `get_finished_prefix_loads` once the pass that carried them ran)."""
+    async_prefix_loads: dict[int, list[PageTransfer]] = field(default_factory=dict)
+    """Per reservation id: a confirmed prefix load moved in the background, reported once landed."""
     async_saves: dict[int, list[PageTransfer]] = field(default_factory=dict)
     """Per request: blocks completed by this pass, saved in the background from the end of the
     pass; reported through get_finished once the request finished (pages held until then)."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvtool.blocks import num_blocks
-from kvtool.connector.api import KvCacheConnectorScheduler, RequestData, SchedulerOutput
+from kvtool.connector.api import KvCacheConnectorScheduler, PrefixLoad, RequestData, SchedulerOutput
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
@@ -66,6 +66,8 @@ class _Tracker:
     held_pins: list[Any] = field(default_factory=list)
     """Pins of emitted loads, released once the load has surely run (a later iteration)."""
     loads_emitted_at: int = -1
+    awaits_empty_load: bool = False
+    """Its asynchronous load was honoured for nothing: the next metadata still carries it (empty)."""
 
     def extend_keys(self, tokens_per_block: int) -> None:
         first, end = len(self.keys), len(self.tokens) // tokens_per_block
@@ -73,6 +75,21 @@ class _Tracker:
             previous = self.keys[-1] if self.keys else self.scope_key
             packed = tokens_bytes(self.tokens[first * tokens_per_block:end * tokens_per_block])
             self.keys.extend(chain_keys(previous, packed, tokens_per_block))
+
+
+@dataclass
+class _Promise:
+    """A prefix reservation: [start, end) of a request's prompt, its entries pinned until released."""
+
+    request_id: int
+    start: int
+    end: int
+    planned: dict[tuple[int, int], Any]
+    """(ordinal, group) -> location, each pinned once; unpinned when the part holding its block is released."""
+
+    def first_token(self, ordinal: int, tokens_per_block: int) -> int:
+        """The position by which a block's entry belongs to a released part (its first token in the promise)."""
+        return max(ordinal * tokens_per_block, self.start)
 
 
 class BlockStoreScheduler(KvCacheConnectorScheduler):
@@ -83,6 +100,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self.tokens_per_block = llm_args.kv_cache_config.tokens_per_block
         self.groups = llm_args.layer_groups
         self.mode = store_mode(llm_args.connector_options)
+        self._takes_offers_whole = not llm_args.kv_cache_config.use_kv_cache_manager_v2
+        """TensorRT-LLM's V1 takes an offer whole and refuses one that covers the whole prompt (V2
+        clamps it and computes the last token itself)."""
         self._trackers: dict[int, _Tracker] = {}
         self._saving_in_background: set[int] = set()
         """Requests with a background save emitted: `request_finished` answers True for them."""
@@ -91,6 +111,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self.num_loaded_blocks = 0
         self._num_metas = 0
         self._unlanded: dict[int, list[PageTransfer]] = {}
+        self._promises: dict[int, _Promise] = {}
+        """Prefix reservations not fully released, by reservation id."""
         """Saves of the latest metadata, per request: indexed at `reserve`, written only if the
         pass that carries them completes."""
 
@@ -149,19 +171,35 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                first: int) -> tuple[int, bool] | None:
         """The longest secured offer past `num_computed_tokens`; None when securing it failed
         (ask again: the store has forgotten what vanished)."""
+        last = request.prompt_len - 1
+        # V1 takes an offer whole and needs the last prompt token left to compute
+        secured = self._secure_longest(tracker, num_computed_tokens, first, lambda length: (
+            min(length, last) if self._takes_offers_whole else length, min(length, last)))
+        if secured is None:
+            return None
+        length, plan = secured
+        if length <= num_computed_tokens:
+            return 0, False
+        tracker.planned, tracker.offer = plan, (num_computed_tokens, length)
+        return length - num_computed_tokens, self.mode is StoreMode.ASYNC
+
+    def _secure_longest(self, tracker: _Tracker, num_computed_tokens: int, first: int,
+                        ends: Callable[[int], tuple[int, int]]) -> tuple[int, dict[tuple[int, int], Any]] | None:
+        """The longest run of stored blocks from `first` whose plan secures, as (offer end, pinned
+        plan); `ends(length)` gives a run's offer end and the end its plan covers. (`num_computed_tokens`,
+        {}) when none does; None when securing failed (ask again)."""
         tpb = self.tokens_per_block
         for num_hit_blocks in range(self._stored_run_end(tracker, first), first, -1):
-            length = num_hit_blocks * tpb
-            plan = self._plan(tracker, num_computed_tokens, min(length, request.prompt_len - 1))
-            if plan is not None and length > num_computed_tokens:
+            end, plan_end = ends(num_hit_blocks * tpb)
+            plan = self._plan(tracker, num_computed_tokens, plan_end)
+            if plan is not None and end > num_computed_tokens:
                 plan = self.secure(plan)
                 if plan is None:
                     return None
                 for location in plan.values():
                     self.pin(location)
-                tracker.planned, tracker.offer = plan, (num_computed_tokens, length)
-                return length - num_computed_tokens, self.mode is StoreMode.ASYNC
-        return 0, False
+                return end, plan
+        return num_computed_tokens, {}
 
     def _stored_run_end(self, tracker: _Tracker, first: int) -> int:
         """The end of the run of blocks from `first` on that every full-attention group holds: no
@@ -187,6 +225,57 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 plan[(j, group.layer_group_id)] = location
         return plan
 
+    # ---- prefix reservations (`main`'s V2) ---------------------------------------------------
+    def reserve_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        """Promise the longest stored run of whole blocks past `num_computed_tokens` that leaves the
+        last prompt token to compute, its entries pinned until released; no transfer starts."""
+        tracker = self._tracker(request.request_id, request.cache_salt)
+        tracker.tokens = request.get_tokens(0)[:request.prompt_len]
+        tracker.extend_keys(self.tokens_per_block)
+        tpb, last = self.tokens_per_block, request.prompt_len - 1
+        self.begin_ask(tracker.keys, num_computed_tokens // tpb)
+        try:
+            whole = lambda length: (min(length, last) // tpb * tpb,) * 2   # noqa: E731 - the runtime floors to a block
+            while (secured := self._secure_longest(tracker, num_computed_tokens, num_computed_tokens // tpb,
+                                                   whole)) is None:
+                pass
+        finally:
+            self.end_ask()
+        end, plan = secured
+        if end <= num_computed_tokens:
+            return 0, False
+        self._promises[reservation_id] = _Promise(request.request_id, num_computed_tokens, end, plan)
+        return end - num_computed_tokens, self.mode is StoreMode.ASYNC
+
+    def release_prefix_reservation(self, request: Request, reservation_id: int, start: int, end: int) -> None:
+        """Unpin the promise's entries whose blocks begin in [start, end) (unused, or loaded on every worker)."""
+        promise = self._promises.get(reservation_id)
+        if promise is None:
+            return
+        for (j, g) in [key for key in promise.planned if start <= promise.first_token(key[0], self.tokens_per_block) < end]:
+            self.unpin(promise.planned.pop((j, g)))
+        if not promise.planned:
+            del self._promises[reservation_id]
+
+    def _prefix_loads(self, loads: list[PrefixLoad], meta: StoreMetadata) -> None:
+        """The confirmed loads of promises, from the entries each promise pinned (held until released)."""
+        tpb = self.tokens_per_block
+        for load in loads:
+            promise = self._promises[load.reservation_id]
+            pages = GroupPages(load.block_ids_by_layer_group)
+            tracker = self._tracker(load.request_id, load.cache_salt)
+            transfers = [PageTransfer(load.request_id, g, j, pages[g][j], location, tracker.keys[j])
+                         for (j, g), location in promise.planned.items()
+                         if load.start <= promise.first_token(j, tpb) < load.end and j < len(pages[g])
+                         and pages[g][j] != BAD_PAGE_INDEX]
+            tracker.delivered, tracker.delivered_reported = (load.start, load.end), False
+            self.num_loaded_blocks += len({t.block_ordinal for t in transfers})
+            if load.is_async:
+                meta.async_prefix_loads[load.reservation_id] = transfers
+            else:
+                meta.loads.extend(transfers)
+                meta.prefix_loads.append(load.reservation_id)
+
     def cancel_load(self, request: Request, start: int, end: int) -> None:
         tracker = self._trackers.get(request.request_id)
         if tracker is not None:
@@ -202,6 +291,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         if tracker.offer is None:
             return
         start, end = self._delivered(tracker)
+        # What the runtime committed to load from us: `main`'s V2 may honour less than the offer
+        # and never hand the rest back (it has no cancel_load).
+        end = min(end, start + request.py_num_connector_matched_tokens)
         tpb = self.tokens_per_block
         wanted = {(j, g) for g, pages in tracker.pages.items() for j in range(start // tpb, num_blocks(end, tpb))
                   if start < end and j < len(pages) and pages[j] != BAD_PAGE_INDEX}
@@ -214,6 +306,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 self.unpin(location)
         tracker.planned = {}
         tracker.delivered = (start, end) if start < end else None
+        # An asynchronous answer keeps the request waiting for our report even when nothing of it
+        # was honoured (`main`'s V2): the worker reports an empty load.
+        tracker.awaits_empty_load = self.mode is StoreMode.ASYNC and not tracker.pending_loads
         if tracker.delivered:
             self.num_loaded_blocks += len({t.block_ordinal for t in tracker.pending_loads})
 
@@ -233,15 +328,16 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self._unlanded = {}
         self._num_metas += 1
         meta = StoreMetadata()
+        self._prefix_loads(scheduler_output.prefix_loads, meta)
         for data in scheduler_output.new_requests:
             self._observe(data, is_new=True, meta=meta)
         for data in scheduler_output.cached_requests:
             self._observe(data, is_new=False, meta=meta)
         for tracker in self._trackers.values():
-            if tracker.pending_loads:
+            if tracker.pending_loads or tracker.awaits_empty_load:
                 target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode is StoreMode.ASYNC else meta.loads
                 target.extend(tracker.pending_loads)
-                tracker.pending_loads = []
+                tracker.pending_loads, tracker.awaits_empty_load = [], False
                 tracker.loads_emitted_at = self._num_metas
         for save in [*meta.saves, *(t for transfers in meta.async_saves.values() for t in transfers)]:
             self._unlanded.setdefault(save.request_id, []).append(save)
@@ -251,12 +347,13 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tracker = self._trackers.get(data.request_id)
         if tracker is None:
             return
+        by_group = data.new_block_ids_by_layer_group or [data.new_block_ids]   # V1 reports flat ids only
         if is_new:
             tracker.tokens = list(data.new_tokens)
-            tracker.pages = GroupPages(data.new_block_ids_by_layer_group)
+            tracker.pages = GroupPages(by_group)
         else:
             tracker.tokens.extend(data.new_tokens)
-            tracker.pages = tracker.pages.extended(data.new_block_ids_by_layer_group)
+            tracker.pages = tracker.pages.extended(by_group)
         tracker.extend_keys(self.tokens_per_block)
         if tracker.held_pins and 0 <= tracker.loads_emitted_at < self._num_metas:
             self._release_pins(tracker)

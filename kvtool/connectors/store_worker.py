@@ -20,6 +20,7 @@ import torch
 
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.pool_tensor import layout_of_pool_tensor
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
 from kvtool.manager.layout import KvCacheLayout
@@ -40,7 +41,15 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         self._saving: dict[int, Future] = {}
         self._given_loads: set[int] = set()
         self._given_saves: set[int] = set()
+        self._prefix_loading: dict[int, Future] = {}
+        self._prefix_loaded: list[int] = []
+        """Reservation ids of synchronous prefix loads started, not reported yet."""
         self._staged_batch: tuple | None = None
+
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        """TensorRT-LLM's V1: the one pool tensor, served as the one-region layout it is."""
+        self.register_kv_cache_layout(layout_of_pool_tensor(kv_cache_tensor, self._llm_args.kv_cache_config.tokens_per_block,
+                                                            self._llm_args.model))
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
         self.layout = layout
@@ -73,7 +82,9 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         if meta.loads and self.mode is not StoreMode.LAYERWISE:
             self._wait_for_background_saves()
             self.load(meta.loads)
+        self._prefix_loaded += meta.prefix_loads   # landed by the time the pass is over (layerwise: per layer)
         self._submit(self._loading, self.load, meta.async_loads)
+        self._submit(self._prefix_loading, self.load, meta.async_prefix_loads)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
@@ -118,6 +129,11 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         # request_finished); one whose pass failed before wait_for_save has nothing in flight.
         saved = self._done(self._saving, self._given_saves, nothing_pending_is_done=True)
         return saved, self._done(self._loading, self._given_loads)
+
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Prefix loads landed here: the synchronous ones of passes that ran, the background ones done."""
+        done, self._prefix_loaded = self._prefix_loaded, []
+        return done + self._done(self._prefix_loading, set(self._prefix_loading))
 
     def _done(self, futures: dict[int, Future], given: set[int], nothing_pending_is_done: bool = False) -> list[int]:
         done = [rid for rid in given if (rid in futures and futures[rid].done())

@@ -14,15 +14,17 @@ from kvtool.connector.runtime import ConnectorRuntime, require_grouped_hooks
 from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.pass_driver import PassDriver, RankWorker
 from kvtool.engine.rank_pass import WorkerFactory
+from kvtool.engine.runtimes.profile import RuntimeProfile
 from kvtool.engine.worker_setup import rank_llm_args
 from kvtool.errors import ConnectorError, ConstructionError, InputError
 from kvtool.manager.manager import KvCacheManager
 
 
 def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCacheManager, config: EngineConfig,
-                     driver: PassDriver, num_local_ranks: int) -> ConnectorRuntime:
-    """The connector's runtime, its workers (ranks 0..num_local_ranks-1) handed to `driver`.
-    InputError or ConstructionError, naming the connector, when any step fails."""
+                     driver: PassDriver, num_local_ranks: int, profile: RuntimeProfile) -> ConnectorRuntime:
+    """The connector's runtime, its workers (ranks 0..num_local_ranks-1) handed to `driver`, each
+    registered as `profile`'s runtime registers it. InputError or ConstructionError, naming the
+    connector, when any step fails."""
     declared = declared_options(spec.scheduler_class)
     if declared is not None:
         check_options(spec.name, declared, options)
@@ -30,10 +32,13 @@ def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCa
         require_grouped_hooks(spec.scheduler_class, len(manager.layer_groups))
     except ConnectorError as exc:
         raise InputError(f"connector {spec.name!r}: {exc}") from None
-    factory = WorkerFactory(spec, options, manager, config.num_ranks, config.tp_size)
+    factory = WorkerFactory(spec, options, manager, config.num_ranks, config.tp_size,
+                            registration=str(profile.registration), use_kv_cache_manager_v2=profile.use_kv_cache_manager_v2)
     scheduler, workers = _construct(factory, manager, config, num_local_ranks)
     driver.workers = [_ready(factory, rank, worker) for rank, worker in enumerate(workers)]
-    runtime = ConnectorRuntime(scheduler, workers, config.num_ranks)
+    runtime = ConnectorRuntime(scheduler, workers, config.num_ranks, flat_hooks=profile.flat_hooks,
+                               refuse_zero_async=profile.refuses_zero_async)
+    runtime.calls_cancel_load = profile.calls_cancel_load
     ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
     if not ok:
         raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")
@@ -48,7 +53,8 @@ def _construct(factory: WorkerFactory, manager: KvCacheManager, config: EngineCo
     spec = factory.spec
     building = spec.scheduler_class
     try:
-        scheduler = building(rank_llm_args(manager, spec, factory.options, 0, config.num_ranks, config.tp_size))
+        scheduler = building(rank_llm_args(manager, spec, factory.options, 0, config.num_ranks, config.tp_size,
+                                           factory.use_kv_cache_manager_v2))
         building = spec.worker_class
         return scheduler, [factory.construct(rank) for rank in range(num_local_ranks)]
     except InputError as exc:

@@ -15,7 +15,6 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.connector.runtime import require_gpu_tier_only
 from kvtool.engine.async_gate import AsyncGate
 from kvtool.engine.connector_attach import attach_connector
 from kvtool.engine.drafts import DraftModel
@@ -32,6 +31,8 @@ from kvtool.engine.rank_orders import FinishedOrder, PassOrder, rank_manager_con
 from kvtool.engine.rank_pass import RankPass
 from kvtool.engine.request_queues import Lookahead, RequestQueues
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
+from kvtool.engine.runtimes import BringUp, profile_of
+from kvtool.engine.runtimes.admission import AdmissionHost
 from kvtool.engine.scheduler import Batch, Scheduler
 from kvtool.engine.scheduler_output import build_scheduler_output
 from kvtool.engine.watchdogs import Watchdogs
@@ -52,8 +53,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, connector: ConnectorSpec | None = None,
                  connector_options: dict[str, str] | None = None) -> None:
+        self.profile = profile_of(config.runtime)
         if connector is not None:
-            require_gpu_tier_only(config.manager.host_cache_bytes, config.manager.disk_cache_bytes)
+            self.profile.check(BringUp.of(config, connector))
         self.config = config
         if config.tp_size != 1 and (not config.ranks_as_processes or config.tp_size != config.num_ranks):
             raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
@@ -84,17 +86,17 @@ class Engine:
             self.gate.install()
         try:
             self.connector = attach_connector(connector, options, self.manager, config, self.driver,
-                                              self.group.num_local_ranks) if connector else None
+                                              self.group.num_local_ranks, self.profile) if connector else None
         except Exception:
             self.close()
             raise
         if self.gate is not None:
             self.connector.around_hook = self.gate.hook
         self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
-        self.lifecycle = Lifecycle(self.connector, self.manager, self.queues, self.stats, self.emit,
-                                   lambda state, start, end: self.scheduler.cancel(state, start, end))
-        self.scheduler = Scheduler(self.manager, config.scheduler, self.connector, self.fail, self.emit, self.pause,
-                                   self.drafts)
+        self.admission = self.profile.admission(AdmissionHost.of(self.manager, self.connector, connector,
+                                                                 config.scheduler, self.emit, self.fail))
+        self.lifecycle = Lifecycle(self.connector, self.manager, self.queues, self.stats, self.emit, self.admission)
+        self.scheduler = Scheduler(self.manager, config.scheduler, self.admission, self.pause, self.drafts)
         self.results = PassResults(self.fake, self.stats, self.lifecycle)
         self.watchdogs = Watchdogs(config, self.fail)
 
@@ -245,7 +247,8 @@ class Engine:
             return
         ok, metadata = True, None
         if plan.starts:
-            ok, metadata = self.connector.build_meta(build_scheduler_output(batch, self.iteration))
+            ok, metadata = self.connector.build_meta(build_scheduler_output(
+                batch, self.iteration, self.profile, self.admission.take_prefix_loads()))
             plan = plan if ok else PassPlan(starts=False, forwards=False)
         verify = idle_pages(self.queues.started, items) if self.group.needs_idle_pages else []
         order, self._received = PassOrder(self.iteration, metadata, items, self._received, [], plan, verify), []
@@ -279,15 +282,19 @@ class Engine:
         `request_finished` calls; the ids every rank reported are acted on."""
         runtime = self.connector
         saving, loading = runtime.ids_to_report() if runtime is not None else ([], [])
-        order = FinishedOrder([], saving, loading, self.lifecycle.take_forgotten(), self.results.take_rewinds())
-        answers = self.group.finish(order).answers
+        order = FinishedOrder([], saving, loading, self.lifecycle.take_forgotten(), self.results.take_rewinds(),
+                              prefix_loads=runtime is not None and self.admission.uses_prefix_loads)
+        outcome = self.group.finish(order)
         if runtime is None:
             return
-        saved, loaded, ok = runtime.collect_finished(answers)
-        if not ok:
+        saved, loaded, ok = runtime.collect_finished(outcome.answers)
+        retired, prefix_ok = self.admission.retire_reported(outcome.prefix_loads)
+        if not (ok and prefix_ok):
             self._fail_pass(batch, runtime.failures[-1].describe())
         for request_id in loaded:
             self.lifecycle.loaded(request_id)
+        for request_id in retired:
+            self.lifecycle.prefix_load_done(request_id)
         for request_id in saved:
             self.lifecycle.saved(request_id)
 
@@ -340,3 +347,4 @@ class Engine:
     @property
     def integrity_errors(self) -> int:
         return self.fake.num_integrity_errors
+

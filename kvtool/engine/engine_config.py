@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
 from kvtool.manager.config import KvCacheManagerConfig
 
@@ -15,6 +16,9 @@ class EngineConfig:
     manager: KvCacheManagerConfig
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
+    runtime: RuntimeName = RuntimeName.TRTLLM_V2_RELEASE
+    """The TensorRT-LLM runtime the engine plays (`kvtool.engine.runtimes`): when the connector is
+    asked, which pages back a first chunk, how workers register, what is refused at bring-up."""
     num_ranks: int = 1
     verify_all_after_iteration: bool = False
     max_transmission_iterations: int = 64

@@ -84,6 +84,46 @@ class Cancel(EngineEvent):
 
 
 @dataclass(frozen=True)
+class NotHonoured(EngineEvent):
+    """Offered tokens [start, end) the runtime did not take and, having no `cancel_load`, does not
+    hand back: the connector lets them go when it hears `request_finished` (TensorRT-LLM's V1
+    never leaves any; `main`'s V2 when the allocation could not grow to cover them)."""
+
+    request_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Reserved(EngineEvent):
+    """`reserve_prefix` promised tokens [start, end) under `reservation_id` (prefix reservations)."""
+
+    request_id: int
+    reservation_id: int
+    start: int
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class ReservationReleased(EngineEvent):
+    """`release_prefix_reservation` released [start, end) of a reservation (unused, or loaded everywhere)."""
+
+    request_id: int
+    reservation_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PrefixLoadRetired(EngineEvent):
+    """Every worker reported a confirmed prefix load (`get_finished_prefix_loads`)."""
+
+    request_id: int
+    reservation_id: int
+
+
+@dataclass(frozen=True)
 class LoadStarted(EngineEvent):
     """A delivered load begins: in this iteration's pass (sync), or in the background (async)."""
 

@@ -8,7 +8,7 @@ every rank reported the save: the finished one in SAVING, a failed or paused one
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvtool.connector.runtime import ConnectorRuntime
 from kvtool.engine.engine_config import EngineStats
@@ -19,6 +19,9 @@ from kvtool.group_pages import GroupPages
 from kvtool.manager.kv_cache import KvCache
 from kvtool.manager.manager import KvCacheManager, PageHold
 from kvtool.types import KvCacheStatus
+
+if TYPE_CHECKING:
+    from kvtool.engine.runtimes.admission import ConnectorAdmission
 
 
 class SaveHolds:
@@ -49,14 +52,15 @@ class Lifecycle:
     gathered by `take_forgotten` for the iteration's `FinishedOrder`)."""
 
     def __init__(self, connector: ConnectorRuntime | None, manager: KvCacheManager, queues: RequestQueues,
-                 stats: EngineStats, emit: Callable[..., None],
-                 cancel_offer: Callable[[RequestState, int, int], None]) -> None:
+                 stats: EngineStats, emit: Callable[..., None], admission: ConnectorAdmission) -> None:
         self.connector = connector
         self._manager = manager
         self._queues = queues
         self._stats = stats
         self._emit = emit
-        self._cancel_offer = cancel_offer
+        self._admission = admission
+        """The runtime profile's half that hands back an undelivered offer and says whether an
+        allocation must outlive a cancellation (a prefix load in flight)."""
         self.holds = SaveHolds(manager)
         self._forgotten: list[int] = []
 
@@ -85,11 +89,11 @@ class Lifecycle:
         untouched. `state.error` reads "<reason>: <detail>"."""
         if not state.is_live:
             return
+        if reason is FailureReason.ABORTED and self._admission.holds_allocation(state):
+            state.pending_failure = (reason, detail)   # ended when its load retires (`prefix_load_done`)
+            return
         if self.connector is not None:
-            offer = state.offer
-            if offer is not None and not offer.closed:
-                offer.closed = True
-                self._cancel_offer(state, offer.start, offer.end)
+            self._admission.request_failed(state)
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
                 is_open = state.kv is not None and state.kv.status is not KvCacheStatus.CLOSED
                 pages = state.kv.page_indices_by_group() if is_open else \
@@ -134,6 +138,20 @@ class Lifecycle:
         if state is not None and state.phase is Phase.TRANSMISSION:
             state.load_landed()
             self._emit(LoadFinished, request_id=state.request_id)
+
+    def prefix_load_done(self, request_id: int) -> None:
+        """Every rank reported the request's prefix load: an asynchronous one runs again, or, if it
+        was cancelled meanwhile, ends now (its allocation was kept for the load)."""
+        state = self._queues.states.get(request_id)
+        if state is None or state.phase is not Phase.TRANSMISSION:
+            return
+        if state.pending_failure is not None:
+            reason, detail = state.pending_failure
+            state.pending_failure = None
+            self.fail(state, reason, detail)
+            return
+        state.load_landed()
+        self._emit(LoadFinished, request_id=state.request_id)
 
     def saved(self, request_id: int) -> None:
         """Every rank reported the request's asynchronous save: its pages go, and a finished

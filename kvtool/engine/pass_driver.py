@@ -8,7 +8,8 @@ An iteration, as TensorRT-LLM's executor runs it (overlap scheduler off):
 2. when the batch still holds requests: the forward pass — per layer `wait_for_layer_load`, the
    layer, `save_kv_layer` — then the workers' forward-pass callables, then `wait_for_save`;
 3. sampling, and `request_finished` for the requests that ended (rank 0, the engine's part);
-4. `get_finished` on every rank, every iteration.
+4. `get_finished` on every rank, every iteration (then `get_finished_prefix_loads`, where the
+   connector takes part in prefix reservations).
 
 `PassPlan` says which of 1 and 2 run; `PassDriver.run_pass` runs them for the workers of one
 process and `PassDriver.get_finished` runs 4. Hooks go through one guard (`call`), so a hook that
@@ -74,11 +75,12 @@ class WorkerHooks:
     save_kv_layer: Callable[..., Any]
     wait_for_save: Callable[..., Any]
     get_finished: Callable[..., Any]
+    get_finished_prefix_loads: Callable[..., Any]
 
     @classmethod
     def of(cls, worker: KvCacheConnectorWorker) -> WorkerHooks:
         return cls(worker.bind_connector_meta, worker.start_load_kv, worker.wait_for_layer_load,
-                   worker.save_kv_layer, worker.wait_for_save, worker.get_finished)
+                   worker.save_kv_layer, worker.wait_for_save, worker.get_finished, worker.get_finished_prefix_loads)
 
     def named(self, hook: str) -> Callable[..., Any]:
         """The bound hook called `hook` (one of the fields: the frozen record, not the worker)."""
@@ -167,6 +169,19 @@ class PassDriver:
                     rank_worker.label("get_finished"),
                     self._observed("get_finished", rank_worker.rank, rank_worker.hooks.get_finished),
                     list(saving), list(loading))
+        return answers
+
+    def get_finished_prefix_loads(self) -> dict[int, tuple[bool, Any]]:
+        """Prefix reservations: rank -> (ok, what its `get_finished_prefix_loads()` returned), after
+        `get_finished`, every iteration."""
+        answers = {}
+        for rank_worker in self.workers:
+            self._on_hook("get_finished_prefix_loads")
+            with acting_as(rank_worker.rank):
+                answers[rank_worker.rank] = self._call(
+                    rank_worker.label("get_finished_prefix_loads"),
+                    self._observed("get_finished_prefix_loads", rank_worker.rank,
+                                   rank_worker.hooks.get_finished_prefix_loads))
         return answers
 
     def _each(self, hook: str, *args: Any) -> bool:

@@ -21,6 +21,7 @@ from kvtool.engine.fake_engine import CHECKSUM_MASK, PassItem
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup
 from kvtool.engine.rank_pass import RankPass
 from kvtool.engine.ranks import Followers
+from kvtool.engine.runtimes import profile_of
 from kvtool.manager.manager import KvCacheManager
 
 
@@ -37,6 +38,9 @@ class PassOutcome:
 class FinishedOutcome:
     answers: dict[int, tuple[bool, Any]]
     """Rank -> (its get_finished ran without raising, what it returned)."""
+    prefix_loads: dict[int, tuple[bool, Any]] = field(default_factory=dict)
+    """Rank -> (its get_finished_prefix_loads ran without raising, what it returned): asked only
+    with `FinishedOrder.prefix_loads`."""
 
 
 class RankGroup(Protocol):
@@ -69,7 +73,7 @@ class LocalRankGroup:
         return PassOutcome(self.rank0.run_pass(order, RankReport(0)))
 
     def finish(self, order: FinishedOrder) -> FinishedOutcome:
-        return FinishedOutcome(self.rank0.finish(order))
+        return FinishedOutcome(self.rank0.finish(order), self.rank0.prefix_answers)
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -101,8 +105,12 @@ class ProcessRankGroup:
         order.page_ops = self._take_page_log()
         self.followers.broadcast(order)
         answers = self.rank0.finish(order)
-        answers.update((r.rank, (r.finished is not None, r.finished)) for r in self.followers.gather())
-        return FinishedOutcome(answers)
+        prefix = dict(self.rank0.prefix_answers)
+        for report in self.followers.gather():
+            answers[report.rank] = (report.finished is not None, report.finished)
+            if order.prefix_loads:
+                prefix[report.rank] = (report.prefix_loads is not None, report.prefix_loads)
+        return FinishedOutcome(answers, prefix)
 
     def close(self) -> None:
         self.followers.close()
@@ -136,9 +144,10 @@ def start_followers(config: EngineConfig, manager: KvCacheManager, spec: Connect
     if not config.ranks_as_processes or (config.num_ranks == 1 and not config.process_group_of_one):
         return None
     manager.page_log = []
+    profile = profile_of(config.runtime)
     return Followers(RankSetup(config.manager, tuple(manager.num_slots), config.tp_size, config.num_ranks,
                                config.seed, spec, tuple(options.items()), 0, config.rank_timeout_s,
-                               manager.device.type))
+                               manager.device.type, str(profile.registration), profile.use_kv_cache_manager_v2))
 
 
 def rank_group(rank0: RankPass, followers: Followers | None, config: EngineConfig,

@@ -32,6 +32,10 @@ class RankSetup:
     timeout_s: float
     device: str = "cpu"
     """Where rank 0's pools are ("cpu" or "cuda"): the followers' too, and the backend (gloo, NCCL)."""
+    registration: str = "register_kv_cache_layout"
+    """How every worker is handed its cache (the runtime profile's `Registration`, by value)."""
+    use_kv_cache_manager_v2: bool = True
+    """What the workers' `llm_args.kv_cache_config.use_kv_cache_manager_v2` says (the profile's)."""
 
 
 def rank_manager_config(config: KvCacheManagerConfig, tp_size: int, rank: int) -> KvCacheManagerConfig:
@@ -69,6 +73,8 @@ class FinishedOrder:
     forgotten: list[int]
     rewinds: dict[int, int] = field(default_factory=dict)
     """Request id -> tokens it kept after a verify pass rejected drafts (the fake engine rewinds)."""
+    prefix_loads: bool = False
+    """Ask every worker `get_finished_prefix_loads` after `get_finished` (prefix reservations on)."""
 
 
 @dataclass
@@ -80,6 +86,8 @@ class RankReport:
     """The whole traceback of each of `failures`, in the same order."""
     finished: Any = None
     """What get_finished returned (None when it raised, or for a pass order)."""
+    prefix_loads: Any = None
+    """What get_finished_prefix_loads returned (None when it raised or was not asked)."""
     checksums: dict[int, int] = field(default_factory=dict)
     issues: list[IntegrityIssue] = field(default_factory=list)
     errors_by_request: Counter = field(default_factory=Counter)

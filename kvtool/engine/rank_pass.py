@@ -28,8 +28,11 @@ class WorkerFactory:
     `enter` is told each stage before it runs (a follower publishes it, to name a failure)."""
 
     def __init__(self, spec: ConnectorSpec, options: dict[str, str], manager: KvCacheManager, num_ranks: int,
-                 tp_size: int, enter: Callable[[str], None] = lambda stage: None) -> None:
+                 tp_size: int, enter: Callable[[str], None] = lambda stage: None,
+                 registration: str = "register_kv_cache_layout", use_kv_cache_manager_v2: bool = True) -> None:
         self.spec = spec
+        self.registration = registration
+        self.use_kv_cache_manager_v2 = use_kv_cache_manager_v2
         self.options = options
         self._manager = manager
         self._num_ranks = num_ranks
@@ -40,14 +43,14 @@ class WorkerFactory:
         self._enter("constructing the worker")
         with acting_as(rank):
             return self.spec.worker_class(rank_llm_args(self._manager, self.spec, self.options, rank,
-                                                        self._num_ranks, self._tp_size))
+                                                        self._num_ranks, self._tp_size, self.use_kv_cache_manager_v2))
 
     def ready(self, rank: int, worker: KvCacheConnectorWorker) -> RankWorker:
         """`worker` with the layout registered and its forward-pass callable asked (ConnectorError
         when that answer is not one)."""
-        self._enter("register_kv_cache_layout")
+        self._enter(self.registration)
         with acting_as(rank):
-            register_worker(worker, self._manager)
+            register_worker(worker, self._manager, self.registration)
         return RankWorker(rank, worker, ask_end_of_pass(worker, rank))
 
 
@@ -59,6 +62,8 @@ class RankPass:
         self.rank = rank
         self.fake = fake
         self.driver = driver
+        self.prefix_answers: dict[int, tuple[bool, Any]] = {}
+        """Rank -> (ok, ids) of the last `finish`'s `get_finished_prefix_loads` calls."""
         self._after_forward = after_forward
 
     def run_pass(self, order: PassOrder, report: RankReport) -> bool:
@@ -79,8 +84,10 @@ class RankPass:
 
     def finish(self, order: FinishedOrder) -> dict[int, tuple[bool, Any]]:
         """`get_finished` on this rank's workers (rank -> (ok, answer)), then the fake engine's
-        rewinds of rejected drafts and its forgetting of requests that are over."""
+        rewinds of rejected drafts and its forgetting of requests that are over. With
+        `order.prefix_loads`, `get_finished_prefix_loads` follows (`prefix_answers` keeps them)."""
         answers = self.driver.get_finished(order.saving, order.loading)
+        self.prefix_answers = self.driver.get_finished_prefix_loads() if order.prefix_loads else {}
         for request_id, length in order.rewinds.items():
             self.fake.rewind(request_id, length)
         for request_id in order.forgotten:

@@ -277,7 +277,7 @@ class RankExecutor:
         workers = []
         if setup.spec is not None:
             factory = WorkerFactory(setup.spec, dict(setup.options), self.manager, setup.num_ranks, setup.tp_size,
-                                    self._enter)
+                                    self._enter, setup.registration, setup.use_kv_cache_manager_v2)
             workers.append(factory.ready(rank, factory.construct(rank)))
         driver = PassDriver(workers, fake.layer_ids, fake.forward_layer, forward_stream(self.manager.device),
                             self._call, self._enter)
@@ -303,6 +303,8 @@ class RankExecutor:
         if isinstance(order, FinishedOrder):
             answer = self.rank_pass.finish(order).get(self.rank)
             report.finished = answer[1] if answer is not None and answer[0] else None
+            prefix = self.rank_pass.prefix_answers.get(self.rank)
+            report.prefix_loads = prefix[1] if prefix is not None and prefix[0] else None
         else:
             self.rank_pass.run_pass(order, report)
         self._enter("")

@@ -26,6 +26,7 @@ class FailureReason(enum.Enum):
 
     ABORTED = "aborted"
     ASK_RAISED = "get_num_new_matched_tokens raised"
+    ASK_REFUSED = "the runtime refused the connector's answer"
     ALLOC_HOOK_RAISED = "update_state_after_alloc raised"
     FINISHED_HOOK_RAISED = "request_finished raised"
     CONNECTOR_FAILED_IN_PASS = "connector failed during the pass"
@@ -92,6 +93,13 @@ class RequestState:
     num_pauses: int = 0
     paused_at: int = -1
     """The iteration of its last pause (it is not admitted again in that iteration)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """TensorRT-LLM V1's hash chain of the request's full blocks so far (`RequestData.block_hashes`)."""
+    pending_failure: tuple[FailureReason, str] | None = None
+    """A cancellation that waits for the request's asynchronous prefix load to retire (its
+    allocation is kept until then: the runtime never aborts a transfer)."""
+    allocation_reported: bool = False
+    """The connector was asked about and told of this allocation (`main`'s V2 asks once per allocation)."""
     recompute_until: int = 0
     """Tokens it had computed when it was last paused: the replay computes them again, less what
     the radix tree or the connector serves."""
@@ -125,6 +133,15 @@ class RequestState:
         self.kv, self.position, self.num_local_hit = kv, position, num_local_hit
         self.request._set_context_position(position)
 
+    def serve_from(self, position: int) -> None:
+        """A served prefix moved the start of the request's first chunk to `position` (CONTEXT:
+        `main`'s V2 learns what the connector serves once the chunk is already allocated)."""
+        if self._phase is not Phase.CONTEXT or position < self.position:
+            raise LogicError(f"request {self.request_id}: cannot serve from {position} at {self.position} "
+                             f"({self._phase.value})")
+        self.position = position
+        self.request._set_context_position(position)
+
     def start_transmission(self, iteration: int) -> None:
         """CONTEXT -> TRANSMISSION: an asynchronous load began; out of the batch until it lands."""
         self._move(Phase.TRANSMISSION)
@@ -156,6 +173,7 @@ class RequestState:
         self.kv, self.offer, self.asked, self.position = None, None, False, 0
         self.num_external = self.num_local_hit = 0
         self.delivered_at, self.seen_by_connector = -1, False
+        self.allocation_reported, self.block_hashes = False, []
         self.forget_reported()
         self.request._pause()
 

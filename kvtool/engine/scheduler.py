@@ -1,36 +1,25 @@
-"""The scheduler: token budget, batch size, chunked prefill, deferral, and the three phases.
+"""The scheduler: token budget, batch size, chunked prefill, deferral.
 
-Generation requests go first (one token each), then running prefills, then new requests in
-arrival order. For a new request, on the manager's own seam:
-
-1. Ask (cache still suspended): once per request, memoising the absolute offer end. The offer is
-   clamped to `prompt_len - 1` (the first generation step needs the last prompt position's
-   activations) and the dropped tail is cancelled.
-2. Reserve (after `resume`, since resize needs ACTIVE): when the offer reaches past the local
-   match, SWA scratch reuse goes off and capacity and history move together to the offer end. On
-   failure the offer is cancelled and the request computes locally.
-3. Deliver (on the final batch, before the forward pass): the head the local match overtook is
-   cancelled, the rest recorded as external tokens (0 <= recorded <= position), the connector told
-   which pages back the request.
-
-A request whose first chunk cannot get pages is deferred: its cache is closed and it is prepared
-again next iteration (its local match may have grown); the connector is not asked again.
+Generation requests go first (one token each, more with drafts), then running prefills, then new
+requests in arrival order. Everything about the connector and a request's allocation (when it is
+asked, what its first chunk's pages are, what happens once the batch is final) belongs to the
+runtime profile's `ConnectorAdmission` (`kvtool.engine.runtimes`), which the scheduler calls at a
+waiting request's first chunk, at a later chunk's growth and once the batch is final.
 """
 
 from __future__ import annotations
 
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from kvtool.connector.runtime import ConnectorRuntime
 from kvtool.engine.admission import OutputReservation
+from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.drafts import DraftModel
-from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted, Reserve
-from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
-from kvtool.errors import LogicError
-from kvtool.manager.block_keys import ReuseScope
+from kvtool.engine.request_state import Phase, RequestState
+from kvtool.engine.runtimes.admission import ConnectorAdmission
 from kvtool.manager.manager import KvCacheManager
+
+__all__ = ["Batch", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -49,39 +38,14 @@ class SchedulerConfig:
     committed blocks left in the radix tree) and runs again from the start later."""
 
 
-@dataclass
-class Batch:
-    context: list[tuple[RequestState, int]] = field(default_factory=list)
-    generation: list[RequestState] = field(default_factory=list)
-    first_chunks: list[RequestState] = field(default_factory=list)
-    received: list[RequestState] = field(default_factory=list)
-    """Generation-only requests admitted this iteration: their context arrives from elsewhere."""
-    loading_started: list[RequestState] = field(default_factory=list)
-    """Requests scheduled this iteration that left the batch to load asynchronously (their load
-    starts with this iteration's `start_load_kv`)."""
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.context) + len(self.generation)
-
-    def drop(self, state: RequestState) -> None:
-        self.context = [(s, n) for s, n in self.context if s is not state]
-        self.generation = [s for s in self.generation if s is not state]
-        self.first_chunks = [s for s in self.first_chunks if s is not state]
-
-
 class Scheduler:
-    def __init__(self, manager: KvCacheManager, config: SchedulerConfig, connector: ConnectorRuntime | None,
-                 fail: Callable[[RequestState, FailureReason], None],
-                 emit: Callable[..., None] = lambda kind, **fields: None,
+    def __init__(self, manager: KvCacheManager, config: SchedulerConfig, admission: ConnectorAdmission,
                  pause: Callable[[RequestState], None] | None = None, drafts: DraftModel | None = None) -> None:
         self.manager = manager
         self.config = config
-        self.connector = connector
-        self._fail = fail
+        self.admission = admission
         self._pause = pause
         self._drafts = drafts
-        self._emit = emit
         self.iteration = 0
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
 
@@ -94,39 +58,40 @@ class Scheduler:
         if self._reservation is not None:
             self._reservation.start_pass([*running, *loading])
         alone = not running and not loading
-        budget = [self.config.max_num_tokens]
+        budget = TokenBudget(self.config.max_num_tokens)
         running = list(running)
         for state in running:
             if state.phase is Phase.GENERATION and self._room(batch, budget):
-                drafts = self._num_drafts(state, budget[0])
+                drafts = self._num_drafts(state, budget.left)
                 if self._grow(state, state.request.get_num_tokens() + drafts, running, batch):
                     state.num_drafts = drafts
                     batch.generation.append(state)
-                    budget[0] -= 1 + drafts
+                    budget.take(1 + drafts)
         for state in running:
             if state.phase is Phase.CONTEXT:
-                n = self._chunk(state.position, state.prompt_len, budget)
-                if n and self._room(batch, budget) and self._grow(state, state.position + n, running, batch):
+                n = self.admission.chunk(state.position, state.prompt_len, budget)
+                capacity = self.admission.context_capacity(state, state.position + n)
+                if n and self._room(batch, budget) and self._grow(state, capacity, running, batch):
                     batch.context.append((state, n))
-                    budget[0] -= n
+                    budget.take(n)
         for state in waiting:
             if state.request.is_generation_only_request:
                 if self._room(batch, budget) and self._admit_generation_only(state):
                     batch.received.append(state)
                     batch.context.append((state, 1))
-                    budget[0] -= 1
+                    budget.take(1)
                 continue
             if not self._room(batch, budget):
                 break
-            n = self._prepare(state, budget, alone and not batch.num_requests)
+            first_alone = alone and not batch.num_requests
+            n = self.admission.first_chunk(state, budget, lambda s: self._admits(s, first_alone))
             if n:
                 batch.context.append((state, n))
                 batch.first_chunks.append(state)
-                budget[0] -= n
+                budget.take(n)
             elif self._reservation is not None and state.phase is Phase.WAITING:
                 break   # first come, first served: later arrivals do not overtake a deferred one
-        for state in list(batch.first_chunks):
-            self._deliver(state, batch)
+        self.admission.final_batch(batch, iteration)
         return batch
 
     def _num_drafts(self, state: RequestState, budget: int) -> int:
@@ -155,33 +120,9 @@ class Scheduler:
                       and s.phase in (Phase.CONTEXT, Phase.GENERATION)]
         return max(candidates, key=lambda s: s.arrival_order, default=None)
 
-    # ---- phases ------------------------------------------------------------------------------
-    def _prepare(self, state: RequestState, budget: list[int], alone: bool) -> int:
-        """Create, ask, resume, reserve and size the first chunk; 0 when deferred or failed.
-        `alone`: nothing else runs, so output reservation cannot refuse it."""
-        request = state.request
-        prompt = request._prompt_view()
-        scope = ReuseScope.from_cache_salt(request.cache_salt)
-        kv = self.manager.create_kv_cache(request.request_id, prompt[:-1] if self.config.local_reuse else [],
-                                          scope, expected_prompt_length=request.prompt_len)
-        state.kv = kv
-        local_end = kv.num_committed_tokens
-        if not state.asked and not self._ask(state, local_end):
-            return 0
-        kv.resume()
-        position = self._reserve(state, local_end)
-        if state.phase is Phase.FAILED:
-            return 0
-        n = self._chunk(position, request.prompt_len, budget)
-        if not n or not kv.resize(position + n) or not self._admits(state, alone):
-            kv.close()
-            state.kv = None
-            state.num_deferrals += 1
-            return 0
-        state.admit(kv, position, local_end)
-        return n
-
     def _admits(self, state: RequestState, alone: bool) -> bool:
+        """Output reservation's word on a request whose first chunk holds its pages. `alone`:
+        nothing else runs, so it cannot refuse."""
         return self._reservation is None or self._reservation.admit(state, alone)
 
     def _admit_generation_only(self, state: RequestState) -> bool:
@@ -196,82 +137,5 @@ class Scheduler:
         state.admit(kv, state.prompt_len - 1, 0)
         return True
 
-    def _ask(self, state: RequestState, local_end: int) -> bool:
-        """Ask the connector once; memoise the absolute, clamped offer. False: the request failed."""
-        state.asked = True
-        if self.connector is None or state.request.is_generation_only_request or state.request.is_dummy_request:
-            return True
-        answer = self.connector.ask(state.request, local_end)
-        if answer is None:
-            self._fail(state, FailureReason.ASK_RAISED)
-            return False
-        end = local_end + answer.num_tokens
-        clamped = min(end, state.prompt_len - 1)
-        self._emit(Ask, request_id=state.request_id, num_computed_tokens=local_end,
-                   num_offered_tokens=max(clamped - local_end, 0), is_async=answer.is_async)
-        if answer.num_tokens == 0:
-            return True
-        state.offer = Offer(local_end, clamped, answer.is_async)
-        if end > clamped:
-            self.cancel(state, clamped, end)
-        if clamped <= local_end:
-            state.offer.closed = True
-        return True
-
-    def _reserve(self, state: RequestState, local_end: int) -> int:
-        offer, kv = state.offer, state.kv
-        if offer is None or offer.closed or offer.end <= local_end:
-            return local_end
-        ok = kv.resize(max(kv.capacity, offer.end), offer.end, scratch_reuse=False)
-        self._emit(Reserve, request_id=state.request_id, start=offer.start, end=offer.end, ok=ok)
-        if ok:
-            return offer.end
-        offer.closed = True
-        self.cancel(state, offer.start, offer.end)
-        return local_end
-
-    def _deliver(self, state: RequestState, batch: Batch) -> None:
-        offer, kv = state.offer, state.kv
-        if offer is not None and not offer.closed:
-            committed = min(kv.num_committed_tokens, offer.end)
-            self.cancel(state, offer.start, committed)
-            recorded = offer.end - committed
-            if not 0 <= recorded <= state.position:
-                raise LogicError(f"request {state.request_id}: recorded {recorded} external tokens at "
-                                 f"position {state.position}")
-            offer.closed = True
-            state.num_external = recorded
-            state.request.py_num_connector_matched_tokens = recorded
-            state.num_local_hit = committed
-            state.delivered_at = self.iteration
-            self._emit(Deliver, request_id=state.request_id, num_external=recorded, num_local_hit=committed)
-            if recorded:
-                self._emit(LoadStarted, request_id=state.request_id, num_tokens=recorded, is_async=offer.is_async)
-        if self.connector is None:
-            return
-        state.seen_by_connector = True
-        if not self.connector.after_alloc(state.request, kv.page_indices_by_group()):
-            batch.drop(state)
-            self._fail(state, FailureReason.ALLOC_HOOK_RAISED)
-            return
-        if state.num_external and offer.is_async:
-            batch.drop(state)
-            batch.loading_started.append(state)
-            state.start_transmission(self.iteration)
-            self.connector.start_async_load(state.request_id)
-
-    # ---- helpers -----------------------------------------------------------------------------
-    def cancel(self, state: RequestState, start: int, end: int) -> None:
-        """Hand tokens [start, end) of the request's offer back to the connector (`cancel_load`)."""
-        self.connector.cancel(state.request, start, end)
-        if end > start:
-            self._emit(Cancel, request_id=state.request_id, start=start, end=end)
-
-    def _chunk(self, position: int, prompt_len: int, budget: list[int]) -> int:
-        n = min(prompt_len - position, budget[0])
-        if self.config.chunk_size:
-            n = min(n, self.config.chunk_size)
-        return max(n, 0)
-
-    def _room(self, batch: Batch, budget: list[int]) -> bool:
-        return batch.num_requests < self.config.max_batch_size and budget[0] >= 1
+    def _room(self, batch: Batch, budget: TokenBudget) -> bool:
+        return batch.num_requests < self.config.max_batch_size and budget.left >= 1

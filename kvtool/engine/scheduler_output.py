@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
-from kvtool.connector.api import RequestData, SchedulerOutput
+from kvtool.connector.api import PrefixLoad, RequestData, SchedulerOutput
+from kvtool.engine.batch import Batch
 from kvtool.engine.request_state import RequestState
-from kvtool.engine.scheduler import Batch
+from kvtool.engine.runtimes.profile import RuntimeProfile
 
 
-def build_scheduler_output(batch: Batch, iteration: int) -> SchedulerOutput:
+def build_scheduler_output(batch: Batch, iteration: int, profile: RuntimeProfile,
+                           prefix_loads: list[PrefixLoad] = ()) -> SchedulerOutput:
     """New requests the first time they are reported (everything), cached ones after (deltas);
     a request whose allocation was destroyed (`RequestState.forget_reported`) is new again, whole.
+    `profile` adds what its runtime reports besides (V1: block hashes, priorities, flat ids only).
 
-    Requests loading asynchronously are not in the batch, and dummy requests never are.
+    Requests loading asynchronously are not in the batch, and dummy requests never are; the prefix
+    loads confirmed this iteration go in `prefix_loads`.
     """
-    output = SchedulerOutput()
+    output = SchedulerOutput(prefix_loads=list(prefix_loads))
     for state, n in batch.context:
-        data = _request_data(state, computed=state.position, scheduled=n, iteration=iteration)
-        (output.new_requests if data[1] else output.cached_requests).append(data[0])
+        data, is_new = _request_data(state, computed=state.position, scheduled=n, iteration=iteration)
+        profile.annotate(data, state, is_new)
+        (output.new_requests if is_new else output.cached_requests).append(data)
     for state in batch.generation:   # TensorRT-LLM: 1 + get_draft_token_length(request)
         tokens = state.request.get_num_tokens()
-        output.cached_requests.append(_request_data(state, computed=tokens - 1, scheduled=1 + state.num_drafts,
-                                                    iteration=iteration)[0])
+        data, _ = _request_data(state, computed=tokens - 1, scheduled=1 + state.num_drafts, iteration=iteration)
+        profile.annotate(data, state, False)
+        output.cached_requests.append(data)
     return output
 
 

@@ -158,16 +158,24 @@ class KvCacheLayout:
         * heads * head_dim]` of the KV dtype, when it is one layer group with one whole-slot region
         of equal buffers; None otherwise (or for a layout computed without memory). Within a
         (layer, role) buffer kvtool orders token, head, element."""
+        shape = self.single_pool_shape()
+        region = self.layer_groups[0].regions[0] if shape is not None else None
+        if region is None or region.storage is None:
+            return None
+        return region.as_tensor(self.dtype).view(*shape)
+
+    def single_pool_shape(self) -> tuple[int, int, int, int] | None:
+        """`as_single_pool_tensor`'s shape where the cache is one pool of equal buffers (with or
+        without memory behind it), else None."""
         if len(self.layer_groups) != 1 or len(self.layer_groups[0].regions) != 1:
             return None
         group, region = self.layer_groups[0], self.layer_groups[0].regions[0]
         spec = region.buffer_specs[0]
         num_layers = len(group.layer_ids)
-        if region.storage is None or len(region.buffers) % num_layers or region.size != region.stride:
+        if len(region.buffers) % num_layers or region.size != region.stride:
             return None
         roles = len(region.buffers) // num_layers
-        return region.as_tensor(self.dtype).view(region.num_slots, num_layers, roles,
-                                                 self.tokens_per_block * spec.num_heads * spec.head_dim)
+        return region.num_slots, num_layers, roles, self.tokens_per_block * spec.num_heads * spec.head_dim
 
     @property
     def num_layer_groups(self) -> int:

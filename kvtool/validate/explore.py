@@ -17,12 +17,13 @@ from kvtool.validate.shrink import Cut, shrink
 
 @dataclass(frozen=True)
 class Finding:
-    """A scenario and model that failed first at `seed`."""
+    """A scenario and model that failed first at `seed` (under `runtime`)."""
 
     scenario: str
     model: str
     seed: int
     checks: tuple[str, ...]
+    runtime: str = ""
     smallest: Cut = Cut()
     """The smallest cut of the scenario that still failed all of `checks` at `seed` (Cut(): none smaller)."""
     alone: bool = True
@@ -32,20 +33,25 @@ class Finding:
     first_seed: int | None = None
     """The explored seeds' first: where a run that reproduces a finding not `alone` starts."""
 
+    @property
+    def where(self) -> str:
+        """`scenario[model]`, or `scenario[model, runtime]` where a runtime is named."""
+        return f"{self.scenario}[{self.model}{', ' + self.runtime if self.runtime else ''}]"
+
     def line(self, reproduce: str) -> str:
         after = "" if self.alone else (
             " only after the earlier seeds ran in the same process: alone, in a fresh process, it passed. "
             "Likely state the connector keeps from one engine to the next, or a failure that depends on timing")
-        return (f"{self.scenario}[{self.model}] failed {', '.join(self.checks)} at seed {self.seed}{after} "
+        return (f"{self.where} failed {', '.join(self.checks)} at seed {self.seed}{after} "
                 f"({schedule_for(self.seed).describe()}); reproduce: {reproduce}")
 
     def smallest_line(self, reproduce: str) -> str:
         """The shrink step's outcome, with `reproduce` (the command with `smallest.options()`)."""
         if not self.alone:
-            return f"{self.scenario}[{self.model}]: not shrunk (it does not fail alone at its seed)"
+            return f"{self.where}: not shrunk (it does not fail alone at its seed)"
         if self.smallest == Cut():
-            return f"{self.scenario}[{self.model}]: no smaller case fails (fewer requests or shorter outputs pass)"
-        return f"{self.scenario}[{self.model}] smallest failing case: {self.smallest.describe()}; reproduce: {reproduce}"
+            return f"{self.where}: no smaller case fails (fewer requests or shorter outputs pass)"
+        return f"{self.where} smallest failing case: {self.smallest.describe()}; reproduce: {reproduce}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class SeedsRun:
 
     def as_dict(self) -> dict:
         return {"seed": self.seed, "schedule": schedule_for(self.seed).describe(), "explore": self.num_explored,
-                "findings": [{"scenario": f.scenario, "model": f.model, "seed": f.seed, "checks": list(f.checks),
+                "findings": [{"scenario": f.scenario, "model": f.model, "runtime": f.runtime, "seed": f.seed,
+                              "checks": list(f.checks),
                               "max_requests": f.smallest.max_requests, "max_new_tokens": f.smallest.max_new_tokens,
                               "alone": f.alone}
                              for f in self.findings]}
@@ -89,16 +96,16 @@ def explore(contexts: list[Context], names: list[str], num_seeds: int,
     first = contexts[0].seed
     seeds = range(first, first + num_seeds)
     results = run_all(contexts, [n for n in names if n != SETUP], seeds)
-    by_model = {ctx.model: ctx for ctx in contexts}
+    by_model = {(ctx.model, str(ctx.runtime)): ctx for ctx in contexts}
     chosen: list[CheckResult] = []
     findings: list[Finding] = []
-    for (scenario, model), group in _by_scenario(results).items():
+    for (scenario, model, runtime), group in _by_scenario(results).items():
         failed = [r.check for r in group if r.failed]
         if scenario == SETUP or not failed:
             chosen += group
             continue
         seed = group[0].seed if group[0].seed is not None else first
-        at_seed = replace(by_model[model], seed=seed)
+        at_seed = replace(by_model[(model, runtime)], seed=seed)
         again = [r for r in run_all([at_seed], [scenario], ()) if r.scenario == scenario]
         failed_again = [r.check for r in again if r.failed]
         if failed_again:   # what the fresh process found stands: its results, its failed checks
@@ -106,17 +113,17 @@ def explore(contexts: list[Context], names: list[str], num_seeds: int,
                 r.seed = seed
             chosen += again
             smallest = shrink(at_seed, scenario, failed_again, lambda c, name=scenario: run_all([c], [name], ()))
-            findings.append(Finding(scenario, model, seed, tuple(failed_again), smallest, first_seed=first))
+            findings.append(Finding(scenario, model, seed, tuple(failed_again), runtime, smallest, first_seed=first))
         else:
             chosen += group
-            findings.append(Finding(scenario, model, seed, tuple(failed), alone=False, first_seed=first))
+            findings.append(Finding(scenario, model, seed, tuple(failed), runtime, alone=False, first_seed=first))
     return chosen, findings
 
 
-def _by_scenario(results: list[CheckResult]) -> dict[tuple[str, str], list[CheckResult]]:
-    groups: dict[tuple[str, str], list[CheckResult]] = {}
+def _by_scenario(results: list[CheckResult]) -> dict[tuple[str, str, str], list[CheckResult]]:
+    groups: dict[tuple[str, str, str], list[CheckResult]] = {}
     for r in results:
-        groups.setdefault((r.scenario, r.model), []).append(r)
+        groups.setdefault((r.scenario, r.model, r.runtime), []).append(r)
     return groups
 
 
@@ -126,6 +133,7 @@ def reproduce_command(target: str, finding: Finding, options: list[str], cut: Cu
     seeds = ["--seed", str(finding.seed)]
     if not finding.alone and finding.first_seed is not None:   # the seeds before it, in one process
         seeds = ["--seed", str(finding.first_seed), "--explore", str(finding.seed - finding.first_seed + 1)]
-    words = ["kvtool", "validate", target, "--scenario", finding.scenario, "--model", finding.model,
+    runtime = ["--runtime", finding.runtime] if finding.runtime else []
+    words = ["kvtool", "validate", target, "--scenario", finding.scenario, "--model", finding.model, *runtime,
              *seeds, *options, *cut.options()]
     return shlex.join(words)

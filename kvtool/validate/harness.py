@@ -17,7 +17,9 @@ from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.events import EventLog
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.errors import ConstructionError, InputError
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, CapacityPolicy, RuntimeName, profile_of
+from kvtool.engine.runtimes.behaviours import Behaviour
+from kvtool.errors import ConstructionError, InputError, RefusedSetupError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
@@ -65,6 +67,11 @@ class Context:
     """Fewer requests and shorter outputs in every run (`shrink`: --max-requests, --max-new-tokens)."""
     warmup: float = 0.0
     """Seconds every engine waits after the connector's setup before its first pass (`--warmup`)."""
+    runtime: RuntimeName = DEFAULT_RUNTIME
+    """The TensorRT-LLM runtime every engine of the scenario plays (`kvtool.engine.runtimes`)."""
+    runtime_chosen: bool = False
+    """The runtime was asked for (`--runtime`): a connector that cannot take part in it fails its
+    registration there, instead of the runtime being skipped."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,17 @@ class Scenario:
     disrupts_remote: bool = False
     """It empties, pauses or disconnects the `--remote` server: given one, it runs with no other
     scenario in flight (`runner.next_task`), since every scenario's store lives on that server."""
+    exercises: tuple[Behaviour, ...] = ()
+    """The runtime behaviours its case turns on (`runtimes.behaviours`): where it fails under one
+    runtime and passes under another, the rows in which they differ are its evidence."""
+    runs_on: frozenset[RuntimeName] = frozenset(RuntimeName)
+    not_here: str = ""
+    """Why the scenario's case cannot happen under the runtimes outside `runs_on` (its SKIP's evidence)."""
+
+
+class NotRunHere(Exception):
+    """The runtime refuses the setup a scenario needs (TensorRT-LLM's bring-up checks, or the case
+    cannot happen there): the scenario is skipped, saying why."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +126,11 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True, keep_reusable_pages=local_reuse,
                                    slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
-    scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, pause_to_grow=pause_to_grow)
+    no_evict = profile_of(ctx.runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
+    scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, reserve_outputs=no_evict and not reference,
+                                pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
+                        runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
                         verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",
                         max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True,
@@ -136,7 +157,12 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
         chunk_size, max_batch_size = schedule.chunk_size, schedule.max_batch_size or max_batch_size
     config = engine_config(ctx, num_slots, chunk_size, local_reuse, max_batch_size, pause_to_grow,
                            reference=not connector)
-    engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
+    try:
+        engine = Engine(config, ctx.spec if connector else None, dict(ctx.options))
+    except RefusedSetupError as exc:
+        if exc.blames_connector:
+            raise
+        raise NotRunHere(str(exc)) from None
     events = EventLog()
     engine.events.subscribe(events)
     check_canary = _plant_canary(engine) if canary else None
@@ -224,12 +250,18 @@ def reference_tokens(ctx: Context, requests: list[Req]) -> dict[int, list[int]]:
 
 
 def registration_error(ctx: Context) -> str | None:
-    """The registration failure for this model, if the connector cannot take its layout.
-    A connector that cannot even be constructed raises ConstructionError (a usage error)."""
+    """The registration failure for this model, if the connector cannot take its layout (or the
+    runtime refuses the connector's classes). A connector that cannot even be constructed raises
+    ConstructionError (a usage error); a runtime that refuses the model or configuration raises
+    NotRunHere."""
     try:
         Engine(engine_config(ctx, 8, None, False, 8), ctx.spec, dict(ctx.options)).close()
     except ConstructionError:
         raise
+    except RefusedSetupError as exc:
+        if not exc.blames_connector:
+            raise NotRunHere(str(exc)) from None
+        return str(exc)
     except InputError as exc:
         return with_wrapped_location(exc)
     return None

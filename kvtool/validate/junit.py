@@ -22,7 +22,8 @@ def junit_xml(results: list[CheckResult], target: str, properties: dict[str, str
         for name, value in properties.items():
             ET.SubElement(listed, "property", name=name, value=value)
     for r in results:
-        case = ET.SubElement(suite, "testcase", classname=f"{r.scenario}[{r.model}]", name=r.check,
+        where = f"{r.model}, {r.runtime}" if r.runtime else r.model
+        case = ET.SubElement(suite, "testcase", classname=f"{r.scenario}[{where}]", name=r.check,
                              time=f"{r.seconds:.3f}")
         text = "\n".join(r.evidence)
         if r.verdict is Verdict.FAIL:

@@ -8,6 +8,8 @@ request's KV under this one's keys; later requests repeating these prompts load 
 
 from __future__ import annotations
 
+from kvtool.engine.runtimes import RuntimeName
+from kvtool.engine.runtimes.behaviours import Behaviour
 from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.interventions import note_pages
 from kvtool.validate.judges import judge_integrity, judge_warm_hit, result
@@ -67,5 +69,8 @@ def moved_pages(r: RunRecord, pages: dict[int, list]) -> list[str]:
 
 PAUSE_SCENARIOS = (
     Scenario("pause-replay", "running requests paused to let others grow (MAX_UTILIZATION), replayed from the "
-                             "start with their tokens so far, then their prompts repeated", pause_replay),
+                             "start with their tokens so far, then their prompts repeated", pause_replay,
+             exercises=(Behaviour.ASKED_AGAIN, Behaviour.CAPACITY_POLICY),
+             runs_on=frozenset({RuntimeName.TRTLLM_V2, RuntimeName.TRTLLM_V2_RELEASE}),
+             not_here="V1 runs a connector only under GUARANTEED_NO_EVICT, which never pauses a request"),
 )

@@ -45,6 +45,8 @@ class CheckResult:
     seed: int | None = None
     """The seed of the run that made this result, where one process ran a scenario at several
     (`--explore`: `runner.run_seeds`); None where the run's seed is the context's."""
+    runtime: str = ""
+    """The runtime profile the scenario ran under (`--runtime`; the runner stamps it)."""
 
     @property
     def purpose(self) -> str:
@@ -68,9 +70,20 @@ def verdict(ok: bool) -> Verdict:
 
 
 def summary_line(results: list[CheckResult]) -> str:
-    """`72 checks: 60 passed, 2 missed, 8 skipped, 2 failed` (kinds with none left out, but passed)."""
+    """`72 checks under trtllm-v1: 60 passed, 2 missed, 8 skipped, 2 failed` (kinds with none left
+    out, but passed); over several runtimes, the whole count then each runtime's in brackets."""
+    runtimes = list(dict.fromkeys(r.runtime for r in results if r.runtime))
+    if len(runtimes) == 1:
+        return f"{len(results)} checks under {runtimes[0]}: {_counts(results)}"
+    line = f"{len(results)} checks: {_counts(results)}"
+    if runtimes:
+        line += " (" + "; ".join(f"{name}: {_counts([r for r in results if r.runtime == name])}"
+                                 for name in runtimes) + ")"
+    return line
+
+
+def _counts(results: list[CheckResult]) -> str:
     counts = {v: sum(r.verdict is v for r in results) for v in Verdict}
     words = [("passed", counts[Verdict.PASS]), ("missed", counts[Verdict.MISS]), ("skipped", counts[Verdict.SKIP]),
              ("failed", counts[Verdict.FAIL]), ("errors", counts[Verdict.ERROR])]
-    parts = [f"{n} {word}" for word, n in words if n or word == "passed"]
-    return f"{len(results)} checks: " + ", ".join(parts)
+    return ", ".join(f"{n} {word}" for word, n in words if n or word == "passed")

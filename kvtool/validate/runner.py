@@ -22,7 +22,8 @@ from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.cause_evidence import forget_engines
-from kvtool.validate.harness import MAX_SLOTS, Context, registration_error, take_tracebacks
+from kvtool.engine.runtimes import profile_of
+from kvtool.validate.harness import MAX_SLOTS, Context, NotRunHere, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
@@ -44,6 +45,9 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
         try:
             with engine_store_folders():   # a user-set store folder would outlive the scenario
                 results = _run_here(name, ctx)
+        except NotRunHere as exc:
+            results = [CheckResult(name, ctx.model, "registration" if name == SETUP else "scenario", Verdict.SKIP,
+                                   0.0, [str(exc)])]
         except Exception as exc:  # noqa: BLE001 - the scenario's failure is the finding
             error = describe_error(exc)
             results = [CheckResult(name, ctx.model, "scenario", Verdict.ERROR, 0.0, [error],
@@ -58,6 +62,7 @@ def run_scenario(name: str, ctx: Context, collect: bool = True) -> list[CheckRes
     seconds = round(time.perf_counter() - started, 3)
     for r in results:
         r.seconds = seconds
+        r.runtime = str(ctx.runtime)
     _attach_tracebacks(results, take_tracebacks())
     return results
 
@@ -82,7 +87,12 @@ def run_seeds(name: str, ctx: Context, seeds: Sequence[int],
 
 
 def _run_here(name: str, ctx: Context) -> list[CheckResult]:
-    return _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
+    if name == SETUP:
+        return _setup(ctx)
+    scenario = SCENARIOS[name]
+    if ctx.runtime not in scenario.runs_on:
+        raise NotRunHere(f"not run under {ctx.runtime}: {scenario.not_here}")
+    return scenario.run(ctx)
 
 
 def _attach_tracebacks(results: list[CheckResult], tracebacks: list[str]) -> None:
@@ -94,7 +104,13 @@ def _attach_tracebacks(results: list[CheckResult], tracebacks: list[str]) -> Non
 
 
 def _setup(ctx: Context) -> list[CheckResult]:
-    error = registration_error(ctx)
+    """The registration check: FAIL when the connector cannot take this model's cache; SKIP (its
+    model's scenarios not run) where the runtime refuses the model, or where the connector was
+    written for another runtime and this one was not asked for by name (`--runtime`)."""
+    foreign = profile_of(ctx.runtime).cannot_host(ctx.spec.scheduler_class, ctx.spec.worker_class)
+    if foreign is not None and not ctx.runtime_chosen:
+        raise NotRunHere(f"not run under {ctx.runtime}: {foreign} (--runtime {ctx.runtime} makes this a failure)")
+    error = foreign or registration_error(ctx)
     return [CheckResult(SETUP, ctx.model, "registration", Verdict.FAIL if error else Verdict.PASS, 0.0,
                         [error] if error else ["the layout was accepted"])]
 
@@ -167,7 +183,8 @@ class ScenarioProcess:
         why = (f"did not finish within {self.timeout:g} s (a connector hook hung?)"
                if self.child.exitcode in (None, -9) else
                f"the scenario's process died (exit code {self.child.exitcode})")
-        return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why], seed=self.seed)]
+        return [CheckResult(self.name, self.ctx.model, "scenario", Verdict.ERROR, seconds, [why], seed=self.seed,
+                            runtime=str(self.ctx.runtime))]
 
     def ended(self) -> bool:
         """Whether the child has ended (collected if so); one that answered more than `EXIT_GRACE_S`
@@ -294,11 +311,12 @@ class Schedule:
         return task
 
     def finish(self, task: Task, results: list[CheckResult]) -> list[list[CheckResult]]:
-        """Record `task`'s results; a failed registration drops its model's other tasks. Returns the
-        result lists that became reportable, in the serial order."""
+        """Record `task`'s results; a registration that did not pass (failed, or skipped: the runtime
+        refuses the model) drops its model's other tasks. Returns the result lists that became
+        reportable, in the serial order."""
         self.running.discard(task)
         self._results[task.index] = results
-        if task.name == SETUP and any(r.failed for r in results):
+        if task.name == SETUP and not any(r.verdict is Verdict.PASS for r in results):
             for dropped in [t for t in self.pending if t.model == task.model]:
                 self.pending.remove(dropped)
                 self._results[dropped.index] = None
