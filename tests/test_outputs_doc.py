@@ -51,5 +51,5 @@ def test_the_documented_validate_outputs_are_the_written_ones(tmp_path):
 def test_a_key_added_and_not_documented_is_found():
     section = '```json\n{"target": str, "results": [{"check": str}]}\n```'
     written = keys_of({"target": "host", "seed": 0, "results": [{"check": "x"}], "findings": []})
-    assert written - documented_keys(section) == {"seed", "findings", "scenario", "model", "checks",
+    assert written - documented_keys(section) == {"seed", "findings", "scenario", "model", "checks", "runtime",
                                                          "max_requests", "max_new_tokens", "alone"}

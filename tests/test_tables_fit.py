@@ -64,4 +64,4 @@ def test_the_validate_table_at_80_columns_cuts_no_name_and_keeps_the_evidence():
 def test_the_validate_table_at_140_columns_has_a_column_each():
     results = [CheckResult("cold-warm", "tiny", "integrity", Verdict.PASS, 0.5, ["ok"])]
     (header,) = [line for line in rendered(_table(results, "host", width=140), 140) if "scenario" in line]
-    assert [h.strip() for h in header.split("┃")[1:-1]] == ["scenario", "model", "check", "verdict", "time", "evidence"]
+    assert [h.strip() for h in header.split("┃")[1:-1]] == ["scenario", "model / runtime", "check", "verdict", "time", "evidence"]

@@ -71,12 +71,13 @@ def test_serving_nothing_is_a_miss_unless_strict(tmp_path):
     assert {(r.model, r.verdict.value) for r in results if r.check == "warm-hit"} == {("tiny", "miss"),
                                                                                      ("tiny-vswa", "miss")}
     assert not [r for r in results if r.failed]
-    relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--output", str(tmp_path / "run")])
+    one = ["--runtime", "trtllm-v2-release"]
+    relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", *one, "--output", str(tmp_path / "run")])
     assert relaxed.exit_code == 0, relaxed.output
-    assert "6 checks: 4 passed, 2 missed" in relaxed.stderr
+    assert "6 checks under trtllm-v2-release: 4 passed, 2 missed" in relaxed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["num_missed"] == 2
-    strict = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", "--strict"])
-    assert strict.exit_code == 1 and "6 checks: 4 passed, 2 failed" in strict.output
+    strict = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", *one, "--strict"])
+    assert strict.exit_code == 1 and "6 checks under trtllm-v2-release: 4 passed, 2 failed" in strict.output
 
 
 def test_warm_hit_counts_tokens_served_intact_not_offered():
@@ -113,11 +114,16 @@ def test_cli_exit_codes_junit_and_json(tmp_path):
                              "--junit", str(junit), "--json", str(out)])
     assert ok.exit_code == 0, ok.output
     suite = ET.parse(junit).getroot()
-    assert suite.tag == "testsuites" and int(suite.get("tests")) == 10 and suite.get("failures") == "0"
+    # every runtime: V1 refuses tiny-vswa (its registration skipped, nothing else run on it)
+    assert suite.tag == "testsuites" and int(suite.get("tests")) == 26 and suite.get("failures") == "0"
     cases = suite.findall("./testsuite/testcase")
-    assert {c.get("classname") for c in cases} >= {"cold-warm[tiny]", "clamp[tiny-vswa]", "setup[tiny]"}
+    assert {c.get("classname") for c in cases} >= {"cold-warm[tiny, trtllm-v1]", "clamp[tiny-vswa, trtllm-v2]",
+                                                  "setup[tiny, trtllm-v2-release]", "setup[tiny-vswa, trtllm-v1]"}
+    assert "cold-warm[tiny-vswa, trtllm-v1]" not in {c.get("classname") for c in cases}
     doc = json.loads(out.read_text())
     assert doc["passed"] is True and {r["check"] for r in doc["results"]} >= {"integrity", "warm-hit"}
+    assert doc["runtimes"] == ["trtllm-v1", "trtllm-v2", "trtllm-v2-release"]
+    assert {r["runtime"] for r in doc["results"]} == set(doc["runtimes"])
     bad = runner.invoke(app, ["validate", "tests.helpers.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
                               "--junit", str(junit), "--strict"])
     assert bad.exit_code == 1 and "2 failed" in bad.stderr

@@ -129,13 +129,16 @@ def test_the_seed_is_in_the_summary_json_and_junit(tmp_path):
 def test_explore_stops_a_scenario_at_its_first_failure_and_prints_the_reproduce_command():
     target = "tests/helpers/early_report_connectors.py:EarlyReport:EarlyReportWorker"
     result = cli.invoke(app, ["validate", target, "--scenario", "async-save", "--scenario", "clamp", "--model", "tiny",
-                              "--explore", "3", "--seed", "4", "--device", "cpu", "--format", "json"])
+                              "--runtime", "trtllm-v2-release", "--explore", "3", "--seed", "4", "--device", "cpu",
+                              "--format", "json"])
     assert result.exit_code == 1
-    runs = re.findall(r"^seeds? ([\d.]+) (again, alone: )?(async-save|clamp)\[tiny\]", result.stderr, re.MULTILINE)
+    runs = re.findall(r"^seeds? ([\d.]+) (again, alone: )?(async-save|clamp)\[tiny, trtllm-v2-release\]", result.stderr,
+                      re.MULTILINE)
     # async-save stops at its first seed and runs once more alone; clamp passes all three (not shrink's probes)
     assert runs == [("4", "", "async-save"), ("4..6", "", "clamp"), ("4", "again, alone: ", "async-save")]
-    assert (f"async-save[tiny] failed integrity at seed 4 ({schedule_for(4).describe()}); reproduce: kvtool validate "
-            f"{target} --scenario async-save --model tiny --seed 4 --device cpu") in result.stderr
+    assert (f"async-save[tiny, trtllm-v2-release] failed integrity at seed 4 ({schedule_for(4).describe()}); "
+            f"reproduce: kvtool validate {target} --scenario async-save --model tiny --runtime trtllm-v2-release "
+            "--seed 4 --device cpu") in result.stderr
     assert "seeds 4..6 explored, 1 scenario failed" in result.stderr
     document = json.loads(result.stdout)   # the failure's results are the fresh process's, at its seed
     assert {r["seed"] for r in document["results"] if r["scenario"] == "async-save"} == {4}
@@ -144,17 +147,18 @@ def test_explore_stops_a_scenario_at_its_first_failure_and_prints_the_reproduce_
 
 def test_explore_runs_a_scenarios_seeds_in_one_process_and_says_when_a_failure_needs_the_earlier_ones():
     target = "tests/helpers/early_report_connectors.py:WrongFromTheSecondEngine:Worker"
-    result = cli.invoke(app, ["validate", target, "--scenario", "cold-warm", "--model", "tiny",
-                              "--explore", "3", "--device", "cpu", "--format", "json"])
+    result = cli.invoke(app, ["validate", target, "--scenario", "cold-warm", "--model", "tiny", "--runtime",
+                              "trtllm-v2-release", "--explore", "3", "--device", "cpu", "--format", "json"])
     assert result.exit_code == 1
     # seed 0 built the process's first engine and passed; seed 1's engine was its second, and failed
     assert re.findall(r"^seeds? ([\d.]+) (again, alone: )?cold-warm", result.stderr, re.MULTILINE) == \
         [("1", ""), ("1", "again, alone: ")]
-    assert ("cold-warm[tiny] failed integrity at seed 1 only after the earlier seeds ran in the same process"
-            in result.stderr)
+    assert ("cold-warm[tiny, trtllm-v2-release] failed integrity at seed 1 only after the earlier seeds ran in the "
+            "same process" in result.stderr)
     assert ("reproduce: kvtool validate tests/helpers/early_report_connectors.py:WrongFromTheSecondEngine:Worker "
-            "--scenario cold-warm --model tiny --seed 0 --explore 2 --device cpu") in result.stderr
-    assert "cold-warm[tiny]: not shrunk (it does not fail alone at its seed)" in result.stderr
+            "--scenario cold-warm --model tiny --runtime trtllm-v2-release --seed 0 --explore 2 --device cpu"
+            ) in result.stderr
+    assert "cold-warm[tiny, trtllm-v2-release]: not shrunk (it does not fail alone at its seed)" in result.stderr
     document = json.loads(result.stdout)
     assert [(f["seed"], f["alone"], f["max_requests"]) for f in document["findings"]] == [(1, False, None)]
     assert {r["seed"] for r in document["results"] if r["scenario"] == "cold-warm"} == {1}

@@ -179,10 +179,10 @@ def test_validate_output_writes_every_traceback_and_the_table_keeps_one_line(tmp
                     "        super().start_load_kv(stream)\n")
     out = tmp_path / "run"
     result = runner.invoke(app, ["validate", f"{file}:HostConnectorScheduler:W", "--model", "tiny",
-                                 "--scenario", "cold-warm", "--output", str(out)])
+                                 "--scenario", "cold-warm", "--runtime", "trtllm-v2-release", "--output", str(out)])
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.stdout and 'File "' not in result.stdout    # the table: evidence only
-    written = (out / "tracebacks" / "cold-warm-tiny.txt").read_text()
+    written = (out / "tracebacks" / "cold-warm-tiny-trtllm-v2-release.txt").read_text()
     assert "Traceback (most recent call last)" in written and f'File "{file}", line 5, in start_load_kv' in written
     assert "IndexError: page index -1" in written and "tracebacks of 1 failures" in result.stderr
     document = json.loads((out / "results.json").read_text())
@@ -244,7 +244,7 @@ def test_a_remote_scenario_with_nothing_to_disrupt_says_it_is_a_knock_on():
 # ---- 5. skipped remote rows, one line -----------------------------------------------------------
 def test_remote_rows_skipped_for_want_of_remote_fold_into_one_line():
     args = ["validate", "host", "--model", "tiny", "--scenario", "remote-stalled", "--scenario",
-            "remote-lost-after-ask", "--scenario", "remote-connections-dropped"]
+            "remote-lost-after-ask", "--scenario", "remote-connections-dropped", "--runtime", "trtllm-v2-release"]
     folded = runner.invoke(app, args)
     assert folded.exit_code == 0, folded.output
     assert "remote-* (3 scenarios × 1 model)" in folded.stdout and "needs --remote URL" in folded.stdout

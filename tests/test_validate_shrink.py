@@ -72,12 +72,12 @@ def test_the_search_finds_the_smallest_failing_size_of_a_monotone_failure(thresh
 def test_explore_prints_the_smallest_case_and_its_command_reproduces_it():
     target = "tests/helpers/early_report_connectors.py:ClaimsOneBlockMore:Worker"
     result = cli.invoke(app, ["validate", target, "--scenario", "cold-warm", "--model", "tiny", "--explore", "1",
-                              "--device", "cpu"])
+                              "--runtime", "trtllm-v2-release", "--device", "cpu"])
     assert result.exit_code == 1
-    command = (f"kvtool validate {target} --scenario cold-warm --model tiny --seed 0 --device cpu "
-               "--max-requests 2 --max-new-tokens 1")
-    assert ("cold-warm[tiny] smallest failing case: first 2 requests of each run, at most 1 new token; "
-            f"reproduce: {command}") in result.stderr
+    command = (f"kvtool validate {target} --scenario cold-warm --model tiny --runtime trtllm-v2-release --seed 0 "
+               "--device cpu --max-requests 2 --max-new-tokens 1")
+    assert ("cold-warm[tiny, trtllm-v2-release] smallest failing case: first 2 requests of each run, at most 1 new "
+            f"token; reproduce: {command}") in result.stderr
     again = cli.invoke(app, [*shlex.split(command)[1:], "--format", "json"])
     assert again.exit_code == 1
     assert '"check": "integrity",\n      "verdict": "fail"' in again.stdout

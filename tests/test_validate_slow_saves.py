@@ -16,13 +16,13 @@ TARGET = "tests/helpers/slow_async_host.py:SlowSaves:SlowSavingWorker"
 
 def _validate(*extra: str):
     return runner.invoke(app, ["validate", TARGET, "--connector-opt", "mode=async", "--model", "tiny",
-                               "--scenario", "local-prefix", "--format", "json", *extra])
+                               "--scenario", "local-prefix", "--runtime", "trtllm-v2-release", "--format", "json", *extra])
 
 
 def test_a_repeat_asked_while_its_save_is_in_flight_is_a_miss_not_a_failure():
     result = _validate()
     assert result.exit_code == 0, result.output
-    assert "4 checks: 3 passed, 1 missed" in result.stderr
+    assert "4 checks under trtllm-v2-release: 3 passed, 1 missed" in result.stderr
     rows = json.loads(result.stdout)["results"]
     (hit,) = [r for r in rows if r["check"] == "warm-hit"]
     assert hit["verdict"] == "miss" and "repeats a prompt the connector saw, but it offered nothing" in hit["evidence"][0]
@@ -32,4 +32,4 @@ def test_a_repeat_asked_while_its_save_is_in_flight_is_a_miss_not_a_failure():
 def test_strict_turns_the_in_flight_miss_into_a_failure():
     result = _validate("--strict")
     assert result.exit_code == 1
-    assert "4 checks: 3 passed, 1 failed" in result.stderr
+    assert "4 checks under trtllm-v2-release: 3 passed, 1 failed" in result.stderr

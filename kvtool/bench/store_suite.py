@@ -286,6 +286,7 @@ def _forget_mooncake_blocks(options: dict[str, str]) -> None:
 CLEANUP = {"redis": _forget_redis_blocks, "mooncake": _forget_mooncake_blocks}
 """What a store keeps after the bench that must go (host memory and the scratch folder go by themselves)."""
 
-RAW_LOOPS = {"host": _raw_memory, "host-async": _raw_memory, "host-layerwise": _raw_memory, "disk": _raw_files,
+RAW_LOOPS = {"host": _raw_memory, "host-async": _raw_memory, "host-layerwise": _raw_memory, "host-reserve": _raw_memory,
+             "disk": _raw_files,
              "redis": _raw_redis, "mooncake": _raw_mooncake}
 """The raw loop each store is measured against, by connector name."""

@@ -44,7 +44,7 @@ from kvtool.units import parse_size
 from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
-SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes"}
+SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes", "host-reserve": "bytes"}
 """The connectors whose `capacity` the sweep sets at each point, and its unit there."""
 
 

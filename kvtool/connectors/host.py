@@ -20,8 +20,8 @@ from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.metadata import PageTransfer
-from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler
-from kvtool.connectors.store_worker import BlockStoreWorker
+from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler, PrefixReservingScheduler
+from kvtool.connectors.store_worker import BlockStoreWorker, PrefixReservingWorker
 from kvtool.errors import InputError
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.transfer.api import PageSpace
@@ -172,3 +172,11 @@ class HostConnectorWorker(BlockStoreWorker):
         slots = [t.location[1] for t in transfers]
         self.backend.copy(self.page_ops(transfers, self.store, slots, to_store, layer_id))
         self.backend.synchronize()
+
+
+class ReservingHostScheduler(PrefixReservingScheduler, HostConnectorScheduler):
+    """`host-reserve`: the host connector taking part in `main`'s V2 prefix reservations."""
+
+
+class ReservingHostWorker(PrefixReservingWorker, HostConnectorWorker):
+    pass

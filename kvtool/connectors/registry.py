@@ -7,7 +7,8 @@ from types import MappingProxyType
 from kvtool.connector import loader
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.connectors.host import (HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler,
+                                   ReservingHostWorker)
 from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
 from kvtool.connectors.mooncake_connector import (MooncakeConnectorScheduler, MooncakeConnectorWorker,
                                                  MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker)
@@ -23,6 +24,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("host", HostConnectorScheduler, HostConnectorWorker, "sync"),
     _builtin("host-async", HostConnectorScheduler, HostConnectorWorker, "async"),
     _builtin("host-layerwise", HostConnectorScheduler, HostConnectorWorker, "layerwise"),
+    _builtin("host-reserve", ReservingHostScheduler, ReservingHostWorker, "sync"),
     _builtin("disk", DiskConnectorScheduler, DiskConnectorWorker, "sync"),
     _builtin("index", IndexConnectorScheduler, IndexConnectorWorker, "sync"),
     _builtin("redis", RedisConnectorScheduler, RedisConnectorWorker, "sync"),

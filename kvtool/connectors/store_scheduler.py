@@ -226,8 +226,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return plan
 
     # ---- prefix reservations (`main`'s V2) ---------------------------------------------------
-    def reserve_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
-        """Promise the longest stored run of whole blocks past `num_computed_tokens` that leaves the
+    def _promise_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        """`reserve_prefix` (`PrefixReservingScheduler`): promise the longest stored run of whole blocks past `num_computed_tokens` that leaves the
         last prompt token to compute, its entries pinned until released; no transfer starts."""
         tracker = self._tracker(request.request_id, request.cache_salt)
         tracker.tokens = request.get_tokens(0)[:request.prompt_len]
@@ -247,8 +247,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self._promises[reservation_id] = _Promise(request.request_id, num_computed_tokens, end, plan)
         return end - num_computed_tokens, self.mode is StoreMode.ASYNC
 
-    def release_prefix_reservation(self, request: Request, reservation_id: int, start: int, end: int) -> None:
-        """Unpin the promise's entries whose blocks begin in [start, end) (unused, or loaded on every worker)."""
+    def _release_promise(self, reservation_id: int, start: int, end: int) -> None:
+        """`release_prefix_reservation`: unpin the promise's entries whose blocks begin in [start, end) (unused, or loaded on every worker)."""
         promise = self._promises.get(reservation_id)
         if promise is None:
             return
@@ -435,3 +435,15 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         if request_id not in self._trackers:
             self._trackers[request_id] = _Tracker(request_id, root_key(ReuseScope.from_cache_salt(cache_salt)))
         return self._trackers[request_id]
+
+
+class PrefixReservingScheduler(BlockStoreScheduler):
+    """A block-store scheduler that takes part in prefix reservations (`main`'s V2): listed before
+    the store's scheduler class, `class S(PrefixReservingScheduler, HostConnectorScheduler)`; its
+    worker must be a `PrefixReservingWorker` too (TensorRT-LLM refuses one hook without the others)."""
+
+    def reserve_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        return self._promise_prefix(request, num_computed_tokens, reservation_id)
+
+    def release_prefix_reservation(self, request: Request, reservation_id: int, start: int, end: int) -> None:
+        self._release_promise(reservation_id, start, end)

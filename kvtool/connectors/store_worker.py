@@ -130,8 +130,9 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         saved = self._done(self._saving, self._given_saves, nothing_pending_is_done=True)
         return saved, self._done(self._loading, self._given_loads)
 
-    def get_finished_prefix_loads(self) -> list[int]:
-        """Prefix loads landed here: the synchronous ones of passes that ran, the background ones done."""
+    def _finished_prefix_loads(self) -> list[int]:
+        """`get_finished_prefix_loads` (`PrefixReservingWorker`): prefix loads landed here, the
+        synchronous ones of passes that ran, the background ones done."""
         done, self._prefix_loaded = self._prefix_loaded, []
         return done + self._done(self._prefix_loading, set(self._prefix_loading))
 
@@ -222,6 +223,14 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             group = staging[t.layer_group_id]
             payloads.append(group.tensor[rows[i] * group.stride:(rows[i] + 1) * group.stride].numpy().tobytes())
         return payloads
+
+
+
+class PrefixReservingWorker(BlockStoreWorker):
+    """The worker half of `store_scheduler.PrefixReservingScheduler`: reports confirmed prefix loads."""
+
+    def get_finished_prefix_loads(self) -> list[int]:
+        return self._finished_prefix_loads()
 
 
 def _layer_chunk(region, layer_id: int | None) -> tuple[int, int] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.engine.runtimes import RuntimeName
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.judges import judge_integrity, judge_warm_hit
 from kvtool.validate.results import CheckResult

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.engine.events import Ask, NotHonoured
-from kvtool.engine.runtimes import RuntimeName as R
+from kvtool.engine.runtimes.names import RuntimeName as R
 from kvtool.engine.runtimes.behaviours import Behaviour as B
 from kvtool.models import load_model, shard_model
 from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
