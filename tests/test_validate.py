@@ -23,7 +23,8 @@ from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS, Verdict
 from kvtool.validate.runner import run_all, run_isolated
 from kvtool.validate.scenarios import SCENARIOS
-from tests.helpers.broken_connectors import BROKEN
+from kvtool.engine.runtimes import DEFAULT_RUNTIME
+from tests.helpers.broken_connectors import BROKEN, RUNTIME_OF
 
 runner = CliRunner()
 MODELS = ("tiny", "tiny-vswa")
@@ -43,10 +44,11 @@ and zeroed by every engine (dozens per run of the kit), most of such a run's tim
 nothing is evicted, the connector behaves as with the default (the same checks fail)."""
 
 
-def validate_in_process(target: str, scenarios=None, strict: bool = False, options=(), load_timeout: float = 5.0):
+def validate_in_process(target: str, scenarios=None, strict: bool = False, options=(), load_timeout: float = 5.0,
+                        runtime: str = DEFAULT_RUNTIME):
     spec = load_connector(target)
-    return run_all([Context(spec, m, load_timeout=load_timeout, strict=strict, options=options) for m in MODELS],
-                   scenarios or list(SCENARIOS), 60, isolated=False)
+    return run_all([Context(spec, m, load_timeout=load_timeout, strict=strict, options=options, runtime=runtime)
+                    for m in MODELS], scenarios or list(SCENARIOS), 60, isolated=False)
 
 
 @pytest.mark.slow
@@ -57,7 +59,8 @@ def test_each_broken_connector_fails_exactly_its_check(label):
     # load-completes' never reports a load: each of its loads fails when the load timeout runs out,
     # whatever its length (a quarter second instead of one: about 35 s less waiting).
     results = validate_in_process(f"tests.helpers.broken_connectors:{scheduler}:{worker}", strict=label == "warm-hit",
-                                  options=SMALL_STORE, load_timeout=0.25 if label == "load-completes" else 5.0)
+                                  options=SMALL_STORE, load_timeout=0.25 if label == "load-completes" else 5.0,
+                                  runtime=RUNTIME_OF.get(label, DEFAULT_RUNTIME))
     failed = {r.check for r in results if r.failed}
     assert failed == {label.split(" (")[0]}, [(r.scenario, r.model, r.check, r.evidence[:2]) for r in results
                                               if r.failed]

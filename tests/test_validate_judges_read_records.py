@@ -19,6 +19,7 @@ from kvtool.validate.harness import Context, Req, run, tokens
 
 VALIDATE = Path(kvtool.validate.__file__).parent
 JUDGE_MODULES = ("judges.py", "scenarios.py", "pause_scenarios.py", "draft_scenarios.py", "remote_scenarios.py",
+                 "reservation_scenarios.py", "runtime_differences.py",
                  "cause_evidence.py", "outlived_store.py")
 ALLOWED_ENGINE_MODULES = {"kvtool.engine.events", "kvtool.engine.runtimes.names", "kvtool.engine.runtimes.behaviours"}
 """What the judges may read of the engine: its events, and the runtimes' names and behaviour table (data)."""

@@ -34,6 +34,7 @@ from kvtool.bench.compute_load import MatmulLoad, Product, during, median_second
 from kvtool.bench.protocol_engine import (Recorder, Workload, build_engine, check_bytes, four_digits, measure_round,
                                           one_line_errors, run_round, union)
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.store_namespace import store_namespace
 
@@ -90,7 +91,7 @@ class _Loaded:
 
 def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], model: str,
                       tokens_per_block: list[int], workload: Workload, device: str,
-                      rows: list[ComputeRow]) -> list[str]:
+                      rows: list[ComputeRow], runtime: RuntimeName = DEFAULT_RUNTIME) -> list[str]:
     """Append to `rows` a row per (target, block size) for `targets` as (spec, options, label), as
     each is measured (what an error stops keeps those before it); one line per check that failed
     (bytes saved under load not verified). ConnectorError when a hook raised, ComputeLoadError when
@@ -101,7 +102,7 @@ def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], 
         with store_namespace(label="bench-compute"):
             for tpb in tokens_per_block:
                 with one_line_errors(label):
-                    loaded = _loaded_round(spec, options, label, model, tpb, workload, device, load)
+                    loaded = _loaded_round(spec, options, label, model, tpb, workload, device, load, runtime)
                 rows.append(_row(label, model, tpb, load, loaded))
                 if loaded.issue is not None:
                     problems.append(f"{label}, {tpb} tokens per block, saved beside products: not verified: "
@@ -110,10 +111,10 @@ def run_compute_suite(targets: list[tuple[ConnectorSpec, dict[str, str], str]], 
 
 
 def _loaded_round(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
-                  workload: Workload, device: str, load: MatmulLoad) -> _Loaded:
-    unloaded = _cold_save_gbps(spec, options, label, model, tpb, workload, device)
+                  workload: Workload, device: str, load: MatmulLoad, runtime: RuntimeName = DEFAULT_RUNTIME) -> _Loaded:
+    unloaded = _cold_save_gbps(spec, options, label, model, tpb, workload, device, runtime)
     engine_only = _engine_only_products(model, tpb, workload, device, load)
-    engine = build_engine(spec, options, model, tpb, workload, device)
+    engine = build_engine(spec, options, model, tpb, workload, device, runtime)
     try:
         recorder = Recorder(engine)
         recorder.attach()
@@ -221,9 +222,9 @@ def _saving_spans(recorder: Recorder, ids: list[int]) -> list[tuple[float, float
 
 
 def _cold_save_gbps(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
-                    workload: Workload, device: str) -> float:
+                    workload: Workload, device: str, runtime: RuntimeName = DEFAULT_RUNTIME) -> float:
     """Save GB/s of a cold round on a fresh engine with nothing beside it."""
-    engine = build_engine(spec, options, model, tpb, workload, device)
+    engine = build_engine(spec, options, model, tpb, workload, device, runtime)
     try:
         recorder = Recorder(engine)
         recorder.attach()

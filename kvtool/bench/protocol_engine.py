@@ -36,6 +36,7 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, CapacityPolicy, RuntimeName, profile_of
 from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
 from kvtool.engine.fake_engine import VOCAB_SIZE
 from kvtool.engine.scheduler import SchedulerConfig
@@ -210,16 +211,18 @@ class Measured:
 
 
 def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str, tpb: int, workload: Workload,
-            device: str) -> Engine:
+                 device: str, runtime: RuntimeName = DEFAULT_RUNTIME) -> Engine:
     """`workload.per_pass` requests per pass, no local prefix reuse (the warm round must ask the connector), pages
     poisoned when handed out (a load that writes nothing reads as wrong bytes), and room for every
-    prompt at once (asynchronous loads and saves hold pages outside the batch) plus a spare page."""
+    prompt at once (asynchronous loads and saves hold pages outside the batch) plus a spare page;
+    under `runtime`, with the admission it runs a connector under."""
     slots = workload.prompts * (workload.blocks + 1) + 1
     manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
     tokens = workload.per_pass * (workload.blocks + 1) * tpb     # room for a whole batch in one prefill
-    scheduler = SchedulerConfig(max_batch_size=workload.per_pass, max_num_tokens=max(tokens, 8192), local_reuse=False)
-    config = EngineConfig(manager, scheduler,
-                          max_transmission_seconds=60.0)
+    no_evict = profile_of(runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
+    scheduler = SchedulerConfig(max_batch_size=workload.per_pass, max_num_tokens=max(tokens, 8192), local_reuse=False,
+                                reserve_outputs=no_evict)
+    config = EngineConfig(manager, scheduler, runtime=runtime, max_transmission_seconds=60.0)
     engine = Engine(config, spec, sized_store(spec, options, model, tpb, workload) if spec else options)
     commit_stores(rank.worker for rank in engine.driver.workers)
     return engine

@@ -32,6 +32,7 @@ from kvtool.bench.protocol_engine import (QUICK, Measured, Recorder, Workload, b
                                           four_digits, measure_round, one_line_errors, run_round)
 from kvtool.bench.timing import time_repeats
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 from kvtool.connector.store_namespace import store_namespace
 
 __all__ = ["QUICK", "Workload", "run_protocol_suite", "reference_connector", "reference_label", "connector_label"]
@@ -71,17 +72,19 @@ class ProtocolRow:
 
 def run_protocol_suite(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
                        workload: Workload, repeats: int, device: str = "cpu",
-                       reference: tuple[ConnectorSpec, dict[str, str]] | None = None, rounds: int = 1
-                       ) -> tuple[list[ProtocolRow], list[str]]:
+                       reference: tuple[ConnectorSpec, dict[str, str]] | None = None, rounds: int = 1,
+                       runtime: RuntimeName = DEFAULT_RUNTIME) -> tuple[list[ProtocolRow], list[str]]:
     """A save and a load row per block size (then the same for `reference`, the run's yardstick),
     each over `rounds` fresh engines, and one line per failed check (bytes not verified, nothing
     served in a warm round). `repeats`: of the raw copy. ConnectorError when a connector hook
-    raised or the run stopped; InputError when the connector cannot be constructed or registered."""
-    rows, problems = _connector_rows(spec, options, model, tokens_per_block, workload, repeats, device, rounds)
+    raised or the run stopped; InputError when the connector cannot be constructed or registered.
+    Every engine plays `runtime`."""
+    rows, problems = _connector_rows(spec, options, model, tokens_per_block, workload, repeats, device, rounds,
+                                     runtime=runtime)
     if reference is None:
         return rows, problems
     ref_rows, ref_problems = _connector_rows(reference[0], reference[1], model, tokens_per_block, workload, repeats,
-                                             device, rounds, reference_label(reference))
+                                             device, rounds, reference_label(reference), runtime)
     yardstick = {(r.direction, r.tokens_per_block): r.gbps for r in ref_rows}
     for row in rows + ref_rows:
         base = yardstick.get((row.direction, row.tokens_per_block))
@@ -107,7 +110,8 @@ def reference_label(reference: tuple[ConnectorSpec, dict[str, str]]) -> str:
 
 def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, tokens_per_block: list[int],
                     workload: Workload, repeats: int, device: str, rounds: int,
-                    label: str | None = None) -> tuple[list[ProtocolRow], list[str]]:
+                    label: str | None = None, runtime: RuntimeName = DEFAULT_RUNTIME
+                    ) -> tuple[list[ProtocolRow], list[str]]:
     rows, problems = [], []
     label = label or connector_label(spec.name)
     with store_namespace(label="bench"):      # a shared-server store starts cold and keeps to itself
@@ -115,7 +119,7 @@ def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, to
             results = []
             for _ in range(rounds):
                 with one_line_errors(label):
-                    results.append(_run_block_size(spec, options, label, model, tpb, workload, device))
+                    results.append(_run_block_size(spec, options, label, model, tpb, workload, device, runtime))
                 gc.collect()                  # the engine and the connector's store go before the next
             issue = next((r.issue for r in results if r.issue is not None), None)
             for direction in ("save", "load"):
@@ -147,10 +151,10 @@ class _BlockSize:
 
 
 def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, model: str, tpb: int,
-                    workload: Workload, device: str) -> _BlockSize:
+                    workload: Workload, device: str, runtime: RuntimeName = DEFAULT_RUNTIME) -> _BlockSize:
     """The cold and the warm round on a fresh engine (closed before returning). Prompts are random
     per run, so a store that outlives the process (files, a server) starts cold too."""
-    engine = build_engine(spec, options, model, tpb, workload, device)
+    engine = build_engine(spec, options, model, tpb, workload, device, runtime)
     try:
         recorder = Recorder(engine)
         recorder.attach()

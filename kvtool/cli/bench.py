@@ -23,6 +23,7 @@ from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometr
 from kvtool.cli.common import ExitCode, clean_errors, fail, pages_device, print_connector_help, progress_bar
 from kvtool.inputs import connector_options
 from kvtool.connector.compat import install_compat
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RUNTIMES, RuntimeName, runtime_name
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
 from kvtool.errors import InputError, KvToolError
 from kvtool.models import load_model
@@ -102,6 +103,10 @@ def bench(
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
                                                   "on cuda every connector is driven through the engine and measured "
                                                   "against the PCIe link [default: cpu].")] = None,
+    runtime: Annotated[Optional[str], typer.Option(metavar="NAME", help="--suite store: the TensorRT-LLM runtime "
+                                                   "the engine plays (" + ", ".join(map(str, RUNTIMES)) + "); "
+                                                   "given, the built-in stores too are driven through the engine "
+                                                   f"[default: {DEFAULT_RUNTIME}].")] = None,
 ) -> None:
     """Measure connector transfers (save, load, both at once, GPU gather) per backend against the
     link peak measured in the same run; the manager's cost with --suite manager; or a connector's
@@ -109,7 +114,8 @@ def bench(
     connector of your own: its hooks timed through the engine, a cold then a warm round).
     Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
     suite = _chosen_suite(suite, {"--connector": connector is not None, "--compat": compat is not None,
-                                  "--connector-opt": bool(connector_opt), "--device": device is not None},
+                                  "--connector-opt": bool(connector_opt), "--device": device is not None,
+                                  "--runtime": runtime is not None},
                           {"--granularity": bool(granularity), "--direction": bool(direction),
                            "--backend": bool(backend)})
     connector = connector or "host"
@@ -126,7 +132,7 @@ def bench(
         return
     if suite is Suite.store:
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
-                     format, pages_device(device, "cpu"), with_compute)
+                     format, pages_device(device, "cpu"), with_compute, runtime_name(runtime) if runtime else None)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -186,7 +192,10 @@ STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 
 def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
                  tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
-                 out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False) -> None:
+                 out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
+                 runtime: RuntimeName | None = None) -> None:
+    """The store suite: the built-in stores against raw loops of their store on a CPU, any other
+    connector (or on cuda, or with --with-compute or --runtime) through the engine."""
     if len(model) > 1:
         raise InputError("--suite store measures one --model at a time")
     name = model[0] if model else "llama-3.1-8b"
@@ -198,11 +207,12 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
     install_compat(compat)
     spec = load_connector(connector, compat)
     options = connector_options(spec, connector_opt)
-    if spec.name not in BUILTIN_CONNECTORS or device == "cuda" or with_compute:
+    if spec.name not in BUILTIN_CONNECTORS or device == "cuda" or with_compute or runtime is not None:
         if batch_bytes is not None:
             raise InputError("--batch-bytes sizes the built-in stores' batches on a CPU; a run through the engine "
                              "moves whole prompts")
-        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device, with_compute)
+        _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device, with_compute,
+                        runtime or DEFAULT_RUNTIME)
         return
     sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
     batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
@@ -219,7 +229,8 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
 
 
 def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
-                    quick: bool, out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False) -> None:
+                    quick: bool, out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
+                    runtime: RuntimeName = DEFAULT_RUNTIME) -> None:
     """`protocol_suite` on a connector the store suite does not know (or on GPU pages, or with
     products beside the saves), beside kvtool's reference connector; exit 1 naming the failed check."""
     sizes = list(tokens_per_block) or list(protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
@@ -229,20 +240,20 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
     with scratch_working_folder():
         rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
                                                            repeats or (3 if quick else 5), device, reference,
-                                                           rounds=repeats or (1 if quick else 3))
+                                                           rounds=repeats or (1 if quick else 3), runtime=runtime)
         rows = [r.as_dict() for r in rows]
-        extra = {}
+        extra: dict = {"runtime": str(runtime)}
         if with_compute:
             compute_rows: list = []
             try:
                 problems += _protocol_compute_rows(spec, options, reference, model, sizes, workload, device,
-                                                   compute_rows)
+                                                   compute_rows, runtime)
             except KvToolError as exc:         # the rows measured so far are written all the same
                 problems.append(f"with compute: {exc}")
             if compute_rows:
                 extra["compute"] = [r.as_dict() for r in compute_rows]
     write_run(out_dir, rows, extra, "store")
-    _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine: "
+    _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine ({runtime}): "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
     if extra.get("compute"):
@@ -256,11 +267,11 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
 
 
 def _protocol_compute_rows(spec, options: dict[str, str], reference, model: str, sizes: list[int], workload,
-                           device: str, rows: list) -> list[str]:
+                           device: str, rows: list, runtime: RuntimeName = DEFAULT_RUNTIME) -> list[str]:
     """The loaded cold rounds of the connector and of the reference, appended to `rows` as measured."""
     targets = [(spec, options, protocol_suite.connector_label(spec.name)),
                (reference[0], reference[1], protocol_suite.reference_label(reference))]
-    return protocol_compute.run_compute_suite(targets, model, sizes, workload, device, rows)
+    return protocol_compute.run_compute_suite(targets, model, sizes, workload, device, rows, runtime)
 
 
 def _run_cases(transfer: TransferSuite, cases, console: Console) -> list[dict]:

@@ -14,6 +14,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RUNTIMES
 from kvtool.trace.setup import ReplayOptions
 from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
 from kvtool.workloads.source import FORMATS
@@ -53,6 +54,10 @@ def _shared(
                                            "pauses the one started last, which runs again from the start "
                                            "(TensorRT-LLM's MAX_UTILIZATION).")]
     = "reserve",
+    runtime: Annotated[str, typer.Option(metavar="NAME", help="The TensorRT-LLM runtime the engine plays: "
+                                         + ", ".join(map(str, RUNTIMES)) + " (when a request is asked, which "
+                                         "pages its first chunk takes; see docs/trtllm-compat.md).")]
+    = str(DEFAULT_RUNTIME),
     seed: Annotated[int, typer.Option(help="Seed of the KV fingerprints.")] = 0,
     cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
                                                        "with the GPU cost model and report TTFT [default: on for "

@@ -159,10 +159,9 @@ class KvCacheLayout:
         of equal buffers; None otherwise (or for a layout computed without memory). Within a
         (layer, role) buffer kvtool orders token, head, element."""
         shape = self.single_pool_shape()
-        region = self.layer_groups[0].regions[0] if shape is not None else None
-        if region is None or region.storage is None:
+        if shape is None or self.layer_groups[0].regions[0].storage is None:
             return None
-        return region.as_tensor(self.dtype).view(*shape)
+        return self.layer_groups[0].regions[0].as_tensor(self.dtype).view(*shape)
 
     def single_pool_shape(self) -> tuple[int, int, int, int] | None:
         """`as_single_pool_tensor`'s shape where the cache is one pool of equal buffers (with or

@@ -73,6 +73,8 @@ class TraceSummary:
     simulated_seconds: float
     """The replay's clock at the end (the cost model's seconds, or 10 ms an iteration)."""
     fidelity: str
+    runtime: str
+    """The TensorRT-LLM runtime the engine played (`--runtime`)."""
     invariant_errors: int
     """Manager invariants broken after the replay (leaked caches or holds included)."""
     connector: str
@@ -219,6 +221,7 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
         hit_rate=token_hit_rate(local, external, prompt_tokens),
         simulated_seconds=round(engine.clock, 6),
         fidelity=engine.config.fidelity,
+        runtime=str(engine.config.runtime),
         invariant_errors=len(invariant_errors),
         connector=connector.name if connector else "none",
         model=engine.config.manager.model.name,

@@ -17,6 +17,7 @@ from kvtool.connector.request import max_kv_tokens
 from kvtool.connectors.registry import load_connector
 from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS, CostModel, cost_model_for
 from kvtool.engine.engine import EngineConfig
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, runtime_name
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import InputError, OutOfMemoryError
@@ -76,6 +77,8 @@ class ReplayOptions:
     """`--compat`: the modules a connector written against another runtime imports."""
     no_local_reuse: bool = False
     admission: str = "reserve"
+    runtime: str = str(DEFAULT_RUNTIME)
+    """The TensorRT-LLM runtime the engine plays (`kvtool.engine.runtimes`)."""
     seed: int = 0
     num_ranks: int = 1
     tp: int = 1
@@ -127,7 +130,8 @@ def build_replay(o: ReplayOptions) -> Replay:
     config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
                                                    local_reuse=not o.no_local_reuse,
                                                    **_admission(o.admission)),
-                          seed=o.seed, num_ranks=o.num_ranks, tp_size=o.tp, ranks_as_processes=True,
+                          seed=o.seed, runtime=runtime_name(o.runtime), num_ranks=o.num_ranks, tp_size=o.tp,
+                          ranks_as_processes=True,
                           fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None,
                           draft_tokens=o.draft_tokens, acceptance=o.acceptance)
     return Replay(workload, config, spec, options, cost,

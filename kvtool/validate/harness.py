@@ -127,8 +127,8 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                                    poison_new_pages=True, keep_reusable_pages=local_reuse,
                                    slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
     no_evict = profile_of(ctx.runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
-    scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse, reserve_outputs=no_evict and not reference,
-                                pause_to_grow=pause_to_grow)
+    scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse,
+                                reserve_outputs=no_evict and not reference, pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
                         verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",

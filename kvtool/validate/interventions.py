@@ -30,6 +30,18 @@ def abort_deferred(request_id: int) -> EngineHook:
     return abort
 
 
+def abort_in_transmission(request_id: int) -> EngineHook:
+    """An on_iteration hook: abort `request_id` once, while its asynchronous load is in flight."""
+    done: list[bool] = []
+
+    def abort(engine: Engine) -> None:
+        state = engine.states.get(request_id)
+        if not done and state and state.phase is Phase.TRANSMISSION:
+            engine.abort(request_id)
+            done.append(True)
+    return abort
+
+
 def evict_local_cache_after(wave: float) -> EngineHook:
     """An on_iteration hook: once every request arriving at or before `wave` is gone, evict the
     local cache's reusable pages (once), so later requests find their prefix only in the connector."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.engine.events import Ask, Deliver, Finished, LoadStarted, SaveFinished, SaveStarted
+from kvtool.engine.events import (Ask, Deliver, Finished, LoadStarted, PrefixLoadRetired, ReservationReleased, Reserved,
+                                  SaveFinished, SaveStarted)
 from kvtool.validate.cause_evidence import released_page_loads
 from kvtool.validate.harness import Context, Req, reference_tokens
 from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine
@@ -149,6 +150,9 @@ def judge_holds_nothing(scenario: str, ctx: Context, r: RunRecord, followup_ok: 
     held = sorted(set(r.introspection.tracked_request_ids or ()) & gone)
     pinned = r.introspection.pinned_entries or 0
     evidence = [f"still tracks finished or cancelled request {rid}" for rid in held]
+    if pinned and _held_reservations(r):   # the connector must keep a reservation's source until released
+        return result(scenario, ctx, "holds-nothing", not evidence, evidence or [
+            f"{pinned} store entries pinned for reservations the runtime still holds (see reservations)"])
     if pinned:
         evidence.append(f"{pinned} store entries still pinned after every request finished")
     return result(scenario, ctx, "holds-nothing", not evidence, evidence or ["nothing held"])
@@ -180,6 +184,50 @@ def _unreported_save(r: RunRecord, request_id: int) -> str:
     if state.failure is FailureReason.STUCK_IN_TRANSMISSION and state.error:
         return state.error.removeprefix(f"{FailureReason.STUCK_IN_TRANSMISSION.value}: ")
     return f"request {request_id}: its asynchronous save was never reported"
+
+
+def judge_reservations(scenario: str, ctx: Context, r: RunRecord) -> list[CheckResult]:
+    """`reservations`, wherever the connector took part in prefix reservations: each reservation's
+    tokens released exactly once by the end of the run (a load that never retires, because a
+    worker never reported it, keeps its reservation: the connector's failure)."""
+    promised = {e.reservation_id: e for e in r.events.of(Reserved)}
+    if not promised or r.error:
+        return []
+    released: dict[int, list[tuple[int, int]]] = {}
+    for e in r.events.of(ReservationReleased):
+        released.setdefault(e.reservation_id, []).append((e.start, e.end))
+    retired = {e.reservation_id for e in r.events.of(PrefixLoadRetired)}
+    evidence = [_unreleased(e, released.get(rid, []), rid in retired) for rid, e in promised.items()]
+    evidence = [line for line in evidence if line]
+    return [result(scenario, ctx, "reservations", not evidence,
+                   evidence or [f"{len(promised)} reservations, each released once ({len(retired)} loads retired)"])]
+
+
+def _held_reservations(r: RunRecord) -> bool:
+    """Whether some reservation was not wholly released by the end of the run."""
+    released: dict[int, int] = {}
+    for e in r.events.of(ReservationReleased):
+        released[e.reservation_id] = released.get(e.reservation_id, 0) + e.end - e.start
+    return any(released.get(e.reservation_id, 0) < e.end - e.start for e in r.events.of(Reserved))
+
+
+def _unreleased(promise: Reserved, parts: list[tuple[int, int]], retired: bool) -> str:
+    """What is wrong with one reservation's releases, or ""."""
+    covered = sorted(parts)
+    ends = [promise.start]
+    for start, end in covered:
+        if start != ends[-1]:
+            break
+        ends.append(end)
+    if ends[-1] == promise.end and len(covered) == len(ends) - 1:
+        return ""
+    where = f"reservation {promise.reservation_id} of request {promise.request_id} [{promise.start}, {promise.end})"
+    if sum(e - s for s, e in covered) > promise.end - promise.start:
+        return f"{where}: released more than once ({covered})"
+    if not retired:
+        return (f"{where}: released {covered or 'nothing'}; its confirmed load was never reported by "
+                "get_finished_prefix_loads on every worker, so the runtime still holds it")
+    return f"{where}: released {covered}, not exactly its tokens"
 
 
 def judge_answers(scenario: str, ctx: Context, r: RunRecord, always: bool = False) -> list[CheckResult]:

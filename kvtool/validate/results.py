@@ -28,6 +28,8 @@ CHECKS: dict[str, str] = {
                              "correctly and the failed request's state is dropped",
     "answers-in-contract": "answers are (count >= 0, is_async) pairs, never (0, True), never past the prompt",
     "salt-isolation": "no block is served across different cache salts",
+    "reservations": "every prefix reservation (main's V2) ends released, each token exactly once: every confirmed "
+                    "load reported by every worker, every unused part handed back",
 }
 
 

@@ -28,11 +28,12 @@ from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, ru
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
 from kvtool.validate.interventions import (InjectedFailure, abort_deferred, evict_local_cache_after,
                                            release_reusable_pages)
-from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity, judge_warm_hit,
-                                    knock_on, result, skipped)
+from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity,
+                                    judge_reservations, judge_warm_hit, knock_on, result, skipped)
 from kvtool.validate.outlived_store import follower_store_lacks
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
+from kvtool.validate.reservation_scenarios import RESERVATION_SCENARIOS
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.run_record import FailureReason, Phase, RunRecord
 from kvtool.validate.sizing import sliding_windows, squeeze_slots
@@ -41,7 +42,7 @@ from kvtool.validate.store_scope import own_store
 
 def _common(name: str, ctx: Context, r: RunRecord) -> list[CheckResult]:
     """Checks every scenario reports when it saw something to judge: async bookkeeping, answers."""
-    return judge_async(name, ctx, r) + judge_answers(name, ctx, r)
+    return judge_async(name, ctx, r) + judge_answers(name, ctx, r) + judge_reservations(name, ctx, r)
 
 
 def cold_warm(ctx: Context) -> list[CheckResult]:
@@ -486,13 +487,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                                 "the last slot (what an index of -1 hits)", vswa_live_pages,
              exercises=(B.FIRST_CHUNK_PAGES,)),
     Scenario("deferral", "deferred for lack of pages (asked before or after, as the runtime asks), delivered later",
-             deferral, exercises=(B.WHEN_ASKED,)),
+             deferral, exercises=(B.WHEN_ASKED, B.PREFIX_RESERVATIONS)),
     Scenario("reserve-failure", "the offer's pages cannot be reserved: handed back (cancel_load) or only what was "
                                 "honoured committed, the rest computed locally", reserve_failure,
-             exercises=(B.UNUSED_OFFER, B.WHEN_ASKED), runs_on=frozenset({R.TRTLLM_V2, R.TRTLLM_V2_RELEASE}),
+             exercises=(B.UNUSED_OFFER, B.WHEN_ASKED, B.PREFIX_RESERVATIONS),
+             runs_on=frozenset({R.TRTLLM_V2, R.TRTLLM_V2_RELEASE}),
              not_here="V1 grants the whole prompt's pages before it asks: no allocation is left to fail for the offer"),
     Scenario("clamp", "a prompt the connector holds whole: the last position is computed locally", clamp,
-             exercises=(B.WHOLE_PROMPT_OFFER, B.UNUSED_OFFER)),
+             exercises=(B.WHOLE_PROMPT_OFFER, B.UNUSED_OFFER, B.PREFIX_RESERVATIONS)),
     Scenario("overtaken-head", "the local cache overtook the offer's head: the head is cancelled", overtaken_head,
              exercises=(B.WHEN_ASKED, B.UNUSED_OFFER), runs_on=frozenset({R.TRTLLM_V2_RELEASE}),
              not_here="a request is asked only once its pages are granted, so no local match can overtake its offer"),
@@ -520,6 +522,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("concurrency", "many requests sharing prefixes at once, chunked, small batches", concurrency,
              exercises=(B.FIRST_CHUNK_PAGES, B.WHEN_ASKED)),
     *PAUSE_SCENARIOS,
+    *RESERVATION_SCENARIOS,
     *DRAFT_SCENARIOS,
     *REMOTE_SCENARIOS,
 )}

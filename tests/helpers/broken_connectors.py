@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.connector.api import KvCacheConnectorWorker
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler, ReservingHostWorker
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key, root_key
@@ -325,6 +325,14 @@ class LayoutRejecter(HostConnectorWorker):
         raise RuntimeError("this worker cannot take a layout")
 
 
+# reservations (main's V2): the worker never reports its prefix loads, so none retires and every
+# reservation stays held
+class NeverReportsPrefixLoadsWorker(ReservingHostWorker):
+    def get_finished_prefix_loads(self):
+        super().get_finished_prefix_loads()
+        return []
+
+
 BROKEN = {  # check -> (scheduler class, worker class)
     "integrity": ("HostConnectorScheduler", "WrongSlotWorker"),
     "warm-hit": ("NeverServes", "Worker"),
@@ -347,6 +355,9 @@ BROKEN = {  # check -> (scheduler class, worker class)
     "answers-in-contract": ("ZeroAsync", "Worker"),
     "salt-isolation": ("SaltBlind", "Worker"),
     "registration": ("HostConnectorScheduler", "LayoutRejecter"),
+    "reservations": ("ReservingHostScheduler", "NeverReportsPrefixLoadsWorker"),
 }
+RUNTIME_OF = {"reservations": "trtllm-v2"}
+"""The runtime a broken connector's check exists under, where not the default (release) one."""
 
 __all__ = ["BROKEN", "KvCacheConnectorWorker"]

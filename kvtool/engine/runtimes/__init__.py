@@ -15,7 +15,8 @@ from kvtool.errors import InputError, did_you_mean
 __all__ = ["BringUp", "CapacityPolicy", "DEFAULT_RUNTIME", "RUNTIMES", "Registration", "RuntimeName",
            "RuntimeProfile", "profile_of", "runtime_name"]
 
-RUNTIMES: dict[RuntimeName, RuntimeProfile] = {profile.name: profile for profile in (TrtllmV1(), TrtllmV2(), ReleaseV2())}
+RUNTIMES: dict[RuntimeName, RuntimeProfile] = {profile.name: profile
+                                               for profile in (TrtllmV1(), TrtllmV2(), ReleaseV2())}
 
 DEFAULT_RUNTIME = RuntimeName.TRTLLM_V2_RELEASE
 """`bench` and `trace`'s runtime unless `--runtime` says otherwise: the one every figure kvtool

@@ -23,7 +23,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.runtime import Answer, ConnectorRuntime
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted
-from kvtool.engine.request_state import FailureReason, RequestState
+from kvtool.engine.request_state import FailureReason, Offer, RequestState
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.kv_cache import KvCache
@@ -111,6 +111,28 @@ class ConnectorAdmission(ABC):
         return False
 
     # ---- shared steps --------------------------------------------------------------------------
+    @property
+    def hooks(self) -> ConnectorRuntime:
+        """The connector's runtime; LogicError where the engine has no connector (a kvtool bug:
+        callers ask only where `asks` or a connector was checked)."""
+        if self.connector is None:
+            raise LogicError("a connector step ran on an engine without a connector")
+        return self.connector
+
+    @staticmethod
+    def cache(state: RequestState) -> KvCache:
+        """`state`'s cache; LogicError where it has none (a kvtool bug: admitted requests have one)."""
+        if state.kv is None:
+            raise LogicError(f"request {state.request_id} has no KV cache here")
+        return state.kv
+
+    @staticmethod
+    def offer(state: RequestState) -> Offer:
+        """`state`'s offer; LogicError where it has none."""
+        if state.offer is None:
+            raise LogicError(f"request {state.request_id} has no offer here")
+        return state.offer
+
     def create_cache(self, state: RequestState, whole_blocks: bool = False) -> KvCache:
         """`state`'s cache on its local match (SUSPENDED), or an empty one without local reuse;
         `whole_blocks`: a match ending inside a block is cut back to its last whole block."""
@@ -133,9 +155,9 @@ class ConnectorAdmission(ABC):
         """The connector's checked answer at `local_end`, announced (`Ask`, the offer clamped to
         `clamp_to`); None when the hook raised (the request has failed)."""
         state.asked = True
-        answer = self.connector.ask(state.request, local_end)
+        answer = self.hooks.ask(state.request, local_end)
         if answer is None:
-            self.host.fail(state, FailureReason.ASK_RAISED, "")
+            self.host.fail(state, FailureReason.ASK_RAISED, self.hooks.failures[-1].error)
             return None
         if answer.refusal is not None:
             self.refuse(state, answer.refusal)
@@ -159,21 +181,21 @@ class ConnectorAdmission(ABC):
 
     def defer(self, state: RequestState) -> int:
         """Close `state`'s cache and leave it waiting (it is prepared again next iteration): 0."""
-        state.kv.close()
+        self.cache(state).close()
         state.kv = None
         state.num_deferrals += 1
         return 0
 
     def cancel(self, state: RequestState, start: int, end: int) -> None:
         """Hand tokens [start, end) back through `cancel_load` (runtimes that have it)."""
-        self.connector.cancel(state.request, start, end)
+        self.hooks.cancel(state.request, start, end)
         if end > start:
             self.host.emit(Cancel, request_id=state.request_id, start=start, end=end)
 
     def record_delivery(self, state: RequestState, committed: int, end: int, iteration: int) -> None:
         """`end - committed` tokens of the offer come from the connector (0 <= that <= position);
         the offer is closed."""
-        offer = state.offer
+        offer = self.offer(state)
         recorded = end - committed
         if not 0 <= recorded <= state.position:
             raise LogicError(f"request {state.request_id}: recorded {recorded} external tokens at "
@@ -191,7 +213,7 @@ class ConnectorAdmission(ABC):
         """`update_state_after_alloc` with the pages that now back `state`; False (the request
         dropped from the batch and failed) when the hook raised."""
         state.seen_by_connector = True
-        if self.connector.after_alloc(state.request, state.kv.page_indices_by_group()):
+        if self.hooks.after_alloc(state.request, self.cache(state).page_indices_by_group()):
             return True
         batch.drop(state)
         self.host.fail(state, FailureReason.ALLOC_HOOK_RAISED, "")
@@ -202,4 +224,4 @@ class ConnectorAdmission(ABC):
         batch.drop(state)
         batch.loading_started.append(state)
         state.start_transmission(iteration)
-        self.connector.start_async_load(state.request_id)
+        self.hooks.start_async_load(state.request_id)

@@ -66,7 +66,7 @@ BEHAVIOURS: tuple[BehaviourRow, ...] = (
         V1: "never: GUARANTEED_NO_EVICT never destroys an allocation, so nothing replays",
         V2: "once per allocation: a request whose allocation was destroyed (a pause) is asked again and "
             "reported new",
-        RELEASE: "once per allocation, as `trtllm-v2`"},
+        RELEASE: "as `trtllm-v2`"},
         "kv_cache_manager_v2.py `free_resources` (`py_connector_allocation_reported`)"),
     BehaviourRow(Behaviour.FIRST_CHUNK_PAGES, "pages at the first chunk", {
         V1: "the whole prompt's (later chunks report `new_block_ids == []`)",

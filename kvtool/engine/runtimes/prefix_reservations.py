@@ -116,7 +116,8 @@ class ReservationBook:
         """Every worker reported the load: its range is released."""
         reservation = self._live[reservation_id]
         self._emit(PrefixLoadRetired, request_id=reservation.request.request_id, reservation_id=reservation_id)
-        self.release(reservation, *reservation.accepted)
+        start, end = reservation.accepted or (reservation.start, reservation.end)
+        self.release(reservation, start, end)
         return reservation
 
     def loading(self, request_id: int) -> Reservation | None:

@@ -61,10 +61,10 @@ class V1Admission(ConnectorAdmission):
             return None
         end = local_end + answer.num_tokens
         if answer.num_tokens and end >= state.prompt_len:
-            self.refuse(state, f"offered {answer.num_tokens} tokens past {local_end}, the whole {state.prompt_len}-token "
-                               "prompt: TensorRT-LLM's V1 takes an offer whole and needs a prompt token left to "
-                               "compute (prepopulatedPromptLen >= promptLen); the release V2 cancels the last "
-                               "position instead")
+            self.refuse(state, f"offered {answer.num_tokens} tokens past {local_end}, the whole "
+                               f"{state.prompt_len}-token prompt: TensorRT-LLM's V1 takes an offer whole and "
+                               "needs a prompt token left to compute (prepopulatedPromptLen >= promptLen); the "
+                               "V2 runtimes cut the offer at the last position instead")
             return None
         if answer.num_tokens:
             state.offer = Offer(local_end, end, answer.is_async)
@@ -81,7 +81,7 @@ class V1Admission(ConnectorAdmission):
 
     def context_capacity(self, state: RequestState, end: int) -> int:
         """The whole prompt's pages were allocated at the first chunk: a later chunk allocates nothing."""
-        return max(end, state.kv.capacity)
+        return max(end, self.cache(state).capacity)
 
     def final_batch(self, batch: Batch, iteration: int) -> None:
         for state in list(batch.first_chunks):
@@ -90,7 +90,7 @@ class V1Admission(ConnectorAdmission):
                 self.record_delivery(state, offer.start, offer.end, iteration)
             if self.connector is None or not self.tell_pages(state, batch):
                 continue
-            if state.num_external and offer.is_async:
+            if state.num_external and self.offer(state).is_async:
                 self.park(state, batch, iteration)
 
 
@@ -114,7 +114,8 @@ class TrtllmV1(RuntimeProfile):
         if not implements(worker_class, "register_kv_caches"):
             return (f"{worker_class.__name__} implements register_kv_cache_layout only: TensorRT-LLM's V1 hands a "
                     "worker its one pool tensor through register_kv_caches")
-        flat = [name for name in ("update_state_after_alloc", "request_finished") if not implements(scheduler_class, name)]
+        flat = [name for name in ("update_state_after_alloc", "request_finished")
+                if not implements(scheduler_class, name)]
         if flat:
             return (f"{scheduler_class.__name__} implements only the per-layer-group form of {' and '.join(flat)}: "
                     "TensorRT-LLM's V1 calls the flat form, with pool-wide block ids")
@@ -131,11 +132,12 @@ class TrtllmV1(RuntimeProfile):
         when it has a retention config."""
         data.new_block_ids_by_layer_group = []
         request = state.request
-        tpb = state.kv.tokens_per_block
+        kv = ConnectorAdmission.cache(state)
+        tpb = kv.tokens_per_block
         data.block_hashes = list(extend_block_hashes(state.block_hashes, request._token_view(), tpb,
                                                      request.cache_salt))
         retention = request.kv_cache_retention_config
         if retention is not None:
-            first_new = len(state.kv.get_page_indices(0)) - len(data.new_block_ids)
+            first_new = len(kv.get_page_indices(0)) - len(data.new_block_ids)
             data.priorities = [retention.priority_of_block(first_new + j, tpb, request.original_prompt_len)
                                for j in range(len(data.new_block_ids))]

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvtool.connector.api import PrefixLoad, RESERVATION_HOOKS, reservation_hooks
 from kvtool.engine.batch import Batch, TokenBudget
-from kvtool.engine.events import NotHonoured, Reserve
+from kvtool.engine.events import Ask, NotHonoured, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
 from kvtool.engine.runtimes.admission import Admits, AdmissionHost, ConnectorAdmission
 from kvtool.engine.runtimes.prefix_reservations import Reservation, ReservationBook
@@ -91,7 +91,7 @@ class FinalBatchAdmission(ConnectorAdmission):
     def _served(self, state: RequestState, local_end: int, offered_end: int, chunk_end: int) -> tuple[int, int]:
         """(where the chunk now starts, where it ends) once the offer [local_end, offered_end) is served
         as far as the allocation can grow to hold it."""
-        kv, tpb, prompt_len = state.kv, self.manager.tokens_per_block, state.prompt_len
+        kv, tpb, prompt_len = self.cache(state), self.manager.tokens_per_block, state.prompt_len
         if offered_end <= local_end:
             return local_end, chunk_end
         if offered_end < chunk_end:   # inside the chunk: the chunk starts later
@@ -118,7 +118,7 @@ class ReservingAdmission(ConnectorAdmission):
 
     def __init__(self, host: AdmissionHost) -> None:
         super().__init__(host)
-        self.book = ReservationBook(host.connector, host.emit)
+        self.book = ReservationBook(self.hooks, host.emit)
         self._candidates: dict[int, Reservation] = {}
 
     def first_chunk(self, state: RequestState, budget: TokenBudget, admits: Admits) -> int:
@@ -148,18 +148,20 @@ class ReservingAdmission(ConnectorAdmission):
         released); None without one (or when the request failed)."""
         rid = self.book.next_id()
         state.asked = True
-        answer = self.connector.reserve(state.request, local_end, rid)
+        answer = self.hooks.reserve(state.request, local_end, rid)
         if answer is None:
-            self.host.fail(state, FailureReason.ASK_RAISED, "reserve_prefix raised")
+            self.host.fail(state, FailureReason.ASK_RAISED, f"reserve_prefix raised {self.hooks.failures[-1].error}")
             return None
         if answer.refusal is not None:
             self.refuse(state, answer.refusal)
             return None
+        tpb = self.manager.tokens_per_block
+        end = min(local_end + answer.num_tokens, state.prompt_len - 1) // tpb * tpb
+        self.host.emit(Ask, request_id=state.request_id, num_computed_tokens=local_end,
+                       num_offered_tokens=max(end - local_end, 0), is_async=answer.is_async)
         if not answer.num_tokens:
             return None
         reservation = self.book.open(rid, state.request, local_end, answer.num_tokens, answer.is_async)
-        tpb = self.manager.tokens_per_block
-        end = min(reservation.end, state.prompt_len - 1) // tpb * tpb
         if end <= local_end:
             self.book.release_unaccepted(reservation)
             return None
@@ -174,8 +176,8 @@ class ReservingAdmission(ConnectorAdmission):
                 continue
             candidate = self._candidates.pop(state.request_id, None)
             if candidate is not None:
-                self.book.accept(candidate, state.kv.page_indices_by_group(), list(state.request._prompt_view()),
-                                 state.request.cache_salt)
+                self.book.accept(candidate, self.cache(state).page_indices_by_group(),
+                                 list(state.request._prompt_view()), state.request.cache_salt)
                 state.offer = Offer(candidate.start, candidate.end, candidate.is_async)
                 self.record_delivery(state, candidate.start, candidate.end, iteration)
             if not self.tell_pages(state, batch):
@@ -189,7 +191,7 @@ class ReservingAdmission(ConnectorAdmission):
         return self.book.take_loads()
 
     def retire_reported(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
-        done, ok = self.connector.collect_prefix_loads(self.book.tracked, answers)
+        done, ok = self.hooks.collect_prefix_loads(self.book.tracked, answers)
         return [self.book.retire(rid).request.request_id for rid in done], ok
 
     def holds_allocation(self, state: RequestState) -> bool:

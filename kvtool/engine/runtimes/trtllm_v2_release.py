@@ -64,7 +64,7 @@ class ReleaseV2Admission(ConnectorAdmission):
         return True
 
     def _reserve(self, state: RequestState, local_end: int) -> int:
-        offer, kv = state.offer, state.kv
+        offer, kv = state.offer, self.cache(state)
         if offer is None or offer.closed or offer.end <= local_end:
             return local_end
         ok = kv.resize(max(kv.capacity, offer.end), offer.end, scratch_reuse=False)
@@ -80,16 +80,16 @@ class ReleaseV2Admission(ConnectorAdmission):
             self._deliver(state, batch, iteration)
 
     def _deliver(self, state: RequestState, batch: Batch, iteration: int) -> None:
-        offer, kv = state.offer, state.kv
+        offer = state.offer
         if offer is not None and not offer.closed:
-            committed = min(kv.num_committed_tokens, offer.end)
+            committed = min(self.cache(state).num_committed_tokens, offer.end)
             self.cancel(state, offer.start, committed)
             self.record_delivery(state, committed, offer.end, iteration)
         if self.connector is None:
             return
         if not self.tell_pages(state, batch):
             return
-        if state.num_external and offer.is_async:
+        if state.num_external and self.offer(state).is_async:
             self.park(state, batch, iteration)
 
     def hand_back(self, state: RequestState, start: int, end: int) -> None:
