@@ -360,4 +360,4 @@ BROKEN = {  # check -> (scheduler class, worker class)
 RUNTIME_OF = {"reservations": "trtllm-v2"}
 """The runtime a broken connector's check exists under, where not the default (release) one."""
 
-__all__ = ["BROKEN", "KvCacheConnectorWorker"]
+__all__ = ["BROKEN", "KvCacheConnectorWorker", "ReservingHostScheduler"]   # named by BROKEN
