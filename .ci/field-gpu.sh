@@ -38,8 +38,10 @@ step() {   # NAME SECONDS COMMAND...: run within min(SECONDS, what is left befor
     note "$name rc=$rc $(($(date +%s) - t0))s$([ $rc = 124 ] && echo ' (cut by its time limit)')"
     pack; return $rc
 }
-summarize() {   # every verdict row of every run folder, prefixed by the run's name
-    local csv; echo "run,scenario,model,check,verdict,seconds,evidence,purpose" >"$work/summary.csv"
+summarize() {   # every verdict row of every run folder, prefixed by the run's name (the header: results.csv's)
+    local csv header=""
+    for csv in "$work"/runs/*/results.csv; do [ -f "$csv" ] && header=$(head -1 "$csv") && break; done
+    echo "run,${header:-scenario,model,check,verdict,seconds,evidence,runtime,purpose,seed}" >"$work/summary.csv"
     for csv in "$work"/runs/*/results.csv; do
         [ -f "$csv" ] && tail -n +2 "$csv" | sed "s|^|$(basename "$(dirname "$csv")"),|" >>"$work/summary.csv"
     done
@@ -137,24 +139,36 @@ trap lmc_server_stop EXIT
 # KVBM's leader builds its slot manager in the background about 50 ms after its worker registered
 # and panics on an ask before ("slot_manager not initialized"); TensorRT-LLM warms up before it
 # serves, so KVBM runs with --warmup (KVBM_WARMUP seconds; 0 shows the race).
-# TensorRT-LLM's usual 32 tokens a block, the flat (one layer group) model both support; the most
-# telling scenarios first, the two connectors in turn, so that what the deadline cuts is the least.
+# Each connector on the runtime it targets: KVBM 1.6.1 is a V1 connector (one pool tensor, flat
+# hooks, block hashes), LMCache 0.5.6's adapters run on V1 and main's V2. TensorRT-LLM's usual 32
+# tokens a block, the flat (one layer group) model; the most telling scenarios first, so that what
+# the deadline cuts is the least. FIELD_ONLY picks batches (two calls of the device tool fit them all).
 # shellcheck disable=SC2046
 {
-validate kvbm-tpb32-a $((hung ? 60 : 150)) "$kvbm" --model tiny --tokens-per-block 32 --warmup "$kvbm_warmup" $(scenarios cold-warm async-save async-load contract multi-turn)
-[ "$lmcache" = 1 ] && lmc_validate lmc-a 120 "$lmc" $(scenarios cold-warm async-save async-load contract multi-turn)
-[ "$hung" = 0 ] && validate kvbm-tpb32-b 120 "$kvbm" --model tiny --tokens-per-block 32 --warmup "$kvbm_warmup" $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
-if [ "$lmcache" = 1 ] && [[ lmc-mp-a =~ $only ]]; then
+first="cold-warm async-save async-load contract multi-turn"
+kvbm_args=(--model tiny --tokens-per-block 32 --warmup "$kvbm_warmup")
+validate kvbm-v1-a $((hung ? 60 : 150)) "$kvbm" --runtime trtllm-v1 "${kvbm_args[@]}" $(scenarios $first)
+[ "$lmcache" = 1 ] && lmc_validate lmc-v1-a 120 "$lmc" --runtime trtllm-v1 $(scenarios $first)
+[ "$lmcache" = 1 ] && lmc_validate lmc-v2-a 120 "$lmc" --runtime trtllm-v2 $(scenarios $first)
+[ "$hung" = 0 ] && validate kvbm-v1-b 120 "$kvbm" --runtime trtllm-v1 "${kvbm_args[@]}" \
+    $(scenarios chunked-prefill deferral clamp local-prefix moved-blocks)
+[ "$lmcache" = 1 ] && lmc_validate lmc-v1-b 150 "$lmc" --runtime trtllm-v1 \
+    $(scenarios chunked-prefill deferral clamp local-prefix final-pass-blocks)
+[ "$lmcache" = 1 ] && lmc_validate lmc-v2-b 150 "$lmc" --runtime trtllm-v2 \
+    $(scenarios chunked-prefill deferral reserve-failure clamp pause-replay)
+if [ "$lmcache" = 1 ] && [[ lmc-mp-v1 =~ $only ]]; then   # V1 hands its pool as one tensor, not a list
     lmc_server
-    lmc_validate lmc-mp-a 90 "$lmc_mp" --connector-opt "server_url=tcp://127.0.0.1:$mp_port" $(scenarios cold-warm multi-turn contract)
+    lmc_validate lmc-mp-v1 90 "$lmc_mp" --runtime trtllm-v1 --connector-opt "server_url=tcp://127.0.0.1:$mp_port" \
+        $(scenarios cold-warm multi-turn contract)
     lmc_server_stop
 fi
-if [ "$lmcache" = 1 ]; then
-    lmc_validate lmc-b 150 "$lmc" $(scenarios chunked-prefill deferral reserve-failure clamp overtaken-head)
-fi
-[ "$hung" = 0 ] && validate kvbm-tpb32-c 100 "$kvbm" --model tiny --tokens-per-block 32 --warmup "$kvbm_warmup" $(scenarios free-before-delivery local-prefix moved-blocks final-pass-blocks hook-raises)
-[ "$hung" = 0 ] && validate kvbm-tpb32-d 100 "$kvbm" --model tiny --tokens-per-block 32 --warmup "$kvbm_warmup" $(scenarios cache-salt concurrency pause-replay draft-tokens vswa-live-pages)
-# Several layer groups: KVBM has only the flat hooks, so kvtool (like TensorRT-LLM) must refuse it.
+[ "$hung" = 0 ] && validate kvbm-v1-c 100 "$kvbm" --runtime trtllm-v1 "${kvbm_args[@]}" \
+    $(scenarios final-pass-blocks hook-raises cache-salt concurrency draft-tokens)
+# KVBM off its runtime: on main's V2 it asserts block hashes, which V2 does not report.
+[ "$hung" = 0 ] && validate kvbm-v2-a 60 "$kvbm" --runtime trtllm-v2 "${kvbm_args[@]}" $(scenarios cold-warm contract)
+[ "$lmcache" = 1 ] && lmc_validate lmc-v2-c 120 "$lmc" --runtime trtllm-v2 \
+    $(scenarios local-prefix final-pass-blocks concurrency cache-salt hook-raises)
+# Several layer groups: V1 refuses VSWA; on V2 KVBM has only the flat hooks, which V2 refuses too.
 validate kvbm-vswa-refused 40 "$kvbm" --model tiny-vswa --tokens-per-block 32 $(scenarios cold-warm)
 }
 note "field-gpu: done $(date -u +%FT%TZ)"

@@ -141,3 +141,14 @@ def value(row: BehaviourRow, runtime: RuntimeName) -> str:
     if text.startswith("as `") and text.endswith("`"):
         return value(row, RuntimeName(text[4:-1]))
     return text
+
+
+def markdown_table() -> str:
+    """The table as docs/trtllm-compat.md prints it: a row per behaviour, a column per runtime, the source last."""
+    names = list(RuntimeName)
+    lines = ["| behaviour | " + " | ".join(f"`{n}`" for n in names) + " | read from |",
+             "| --- | " + " | ".join("---" for _ in names) + " | --- |"]
+    for row in BEHAVIOURS:
+        cells = [row.by_runtime[n].replace("|", "\\|") for n in names]
+        lines.append(f"| {row.what} | " + " | ".join(cells) + f" | {row.source} |")
+    return "\n".join(lines) + "\n"
