@@ -161,8 +161,8 @@ class Engine:
         """Every request not over yet, in arrival order."""
         return self.queues.live
 
-    def is_done(self) -> bool:
-        return self.queues.is_done()
+    def is_done(self) -> bool:   # every request over, and no prefix load still within its bound to retire
+        return self.queues.is_done() and not self.watchdogs.waits_for(self.admission.unretired_since(), self.iteration)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, max_iterations: int = 100_000, on_iteration=None) -> EngineStats:
@@ -307,7 +307,7 @@ class Engine:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
         if batch.num_requests or batch.received or progress_before != self.queues.progress_mark():
             return
-        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING):
+        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING) or self.admission.unretired_since():
             self.idle_for_connector()
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]

@@ -30,6 +30,14 @@ class Watchdogs:
                 self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
         self._fail_stuck_saves(queues.started_in(Phase.SAVING), now)
 
+    def waits_for(self, loads: list[tuple[int, float]], iteration: int) -> bool:
+        """Whether any of `loads` (each the iteration and `time.monotonic()` it was confirmed) is
+        still within the transmission bound: a prefix load the runtime waits for before the run ends
+        (one past it keeps its reservation, as TensorRT-LLM keeps a transfer that never completes)."""
+        seconds, limit = self._config.max_transmission_seconds, self._config.max_transmission_iterations
+        now = time.monotonic()
+        return any(now - at <= seconds if seconds is not None else iteration - since <= limit for since, at in loads)
+
     def _fail_stuck_saves(self, saving: list[RequestState], now: float) -> None:
         """A request whose asynchronous save is unreported `max_saving_seconds` after the end of
         the iteration that finished it (when this check first saw it saving)."""

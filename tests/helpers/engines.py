@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.runtimes import CapacityPolicy, profile_of
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
@@ -15,9 +16,18 @@ def scripted(answer, finish_async=False, worker=OracleWorker):
     return ConnectorSpec("scripted", sched, worker, "tests.helpers.connectors")
 
 
-def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, **kwargs):
-    scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs)
-                                   if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse", "pause_to_grow")})
+def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, runtime=None, **kwargs):
+    """`runtime`: the profile the engine plays (None: EngineConfig's default); a profile whose
+    connectors run only under GUARANTEED_NO_EVICT (trtllm-v1) gets output reservation unless the
+    test asks for `pause_to_grow` (MAX_UTILIZATION)."""
+    options = {k: kwargs.pop(k) for k in list(kwargs)
+               if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse", "pause_to_grow")}
+    if runtime is not None:
+        kwargs["runtime"] = profile_of(runtime).name
+        if profile_of(runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT \
+                and not options.get("pause_to_grow"):
+            options["reserve_outputs"] = True
+    scheduler = SchedulerConfig(**options)
     config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=num_slots, device="cpu"),
                           scheduler, **{"check_integrity_every_iteration": True, "verify_all_after_iteration": True,
                                         **kwargs})

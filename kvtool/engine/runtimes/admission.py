@@ -105,6 +105,11 @@ class ConnectorAdmission(ABC):
         rank has now reported, every call ok). Nothing by default."""
         return [], True
 
+    def unretired_since(self) -> list[tuple[int, float]]:
+        """When each confirmed prefix load not yet reported by every rank was confirmed (iteration,
+        `time.monotonic()`); none by default."""
+        return []
+
     def holds_allocation(self, state: RequestState) -> bool:
         """Whether `state`'s allocation must outlive a cancellation (an asynchronous prefix load in
         flight, which the runtime never aborts). False by default."""

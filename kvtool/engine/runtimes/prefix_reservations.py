@@ -19,6 +19,7 @@ Invariant (the judges check it from the events): every token of a promise is rel
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,6 +42,8 @@ class Reservation:
     """Parts of [start, end) not released yet, in order."""
     accepted: tuple[int, int] | None = None
     """The confirmed load's range, once the request is in the final batch."""
+    accepted_at: tuple[int, float] = (0, 0.0)
+    """The iteration and `time.monotonic()` of its confirmation (the wait for its retirement is bounded)."""
 
 
 class ReservationBook:
@@ -88,9 +91,11 @@ class ReservationBook:
         for start, end in list(reservation.unreleased):
             self.release(reservation, start, end)
 
-    def accept(self, reservation: Reservation, pages: GroupPages, tokens: list[int], cache_salt: str | None) -> None:
-        """The request is in the final batch: its reservation's load is confirmed into `pages`."""
+    def accept(self, reservation: Reservation, pages: GroupPages, tokens: list[int], cache_salt: str | None,
+               iteration: int) -> None:
+        """The request is in the final batch (of `iteration`): its reservation's load is confirmed into `pages`."""
         reservation.accepted = (reservation.start, reservation.end)
+        reservation.accepted_at = (iteration, time.monotonic())
         self._loads.append(PrefixLoad(reservation.reservation_id, reservation.request.request_id, reservation.start,
                                       reservation.end, reservation.is_async, pages.as_lists(), tokens, cache_salt))
 
@@ -111,6 +116,10 @@ class ReservationBook:
     def tracked(self) -> set[int]:
         """Ids of accepted loads not retired yet."""
         return {rid for rid, r in self._live.items() if r.accepted is not None}
+
+    def unretired_since(self) -> list[tuple[int, float]]:
+        """`accepted_at` of every confirmed load not retired yet."""
+        return [r.accepted_at for r in self._live.values() if r.accepted is not None]
 
     def retire(self, reservation_id: int) -> Reservation:
         """Every worker reported the load: its range is released."""

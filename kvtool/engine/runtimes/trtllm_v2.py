@@ -120,6 +120,9 @@ class ReservingAdmission(ConnectorAdmission):
         super().__init__(host)
         self.book = ReservationBook(self.hooks, host.emit)
         self._candidates: dict[int, Reservation] = {}
+        self._awaited: dict[int, int] = {}
+        """Request id -> the reservation whose asynchronous load it waits for (in TRANSMISSION): only
+        that one's retirement resumes it, never a stale one of an earlier attempt."""
 
     def first_chunk(self, state: RequestState, budget: TokenBudget, admits: Admits) -> int:
         kv = self.create_cache(state)
@@ -177,7 +180,7 @@ class ReservingAdmission(ConnectorAdmission):
             candidate = self._candidates.pop(state.request_id, None)
             if candidate is not None:
                 self.book.accept(candidate, self.cache(state).page_indices_by_group(),
-                                 list(state.request._prompt_view()), state.request.cache_salt)
+                                 list(state.request._prompt_view()), state.request.cache_salt, iteration)
                 state.offer = Offer(candidate.start, candidate.end, candidate.is_async)
                 self.record_delivery(state, candidate.start, candidate.end, iteration)
             if not self.tell_pages(state, batch):
@@ -186,13 +189,24 @@ class ReservingAdmission(ConnectorAdmission):
                 batch.drop(state)
                 batch.loading_started.append(state)
                 state.start_transmission(iteration)
+                self._awaited[state.request_id] = candidate.reservation_id
 
     def take_prefix_loads(self) -> list[PrefixLoad]:
         return self.book.take_loads()
 
     def retire_reported(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
+        """Retire the loads every rank reported; the requests waiting for exactly those resume."""
         done, ok = self.hooks.collect_prefix_loads(self.book.tracked, answers)
-        return [self.book.retire(rid).request.request_id for rid in done], ok
+        resumed = []
+        for rid in done:
+            request_id = self.book.retire(rid).request.request_id
+            if self._awaited.get(request_id) == rid:
+                del self._awaited[request_id]
+                resumed.append(request_id)
+        return resumed, ok
+
+    def unretired_since(self) -> list[tuple[int, float]]:
+        return self.book.unretired_since()
 
     def holds_allocation(self, state: RequestState) -> bool:
         reservation = self.book.loading(state.request_id)
@@ -202,6 +216,7 @@ class ReservingAdmission(ConnectorAdmission):
         """A candidate not accepted, or a load not dispatched yet, is released; a dispatched load
         is released when it retires."""
         super().request_failed(state)
+        self._awaited.pop(state.request_id, None)
         candidate = self._candidates.pop(state.request_id, None)
         if candidate is not None:
             self.book.release_unaccepted(candidate)
