@@ -116,7 +116,8 @@ class SlowAskSched(Sched):
 
 QUICK_BLOCKS = QUICK.prompts * QUICK.blocks
 COLUMNS = ["connector", "direction", "model", "tokens_per_block", "block_bytes", "blocks", "rounds", "gbps",
-           "spread", "p50_us", "p99_us", "connector_ms", "runtime_ms", "raw_gbps", "ratio", "vs_reference", "verified"]
+           "spread", "p50_us", "p99_us", "connector_ms", "runtime_ms", "raw_gbps", "ratio", "vs_reference", "verified",
+           "runtime"]
 REFERENCE = "host (kvtool reference, backend torch)"
 
 
@@ -174,6 +175,7 @@ def test_a_connector_of_ones_own_is_measured_through_the_engine(connector_file, 
                                                for d in ("save", "load")]
     for r in rows:
         assert r["gbps"] > 0 and r["raw_gbps"] > 0 and 0 < r["p50_us"] <= r["p99_us"]
+        assert r["runtime"] == "trtllm-v2-release"
         assert r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=0.01)
     reference = {r["direction"]: r["gbps"] for r in rows[2:]}
     assert [r["vs_reference"] for r in rows[2:]] == [1.0, 1.0]

@@ -241,8 +241,8 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
         rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
                                                            repeats or (3 if quick else 5), device, reference,
                                                            rounds=repeats or (1 if quick else 3), runtime=runtime)
-        rows = [r.as_dict() for r in rows]
-        extra: dict = {"runtime": str(runtime)}
+        rows = [{**r.as_dict(), "runtime": str(runtime)} for r in rows]
+        extra: dict = {}
         if with_compute:
             compute_rows: list = []
             try:
