@@ -222,7 +222,7 @@ def test_a_follower_verifies_the_idle_requests_pages_it_is_sent():
     assert {i.head for i in dirty.issues} == {1}     # rank 1 of 2 holds global head 1
 
 
-def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished_as_none():
+def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished_as_not_ok():
     spec = load_connector("tests.helpers.rank_connectors:HostConnectorScheduler:SyncsAndFailsFinishedOnRank1")
     setup = RankSetup(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=8, device="cpu"), (8,), 2, 2, 0, spec,
                       (), 0, 1.0)
@@ -230,7 +230,7 @@ def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished
     report = follower.run(PassOrder(1, StoreMetadata(), [], [], [], PassPlan(starts=True, forwards=False)))
     assert report.failures == []                                             # start_load_kv's synchronize ran
     report = follower.run(FinishedOrder([], [], [], []))
-    assert report.finished is None
+    assert report.finished == (False, None)
     assert [hook for hook, _ in report.failures] == ["get_finished (rank 1)"]
 
 

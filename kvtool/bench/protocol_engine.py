@@ -36,7 +36,7 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, CapacityPolicy, RuntimeName, profile_of
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
 from kvtool.engine.fake_engine import VOCAB_SIZE
 from kvtool.engine.scheduler import SchedulerConfig
@@ -219,9 +219,8 @@ def build_engine(spec: ConnectorSpec | None, options: dict[str, str], model: str
     slots = workload.prompts * (workload.blocks + 1) + 1
     manager = KvCacheManagerConfig(load_model(model), tpb, num_slots=slots, device=device, poison_new_pages=True)
     tokens = workload.per_pass * (workload.blocks + 1) * tpb     # room for a whole batch in one prefill
-    no_evict = profile_of(runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
     scheduler = SchedulerConfig(max_batch_size=workload.per_pass, max_num_tokens=max(tokens, 8192), local_reuse=False,
-                                reserve_outputs=no_evict)
+                                reserve_outputs=profile_of(runtime).reserves_outputs)
     config = EngineConfig(manager, scheduler, runtime=runtime, max_transmission_seconds=60.0)
     engine = Engine(config, spec, sized_store(spec, options, model, tpb, workload) if spec else options)
     commit_stores(rank.worker for rank in engine.driver.workers)

@@ -357,20 +357,19 @@ the evidence keeps room and no name is folded."""
 
 def _table(results: list[CheckResult], target: str, all_rows: bool = False, width: int = 140) -> Table:
     """One row per check; without `all_rows`, the remote-* scenarios skipped for want of --remote
-    take one row together, at the end. Names never fold (their columns are as wide as the longest),
-    the evidence does; below NARROW columns, scenario and model share a cell, and so do check,
-    verdict and time."""
-    folded = [] if all_rows else [r for r in results if _needs_remote(r)]
+    take one row together at the end, and so do, per runtime, the scenarios whose case cannot
+    happen under it. Names never fold (their columns are as wide as the longest), the evidence
+    does; below NARROW columns, scenario and model share a cell, and so do check, verdict and time."""
+    remote = [] if all_rows else [r for r in results if _needs_remote(r)]
+    not_here = [] if all_rows else [r for r in results if _not_run_here(r)]
+    folded = {id(r) for r in remote + not_here}
     rows = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
-             f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if not any(r is f for f in folded)]
-    if folded:
-        scenarios = list(dict.fromkeys(r.scenario for r in folded))
-        models = list(dict.fromkeys(r.model for r in folded))
-        runtimes = list(dict.fromkeys(r.runtime for r in folded))
-        what = f"{len(scenarios)} scenario{'s' * (len(scenarios) != 1)} × {len(models)} model{'s' * (len(models) != 1)}"
-        rows.append((f"remote-* ({what})", ", ".join(models) + "\n" + ", ".join(runtimes), "",
-                     f"[{_STYLE[Verdict.SKIP]}]skip[/]", f"{sum(r.seconds for r in folded):.2f}s",
-                     "skipped, needs --remote URL (--all-rows shows each)"))
+             f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
+    for runtime in dict.fromkeys(r.runtime for r in not_here):
+        rows.append(_folded_row([r for r in not_here if r.runtime == runtime], "not run here",
+                                f"their case cannot happen under {runtime} (--all-rows shows each, and why)"))
+    if remote:
+        rows.append(_folded_row(remote, "remote-*", "skipped, needs --remote URL (--all-rows shows each)"))
     table = Table(title=f"kvtool validate {target}")
     if width < NARROW:
         rows = [(f"{a.replace(' (', chr(10) + '(', 1)}\n{b}", f"{c}\n{d} {e}".lstrip(), f) for a, b, c, d, e, f in rows]
@@ -384,6 +383,22 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _folded_row(folded: list[CheckResult], name: str, why: str) -> tuple[str, ...]:
+    """One table row standing for `folded` (skips), named by `name` and how many they are."""
+    scenarios = list(dict.fromkeys(r.scenario for r in folded))
+    models = list(dict.fromkeys(r.model for r in folded))
+    runtimes = list(dict.fromkeys(r.runtime for r in folded))
+    what = f"{len(scenarios)} scenario{'s' * (len(scenarios) != 1)} × {len(models)} model{'s' * (len(models) != 1)}"
+    return (f"{name} ({what})", ", ".join(models) + "\n" + ", ".join(runtimes), "", f"[{_STYLE[Verdict.SKIP]}]skip[/]",
+            f"{sum(r.seconds for r in folded):.2f}s", why)
+
+
+def _not_run_here(r: CheckResult) -> bool:
+    """A scenario skipped because the runtime's case cannot happen (`Scenario.runs_on`)."""
+    return r.check == "scenario" and r.verdict is Verdict.SKIP and r.scenario in SCENARIOS \
+        and r.runtime not in SCENARIOS[r.scenario].runs_on
 
 
 def _evidence_cell(r: CheckResult) -> str:

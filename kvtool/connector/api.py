@@ -113,6 +113,11 @@ RESERVATION_HOOKS = ("reserve_prefix", "release_prefix_reservation", "get_finish
 """The three hooks a connector implements to take part in prefix reservations: all, or none."""
 
 
+def takes_part_in_reservations(scheduler_class: type, worker_class: type) -> bool:
+    """Whether the connector implements all three reservation hooks."""
+    return len(reservation_hooks(scheduler_class, worker_class)) == len(RESERVATION_HOOKS)
+
+
 def reservation_hooks(scheduler_class: type, worker_class: type) -> tuple[str, ...]:
     """Which of `RESERVATION_HOOKS` the connector's classes implement (override)."""
     owners = (scheduler_class, scheduler_class, worker_class)

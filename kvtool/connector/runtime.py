@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Collection, ContextManager, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.raised import describe_error, format_error, stops_kvtool
@@ -59,6 +59,17 @@ _BAD_FINISHED_IDS = frozenset({ViolationKind.UNKNOWN_SAVE_ID, ViolationKind.UNKN
                                ViolationKind.REPEATED_SAVE_ID, ViolationKind.REPEATED_LOAD_ID})
 
 
+class PastThePrompt(TextEnum):
+    """What a runtime does with an offer past the prompt's end (always a contract violation)."""
+
+    REPAIR = "repair"
+    """Taken as `(0, False)`, the offer handed back with `cancel_load` (the release V2)."""
+    REFUSE = "refuse"
+    """The request fails (V1: `prepopulatedPromptLen >= promptLen`)."""
+    CLAMP = "clamp"
+    """Cut to the prompt, then to its last token like any offer (`main`'s V2)."""
+
+
 @dataclass(frozen=True)
 class ContractViolation:
     check: ViolationKind
@@ -97,17 +108,19 @@ class _RankReports:
 
 class ConnectorRuntime:
     def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker],
-                 num_ranks: int | None = None, flat_hooks: bool = False, refuse_zero_async: bool = False) -> None:
+                 num_ranks: int | None = None, flat_hooks: bool = False, refuse_zero_async: bool = False,
+                 calls_cancel_load: bool = True, past_the_prompt: PastThePrompt = PastThePrompt.REPAIR) -> None:
         """`workers` are the ranks in this process (0, 1, ...), kept for inspection (the pass driver
-        calls them); `num_ranks` counts the others too. `flat_hooks`: `update_state_after_alloc`
-        and `request_finished` are called in their flat form with one list (TensorRT-LLM's V1);
-        `refuse_zero_async`: an answer of `(0, True)` is refused, not repaired (the runtimes whose
-        query raises there)."""
+        calls them); `num_ranks` counts the others too. The runtime's ways (its profile's):
+        `flat_hooks`, `update_state_after_alloc` and `request_finished` called in their flat form
+        with one list (TensorRT-LLM's V1); `refuse_zero_async`, an answer of `(0, True)` refused, not
+        repaired (the runtimes whose query raises there); `calls_cancel_load`, unused offers handed
+        back; `past_the_prompt`, what an offer past the prompt becomes."""
         self.scheduler = scheduler
         self.flat_hooks = flat_hooks
         self.refuse_zero_async = refuse_zero_async
-        self.calls_cancel_load = True
-        """Whether this runtime hands unused offers back through `cancel_load` (set from the profile)."""
+        self.calls_cancel_load = calls_cancel_load
+        self.past_the_prompt = past_the_prompt
         self.workers = list(workers)
         self.num_ranks = num_ranks or len(self.workers)
         self.violations: list[ContractViolation] = []
@@ -154,9 +167,9 @@ class ConnectorRuntime:
 
     def _checked_answer(self, request: Request, num_computed: int, answer: Any, hook: str = "get_num_new_matched_tokens",
                         strict: bool = False) -> Answer:
-        """The answer as the runtime takes it: a violation is recorded and repaired to `(0, False)`
-        (a tail past the prompt handed back), or with `strict` (and `(0, True)` under
-        `refuse_zero_async`) refused: the answer carries why, and the request fails."""
+        """The answer as the runtime takes it: a violation is recorded and repaired to `(0, False)`,
+        or with `strict` (and `(0, True)` under `refuse_zero_async`) refused: the answer carries why,
+        and the request fails. An offer past the prompt goes as `past_the_prompt` says."""
         rid = request.request_id
         if (not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], int)
                 or isinstance(answer[0], bool) or not isinstance(answer[1], bool)):
@@ -169,9 +182,12 @@ class ConnectorRuntime:
                                   strict or self.refuse_zero_async)
         room = request.prompt_len - num_computed
         if num_tokens > room:
-            answer = self._repaired(ViolationKind.BEYOND_PROMPT, rid, f"offered {num_tokens} tokens past position "
-                                    f"{num_computed} of a {request.prompt_len}-token prompt", strict)
-            if not strict and self.calls_cancel_load:
+            detail = f"offered {num_tokens} tokens past position {num_computed} of a {request.prompt_len}-token prompt"
+            if self.past_the_prompt is PastThePrompt.CLAMP:
+                self.violate(ViolationKind.BEYOND_PROMPT, rid, detail)
+                return Answer(room, is_async)
+            answer = self._repaired(ViolationKind.BEYOND_PROMPT, rid, detail, self.past_the_prompt is PastThePrompt.REFUSE)
+            if answer.refusal is None and self.calls_cancel_load:
                 self.cancel(request, num_computed, num_computed + num_tokens)
             return answer
         return Answer(num_tokens, is_async)
@@ -223,10 +239,12 @@ class ConnectorRuntime:
                           reservation_id, start, end, request_id=request.request_id)
         return ok
 
-    def collect_prefix_loads(self, tracked: set[int], answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
+    def collect_prefix_loads(self, tracked: set[int], answers: dict[int, tuple[bool, Any]],
+                             ignored: Collection[int] = ()) -> tuple[list[int], bool]:
         """Every rank's `get_finished_prefix_loads` answer (rank -> (ok, ids)): the ids of
         `tracked` loads every rank has now reported (each rank's reports count once), and whether
-        every call was ok. An id no confirmed load has, or one a rank reports twice, is a violation."""
+        every call was ok. An id no confirmed load has, or one a rank reports twice, is a violation;
+        an `ignored` one (a load the runtime gave up on) is dropped."""
         ok = True
         for rank, (good, ids) in sorted(answers.items()):
             ok &= good
@@ -237,11 +255,14 @@ class ConnectorRuntime:
                                                                f"{ids!r}, not a list of reservation ids")
                 continue
             for rid in ids:
-                ranks = self._prefix_reports.setdefault(rid, set())
+                if rid in ignored and rid not in tracked:
+                    continue
                 if rid not in tracked:
                     self.violate(ViolationKind.UNKNOWN_LOAD_ID, None, f"rank {rank} reported prefix load {rid}, "
                                                                       "which no confirmed load has")
-                elif rank in ranks:
+                    continue
+                ranks = self._prefix_reports.setdefault(rid, set())
+                if rank in ranks:
                     self.violate(ViolationKind.REPEATED_LOAD_ID, None, f"rank {rank} reported prefix load {rid} twice")
                 ranks.add(rank)
         done = sorted(rid for rid in tracked if len(self._prefix_reports.get(rid, ())) == self.num_ranks)

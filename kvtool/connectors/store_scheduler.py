@@ -66,8 +66,6 @@ class _Tracker:
     held_pins: list[Any] = field(default_factory=list)
     """Pins of emitted loads, released once the load has surely run (a later iteration)."""
     loads_emitted_at: int = -1
-    awaits_empty_load: bool = False
-    """Its asynchronous load was honoured for nothing: the next metadata still carries it (empty)."""
 
     def extend_keys(self, tokens_per_block: int) -> None:
         first, end = len(self.keys), len(self.tokens) // tokens_per_block
@@ -111,10 +109,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         self.num_loaded_blocks = 0
         self._num_metas = 0
         self._unlanded: dict[int, list[PageTransfer]] = {}
-        self._promises: dict[int, _Promise] = {}
-        """Prefix reservations not fully released, by reservation id."""
         """Saves of the latest metadata, per request: indexed at `reserve`, written only if the
         pass that carries them completes."""
+        self._promises: dict[int, _Promise] = {}
+        """Prefix reservations not fully released, by reservation id."""
 
     # ---- the store, per connector ------------------------------------------------------------
     @abstractmethod
@@ -306,9 +304,6 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
                 self.unpin(location)
         tracker.planned = {}
         tracker.delivered = (start, end) if start < end else None
-        # An asynchronous answer keeps the request waiting for our report even when nothing of it
-        # was honoured (`main`'s V2): the worker reports an empty load.
-        tracker.awaits_empty_load = self.mode is StoreMode.ASYNC and not tracker.pending_loads
         if tracker.delivered:
             self.num_loaded_blocks += len({t.block_ordinal for t in tracker.pending_loads})
 
@@ -334,10 +329,10 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         for data in scheduler_output.cached_requests:
             self._observe(data, is_new=False, meta=meta)
         for tracker in self._trackers.values():
-            if tracker.pending_loads or tracker.awaits_empty_load:
+            if tracker.pending_loads:
                 target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode is StoreMode.ASYNC else meta.loads
                 target.extend(tracker.pending_loads)
-                tracker.pending_loads, tracker.awaits_empty_load = [], False
+                tracker.pending_loads = []
                 tracker.loads_emitted_at = self._num_metas
         for save in [*meta.saves, *(t for transfers in meta.async_saves.values() for t in transfers)]:
             self._unlanded.setdefault(save.request_id, []).append(save)

@@ -126,9 +126,11 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         self._given_saves.update(finished_gen_req_ids)
         self._given_loads.update(started_loading_req_ids)
         # Every save of a request was submitted by the time its id is given (in the passes before
-        # request_finished); one whose pass failed before wait_for_save has nothing in flight.
+        # request_finished); one whose pass failed before wait_for_save has nothing in flight. So was
+        # every load (in start_load_kv, before this call): a request the runtime waits for with
+        # nothing in flight had nothing honoured (`main`'s V2 parks an asynchronous answer even so).
         saved = self._done(self._saving, self._given_saves, nothing_pending_is_done=True)
-        return saved, self._done(self._loading, self._given_loads)
+        return saved, self._done(self._loading, self._given_loads, nothing_pending_is_done=True)
 
     def _finished_prefix_loads(self) -> list[int]:
         """`get_finished_prefix_loads` (`PrefixReservingWorker`): prefix loads landed here, the

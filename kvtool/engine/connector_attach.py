@@ -33,12 +33,12 @@ def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCa
     except ConnectorError as exc:
         raise InputError(f"connector {spec.name!r}: {exc}") from None
     factory = WorkerFactory(spec, options, manager, config.num_ranks, config.tp_size,
-                            registration=str(profile.registration), use_kv_cache_manager_v2=profile.use_kv_cache_manager_v2)
+                            registration=profile.registration, use_kv_cache_manager_v2=profile.use_kv_cache_manager_v2)
     scheduler, workers = _construct(factory, manager, config, num_local_ranks)
     driver.workers = [_ready(factory, rank, worker) for rank, worker in enumerate(workers)]
     runtime = ConnectorRuntime(scheduler, workers, config.num_ranks, flat_hooks=profile.flat_hooks,
-                               refuse_zero_async=profile.refuses_zero_async)
-    runtime.calls_cancel_load = profile.calls_cancel_load
+                               refuse_zero_async=profile.refuses_zero_async, calls_cancel_load=profile.calls_cancel_load,
+                               past_the_prompt=profile.past_the_prompt)
     ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
     if not ok:
         raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")

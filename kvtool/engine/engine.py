@@ -35,7 +35,7 @@ from kvtool.engine.runtimes import BringUp, profile_of
 from kvtool.engine.runtimes.admission import AdmissionHost
 from kvtool.engine.scheduler import Batch, Scheduler
 from kvtool.engine.scheduler_output import build_scheduler_output
-from kvtool.engine.watchdogs import Watchdogs
+from kvtool.engine.watchdogs import Watchdogs, stuck_description
 from kvtool.engine.worker_setup import forward_stream, rank_llm_args
 from kvtool.errors import InputError, IterationLimitError, OutOfPagesError
 from kvtool.manager.integrity import check_manager
@@ -93,8 +93,9 @@ class Engine:
         if self.gate is not None:
             self.connector.around_hook = self.gate.hook
         self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
-        self.admission = self.profile.admission(AdmissionHost.of(self.manager, self.connector, connector,
-                                                                 config.scheduler, self.emit, self.fail))
+        self.admission = self.profile.admission(AdmissionHost.of(
+            self.manager, self.connector, connector, config.scheduler.local_reuse, config.scheduler.chunk_size,
+            self.emit, self.fail))
         self.lifecycle = Lifecycle(self.connector, self.manager, self.queues, self.stats, self.emit, self.admission)
         self.scheduler = Scheduler(self.manager, config.scheduler, self.admission, self.pause, self.drafts)
         self.results = PassResults(self.fake, self.stats, self.lifecycle)
@@ -180,19 +181,11 @@ class Engine:
                 self.add_request(upcoming.take())
             if self.iteration >= max_iterations:
                 raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
-                                          f"{max_iterations} iterations: {self._stuck_description()}")
+                                          f"{max_iterations} iterations: {stuck_description(self.live_states)}")
             self.step()
             if on_iteration is not None:
                 on_iteration(self)
         return self.stats
-
-    def _stuck_description(self) -> str:
-        """What the unfinished requests wait for, in the connector's terms (the first three)."""
-        waits = {Phase.TRANSMISSION: "its asynchronous load, which get_finished never reported",
-                 Phase.SAVING: "its asynchronous save, which get_finished never reported",
-                 Phase.WAITING: "pages (deferred)", Phase.CONTEXT: "prefill", Phase.GENERATION: "generation"}
-        parts = [f"request {s.request_id} waits for {waits.get(s.phase, s.phase.value)}" for s in self.live_states[:3]]
-        return "; ".join(parts)
 
     def step(self) -> Batch:
         """One iteration: schedule -> the pass on every rank -> its tokens -> get_finished and checks."""
@@ -263,7 +256,7 @@ class Engine:
                 self.emit(LoadFinished, request_id=state.request_id)
 
     def _fail_pass(self, batch: Batch, reason: str) -> None:
-        self.lifecycle.fail_pass([s for s, _ in batch.context] + batch.generation, reason)
+        self.lifecycle.fail_pass([s for s, _ in batch.context] + batch.generation + batch.loading_started, reason)
         batch.context, batch.generation = [], []
 
     def _end_iteration(self, batch: Batch) -> None:
@@ -287,6 +280,7 @@ class Engine:
         outcome = self.group.finish(order)
         if runtime is None:
             return
+        runtime.failures.extend(outcome.failures)
         saved, loaded, ok = runtime.collect_finished(outcome.answers)
         retired, prefix_ok = self.admission.retire_reported(outcome.prefix_loads)
         if not (ok and prefix_ok):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.engine.fake_engine import PassItem
-from kvtool.engine.runtimes.names import RuntimeName
+from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
 from kvtool.manager.config import KvCacheManagerConfig
 
@@ -16,7 +16,7 @@ class EngineConfig:
     manager: KvCacheManagerConfig
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
-    runtime: RuntimeName = RuntimeName.TRTLLM_V2_RELEASE
+    runtime: RuntimeName = DEFAULT_RUNTIME
     """The TensorRT-LLM runtime the engine plays (`kvtool.engine.runtimes`): when the connector is
     asked, which pages back a first chunk, how workers register, what is refused at bring-up."""
     num_ranks: int = 1

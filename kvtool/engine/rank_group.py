@@ -41,6 +41,8 @@ class FinishedOutcome:
     prefix_loads: dict[int, tuple[bool, Any]] = field(default_factory=dict)
     """Rank -> (its get_finished_prefix_loads ran without raising, what it returned): asked only
     with `FinishedOrder.prefix_loads`."""
+    failures: list[HookFailure] = field(default_factory=list)
+    """The hooks that raised on other ranks (rank 0's are recorded by its guard as they raise)."""
 
 
 class RankGroup(Protocol):
@@ -104,13 +106,14 @@ class ProcessRankGroup:
     def finish(self, order: FinishedOrder) -> FinishedOutcome:
         order.page_ops = self._take_page_log()
         self.followers.broadcast(order)
-        answers = self.rank0.finish(order)
-        prefix = dict(self.rank0.prefix_answers)
+        outcome = FinishedOutcome(self.rank0.finish(order), dict(self.rank0.prefix_answers))
         for report in self.followers.gather():
-            answers[report.rank] = (report.finished is not None, report.finished)
+            outcome.answers[report.rank] = report.finished
             if order.prefix_loads:
-                prefix[report.rank] = (report.prefix_loads is not None, report.prefix_loads)
-        return FinishedOutcome(answers, prefix)
+                outcome.prefix_loads[report.rank] = report.prefix_loads
+            outcome.failures += [HookFailure(hook, None, error, text)
+                                 for (hook, error), text in zip(report.failures, report.tracebacks)]
+        return outcome
 
     def close(self) -> None:
         self.followers.close()
@@ -147,7 +150,7 @@ def start_followers(config: EngineConfig, manager: KvCacheManager, spec: Connect
     profile = profile_of(config.runtime)
     return Followers(RankSetup(config.manager, tuple(manager.num_slots), config.tp_size, config.num_ranks,
                                config.seed, spec, tuple(options.items()), 0, config.rank_timeout_s,
-                               manager.device.type, str(profile.registration), profile.use_kv_cache_manager_v2))
+                               manager.device.type, profile.registration, profile.use_kv_cache_manager_v2))
 
 
 def rank_group(rank0: RankPass, followers: Followers | None, config: EngineConfig,

@@ -11,6 +11,7 @@ from typing import Any
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.fake_engine import IntegrityIssue, PassItem
 from kvtool.engine.pass_driver import PassPlan
+from kvtool.engine.runtimes.names import Registration
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.models import shard_model
 
@@ -32,8 +33,8 @@ class RankSetup:
     timeout_s: float
     device: str = "cpu"
     """Where rank 0's pools are ("cpu" or "cuda"): the followers' too, and the backend (gloo, NCCL)."""
-    registration: str = "register_kv_cache_layout"
-    """How every worker is handed its cache (the runtime profile's `Registration`, by value)."""
+    registration: Registration = Registration.LAYOUT
+    """How every worker is handed its cache (the runtime profile's)."""
     use_kv_cache_manager_v2: bool = True
     """What the workers' `llm_args.kv_cache_config.use_kv_cache_manager_v2` says (the profile's)."""
 
@@ -84,10 +85,10 @@ class RankReport:
     """(hook, error) for each hook that raised."""
     tracebacks: list[str] = field(default_factory=list)
     """The whole traceback of each of `failures`, in the same order."""
-    finished: Any = None
-    """What get_finished returned (None when it raised, or for a pass order)."""
-    prefix_loads: Any = None
-    """What get_finished_prefix_loads returned (None when it raised or was not asked)."""
+    finished: tuple[bool, Any] = (False, None)
+    """(get_finished ran without raising, what it returned); (False, None) for a pass order."""
+    prefix_loads: tuple[bool, Any] = (False, None)
+    """(get_finished_prefix_loads ran without raising, what it returned), where it was asked."""
     checksums: dict[int, int] = field(default_factory=dict)
     issues: list[IntegrityIssue] = field(default_factory=list)
     errors_by_request: Counter = field(default_factory=Counter)

@@ -16,6 +16,7 @@ from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.rank_context import acting_as
 from kvtool.engine.pass_driver import PassDriver, RankWorker, ask_end_of_pass
+from kvtool.engine.runtimes.names import Registration
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport
 from kvtool.engine.worker_setup import rank_llm_args, register_worker
 from kvtool.manager.manager import KvCacheManager
@@ -29,7 +30,7 @@ class WorkerFactory:
 
     def __init__(self, spec: ConnectorSpec, options: dict[str, str], manager: KvCacheManager, num_ranks: int,
                  tp_size: int, enter: Callable[[str], None] = lambda stage: None,
-                 registration: str = "register_kv_cache_layout", use_kv_cache_manager_v2: bool = True) -> None:
+                 registration: Registration = Registration.LAYOUT, use_kv_cache_manager_v2: bool = True) -> None:
         self.spec = spec
         self.registration = registration
         self.use_kv_cache_manager_v2 = use_kv_cache_manager_v2

@@ -301,10 +301,8 @@ class RankExecutor:
         self._report = report = RankReport(self.rank)
         self.manager.replay_page_ops(order.page_ops)
         if isinstance(order, FinishedOrder):
-            answer = self.rank_pass.finish(order).get(self.rank)
-            report.finished = answer[1] if answer is not None and answer[0] else None
-            prefix = self.rank_pass.prefix_answers.get(self.rank)
-            report.prefix_loads = prefix[1] if prefix is not None and prefix[0] else None
+            report.finished = self.rank_pass.finish(order).get(self.rank, (False, None))
+            report.prefix_loads = self.rank_pass.prefix_answers.get(self.rank, (False, None))
         else:
             self.rank_pass.run_pass(order, report)
         self._enter("")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvtool.connector.request import Request
 from kvtool.errors import LogicError
@@ -111,6 +112,16 @@ class RequestState:
     @property
     def prompt_len(self) -> int:
         return self.request.prompt_len
+
+    @property
+    def prompt_tokens(self) -> Sequence[int]:
+        """The context phase's tokens, without a copy (read only): the prompt, or after a pause every token so far."""
+        return self.request._prompt_view()
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """Prompt then generated tokens, without a copy (read only; it grows as tokens are generated)."""
+        return self.request._token_view()
 
     @property
     def is_live(self) -> bool:

@@ -51,3 +51,11 @@ class Watchdogs:
             if now - since.setdefault(state.request_id, now) > seconds:
                 self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"request {state.request_id} waits for its "
                            f"asynchronous save, which get_finished never reported within {seconds:g} s")
+
+
+def stuck_description(live: list[RequestState]) -> str:
+    """What the first three unfinished requests wait for, in the connector's terms."""
+    waits = {Phase.TRANSMISSION: "its asynchronous load, which get_finished never reported",
+             Phase.SAVING: "its asynchronous save, which get_finished never reported",
+             Phase.WAITING: "pages (deferred)", Phase.CONTEXT: "prefill", Phase.GENERATION: "generation"}
+    return "; ".join(f"request {s.request_id} waits for {waits.get(s.phase, s.phase.value)}" for s in live[:3])

@@ -11,6 +11,7 @@ import torch
 from kvtool.connector.api import HostStream, KvCacheConnectorWorker
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.engine.runtimes.names import Registration
 from kvtool.errors import ConnectorError
 from kvtool.manager.manager import KvCacheManager
 
@@ -42,12 +43,12 @@ def rank_llm_args(manager: KvCacheManager, spec: ConnectorSpec, options: dict[st
 
 
 def register_worker(worker: KvCacheConnectorWorker, manager: KvCacheManager,
-                    registration: str = "register_kv_cache_layout") -> None:
+                    registration: Registration = Registration.LAYOUT) -> None:
     """Hand the worker its KV cache as the runtime does: `register_kv_cache_layout(layout)` (V2;
     its default passes a one-pool cache to `register_kv_caches`), or `register_kv_caches` with
     the one primary pool tensor (V1: `[num_blocks, num_layers, kv_factor, block_size]`; a tensor
     on the meta device where the pools are virtual, as in block fidelity)."""
-    if registration == "register_kv_cache_layout":
+    if registration is Registration.LAYOUT:
         worker.register_kv_cache_layout(manager.layout)
         return
     worker.register_kv_caches(primary_pool_tensor(manager))

@@ -17,7 +17,7 @@ from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.events import EventLog
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, CapacityPolicy, RuntimeName, profile_of
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.runtimes.behaviours import Behaviour
 from kvtool.errors import ConstructionError, InputError, RefusedSetupError
 from kvtool.manager import KvCacheManagerConfig
@@ -126,9 +126,9 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
     manager = KvCacheManagerConfig(load_model(ctx.model), ctx.tokens_per_block, num_slots=num_slots, device=ctx.device,
                                    poison_new_pages=True, keep_reusable_pages=local_reuse,
                                    slot_order=schedule.slot_order, slot_order_seed=ctx.seed)
-    no_evict = profile_of(ctx.runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
     scheduler = SchedulerConfig(max_batch_size, 4096, chunk_size, local_reuse,
-                                reserve_outputs=no_evict and not reference, pause_to_grow=pause_to_grow)
+                                reserve_outputs=profile_of(ctx.runtime).reserves_outputs and not reference,
+                                pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
                         verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",

@@ -6,7 +6,7 @@ released exactly once (`judges.judge_reservations`)."""
 
 from __future__ import annotations
 
-from kvtool.connector.api import RESERVATION_HOOKS, reservation_hooks
+from kvtool.connector.api import takes_part_in_reservations
 from kvtool.engine.events import Finished, PrefixLoadRetired, ReservationReleased, Reserved
 from kvtool.engine.runtimes.behaviours import Behaviour
 from kvtool.engine.runtimes.names import RuntimeName
@@ -20,7 +20,7 @@ from kvtool.validate.sizing import squeeze_slots
 
 
 def _require_reservations(ctx: Context) -> None:
-    if len(reservation_hooks(ctx.spec.scheduler_class, ctx.spec.worker_class)) != len(RESERVATION_HOOKS):
+    if not takes_part_in_reservations(ctx.spec.scheduler_class, ctx.spec.worker_class):
         raise NotRunHere("the connector does not take part in prefix reservations (reserve_prefix, "
                          "release_prefix_reservation, get_finished_prefix_loads): main's V2 asks it on the final "
                          "batch instead")

@@ -269,10 +269,12 @@ def clamp(ctx: Context) -> list[CheckResult]:
     reqs = [Req(0, prompt), Req(1, prompt, arrival=1.0)]
     r = run(ctx, reqs)
     served = r.outcome(1).num_local_hit + r.outcome(1).num_external if 1 in r.outcomes else 0
-    happened = not r.error and served == 4 * T - 1
+    if ctx.runtime == R.TRTLLM_V2_RELEASE:   # the one runtime that hands the last position back
+        what, happened = "whole prompt offered, last position cancelled", (1, 4 * T - 1, 4 * T) in r.cancels
+    else:
+        what, happened = "a prompt held whole served up to its last position, computed locally", served == 4 * T - 1
     out = [judge_integrity("clamp", ctx, [(r, reqs)]), judge_holds_nothing("clamp", ctx, r)]
-    out[0].evidence += _exercised(r, 1, "a prompt held whole served up to its last position, computed locally",
-                                  happened)
+    out[0].evidence += _exercised(r, 1, what, happened and not r.error)
     return out + _common("clamp", ctx, r)
 
 

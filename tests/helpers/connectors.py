@@ -126,6 +126,10 @@ class OracleWorker(NoOpWorker):
     def register_kv_cache_layout(self, layout):
         self.layout = layout
 
+    def register_kv_caches(self, kv_cache_tensor):
+        """V1: the pool tensor (its loads go through the fake engine by page list all the same)."""
+        self.tensor = kv_cache_tensor
+
     def start_load_kv(self, stream):
         for load in self._metadata.loads:
             self.fake.write_context(PassItem(load.request_id, load.tokens, load.pages, load.start, load.end, False))

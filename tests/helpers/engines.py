@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.runtimes import CapacityPolicy, profile_of
+from kvtool.engine.runtimes import profile_of
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
@@ -24,8 +24,7 @@ def make_engine(spec=None, model="tiny", num_slots=64, tpb=4, runtime=None, **kw
                if k in ("max_batch_size", "max_num_tokens", "chunk_size", "local_reuse", "pause_to_grow")}
     if runtime is not None:
         kwargs["runtime"] = profile_of(runtime).name
-        if profile_of(runtime).default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT \
-                and not options.get("pause_to_grow"):
+        if profile_of(runtime).reserves_outputs and not options.get("pause_to_grow"):
             options["reserve_outputs"] = True
     scheduler = SchedulerConfig(**options)
     config = EngineConfig(KvCacheManagerConfig(load_model(model), tpb, num_slots=num_slots, device="cpu"),

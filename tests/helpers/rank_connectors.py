@@ -6,7 +6,8 @@ import os
 import time
 
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.connectors.host import (HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler,  # noqa: F401
+                                   ReservingHostWorker)
 from tests.helpers.broken_connectors import AsyncScheduler
 from tests.helpers.broken_connectors import _async_args as async_args
 
@@ -119,3 +120,13 @@ class SyncsAndFailsFinishedOnRank1(HostConnectorWorker):
         if self._llm_args.rank == 1:
             raise RuntimeError("rank 1 lost track")
         return super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+
+
+class PrefixLoadsRaiseOnRank1(ReservingHostWorker):
+    """Rank 1's `get_finished_prefix_loads` raises once it has a load to report."""
+
+    def get_finished_prefix_loads(self):
+        done = super().get_finished_prefix_loads()
+        if self._llm_args.rank == 1 and done:
+            raise RuntimeError("rank 1 lost its completion queue")
+        return done

@@ -6,7 +6,8 @@ is what `bench` and `trace` run unless told otherwise (`validate` runs every pro
 
 from __future__ import annotations
 
-from kvtool.engine.runtimes.profile import BringUp, CapacityPolicy, Registration, RuntimeName, RuntimeProfile
+from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, Registration, RuntimeName
+from kvtool.engine.runtimes.profile import BringUp, CapacityPolicy, RuntimeProfile
 from kvtool.engine.runtimes.trtllm_v1 import TrtllmV1
 from kvtool.engine.runtimes.trtllm_v2 import TrtllmV2
 from kvtool.engine.runtimes.trtllm_v2_release import ReleaseV2
@@ -17,10 +18,6 @@ __all__ = ["BringUp", "CapacityPolicy", "DEFAULT_RUNTIME", "RUNTIMES", "Registra
 
 RUNTIMES: dict[RuntimeName, RuntimeProfile] = {profile.name: profile
                                                for profile in (TrtllmV1(), TrtllmV2(), ReleaseV2())}
-
-DEFAULT_RUNTIME = RuntimeName.TRTLLM_V2_RELEASE
-"""`bench` and `trace`'s runtime unless `--runtime` says otherwise: the one every figure kvtool
-committed before profiles existed was measured under."""
 
 
 def profile_of(name: RuntimeName | str) -> RuntimeProfile:

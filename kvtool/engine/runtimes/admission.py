@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvtool.connector.api import RESERVATION_HOOKS, PrefixLoad, reservation_hooks
+from kvtool.connector.api import PrefixLoad, takes_part_in_reservations
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.runtime import Answer, ConnectorRuntime
 from kvtool.engine.batch import Batch, TokenBudget
@@ -44,18 +44,17 @@ class AdmissionHost:
     chunk_size: int | None
     emit: Callable[..., None]
     fail: Callable[[RequestState, FailureReason, str], None]
+    """Fail one request cleanly, with the reason and a detail in words (`Lifecycle.fail`)."""
     prefix_reservations: bool = False
     """The connector implements the three reservation hooks (`main`'s V2 then uses them)."""
 
     @classmethod
     def of(cls, manager: KvCacheManager, connector: ConnectorRuntime | None, spec: ConnectorSpec | None,
-           scheduler: Any, emit: Callable[..., None],
+           local_reuse: bool, chunk_size: int | None, emit: Callable[..., None],
            fail: Callable[[RequestState, FailureReason, str], None]) -> AdmissionHost:
-        """An engine's host: `scheduler` is its `SchedulerConfig` (local reuse, chunk size)."""
-        reserving = spec is not None and \
-            len(reservation_hooks(spec.scheduler_class, spec.worker_class)) == len(RESERVATION_HOOKS)
-        return cls(manager, connector, scheduler.local_reuse, scheduler.chunk_size, emit, fail, reserving)
-    """Fail one request cleanly, with the reason and a detail in words (`Lifecycle.fail`)."""
+        """An engine's host (its scheduler config's `local_reuse` and `chunk_size`)."""
+        reserving = spec is not None and takes_part_in_reservations(spec.scheduler_class, spec.worker_class)
+        return cls(manager, connector, local_reuse, chunk_size, emit, fail, reserving)
 
 
 class ConnectorAdmission(ABC):
@@ -92,9 +91,6 @@ class ConnectorAdmission(ABC):
     def hand_back(self, state: RequestState, start: int, end: int) -> None:
         """Offered tokens [start, end) the request will not use (it failed before delivery).
         Default: nothing is said (runtimes without `cancel_load` release it at `request_finished`)."""
-
-    def allocation_released(self, state: RequestState) -> None:
-        """`state`'s allocation was taken back (a pause); it runs again from the start."""
 
     def take_prefix_loads(self) -> list[PrefixLoad]:
         """The prefix loads confirmed since the last call (`SchedulerOutput.prefix_loads`); none by default."""
@@ -138,14 +134,10 @@ class ConnectorAdmission(ABC):
             raise LogicError(f"request {state.request_id} has no offer here")
         return state.offer
 
-    def create_cache(self, state: RequestState, whole_blocks: bool = False) -> KvCache:
-        """`state`'s cache on its local match (SUSPENDED), or an empty one without local reuse;
-        `whole_blocks`: a match ending inside a block is cut back to its last whole block."""
+    def create_cache(self, state: RequestState) -> KvCache:
+        """`state`'s cache on its local match (SUSPENDED), or an empty one without local reuse."""
         request = state.request
-        reused = request._prompt_view()[:-1] if self.host.local_reuse else []
-        if whole_blocks:
-            tpb = self.manager.tokens_per_block
-            reused = reused[:len(reused) // tpb * tpb]
+        reused = state.prompt_tokens[:-1] if self.host.local_reuse else []
         kv = self.manager.create_kv_cache(request.request_id, reused, ReuseScope.from_cache_salt(request.cache_salt),
                                           expected_prompt_length=request.prompt_len)
         state.kv = kv
@@ -224,9 +216,11 @@ class ConnectorAdmission(ABC):
         self.host.fail(state, FailureReason.ALLOC_HOOK_RAISED, "")
         return False
 
-    def park(self, state: RequestState, batch: Batch, iteration: int) -> None:
-        """`state` loads asynchronously: out of the batch, in TRANSMISSION until every rank reports it."""
+    def park(self, state: RequestState, batch: Batch, iteration: int, reported_by_get_finished: bool = True) -> None:
+        """`state` loads asynchronously: out of the batch, in TRANSMISSION until every rank reports
+        it (through `get_finished`, or a prefix load's retirement)."""
         batch.drop(state)
         batch.loading_started.append(state)
         state.start_transmission(iteration)
-        self.hooks.start_async_load(state.request_id)
+        if reported_by_get_finished:
+            self.hooks.start_async_load(state.request_id)

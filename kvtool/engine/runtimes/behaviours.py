@@ -58,7 +58,9 @@ BEHAVIOURS: tuple[BehaviourRow, ...] = (
     BehaviourRow(Behaviour.WHEN_ASKED, "when the connector is asked", {
         V1: "while the sequence is added at its first chunk, only once the whole prompt's pages are granted: "
             "never deferred after the ask",
-        V2: "once the batch is final (`prepare_resources`): never deferred after the ask",
+        V2: "once the batch is final (`prepare_resources`): never deferred after the ask; a connector with "
+            "the reservation hooks is asked `reserve_prefix` during scheduling instead, and a rejected "
+            "candidate is released and asked again (a fresh id) at its next attempt",
         RELEASE: "during scheduling, before the first chunk's pages: a request may be deferred after its ask "
                  "and delivered iterations later"},
         "kvCacheManager.cpp `addSequence`; kv_cache_manager_v2.py `_run_kv_connector_hooks`; #18700"),
@@ -66,7 +68,8 @@ BEHAVIOURS: tuple[BehaviourRow, ...] = (
         V1: "never: GUARANTEED_NO_EVICT never destroys an allocation, so nothing replays",
         V2: "once per allocation: a request whose allocation was destroyed (a pause) is asked again and "
             "reported new",
-        RELEASE: "as `trtllm-v2`"},
+        RELEASE: "once per request across deferrals (the offer is memoised), again after a pause (a new "
+                 "allocation), reported new"},
         "kv_cache_manager_v2.py `free_resources` (`py_connector_allocation_reported`)"),
     BehaviourRow(Behaviour.FIRST_CHUNK_PAGES, "pages at the first chunk", {
         V1: "the whole prompt's (later chunks report `new_block_ids == []`)",

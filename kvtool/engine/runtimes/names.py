@@ -1,5 +1,5 @@
-"""The names of the runtime profiles (a module of its own: `EngineConfig` names a runtime without
-importing what plays it)."""
+"""The names of the runtime profiles and of the ways a worker is handed its cache (a module of its
+own: `EngineConfig` and a follower's setup name them without importing what plays them)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,17 @@ class RuntimeName(TextEnum):
     TRTLLM_V2_RELEASE = "trtllm-v2-release"
     """The release branches' KVCacheManagerV2 (#18700, a cherry-pick of #17974): the ask during
     scheduling, a deferral after it, `cancel_load`."""
+
+
+DEFAULT_RUNTIME = RuntimeName.TRTLLM_V2_RELEASE
+"""`bench` and `trace`'s runtime unless `--runtime` says otherwise: the one every figure kvtool
+committed before profiles existed was measured under."""
+
+
+class Registration(TextEnum):
+    """How a worker is handed the KV cache at bring-up (the hook that is called)."""
+
+    LAYOUT = "register_kv_cache_layout"
+    """The layout (regions per layer group); its default passes a one-pool cache to `register_kv_caches`."""
+    POOL_TENSOR = "register_kv_caches"
+    """The one primary pool tensor `[num_blocks, num_layers, kv_factor, block_size]`, nothing else."""

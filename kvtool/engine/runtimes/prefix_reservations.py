@@ -55,6 +55,8 @@ class ReservationBook:
         self._next_id = 1
         self._live: dict[int, Reservation] = {}
         self._loads: list[PrefixLoad] = []
+        self.given_up: set[int] = set()
+        """Ids of confirmed loads released before every worker reported them: a late report is no violation."""
 
     def open(self, rid: int, request: Request, start: int, count: int, is_async: bool) -> Reservation:
         """The promise `reserve_prefix` made under `rid` (from `next_id`): [start, start + count)."""
@@ -87,7 +89,8 @@ class ReservationBook:
             del self._live[reservation.reservation_id]
 
     def release_unaccepted(self, reservation: Reservation) -> None:
-        """Release every part of a reservation that was never accepted (its candidate was rejected)."""
+        """Release every part of a reservation still unreleased (its candidate was rejected, or its
+        load given up on)."""
         for start, end in list(reservation.unreleased):
             self.release(reservation, start, end)
 
@@ -112,6 +115,13 @@ class ReservationBook:
         for load in undispatched:
             self.release_unaccepted(self._live[load.reservation_id])
 
+    def give_up(self, request_id: int) -> None:
+        """Release the request's confirmed loads that have not retired (it failed: no worker will
+        report them, or none in time)."""
+        for reservation in [r for r in self._live.values() if r.request.request_id == request_id and r.accepted]:
+            self.given_up.add(reservation.reservation_id)
+            self.release_unaccepted(reservation)
+
     @property
     def tracked(self) -> set[int]:
         """Ids of accepted loads not retired yet."""
@@ -129,6 +139,3 @@ class ReservationBook:
         self.release(reservation, start, end)
         return reservation
 
-    def loading(self, request_id: int) -> Reservation | None:
-        """The accepted, unretired reservation of a request, if any."""
-        return next((r for r in self._live.values() if r.request.request_id == request_id and r.accepted), None)

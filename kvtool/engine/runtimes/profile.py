@@ -19,7 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from kvtool.engine.runtimes.names import RuntimeName
+from kvtool.connector.runtime import PastThePrompt
+from kvtool.engine.runtimes.names import Registration, RuntimeName
 from kvtool.errors import RefusedSetupError
 from kvtool.types import TextEnum
 
@@ -31,15 +32,6 @@ if TYPE_CHECKING:
     from kvtool.engine.engine_config import EngineConfig
     from kvtool.engine.request_state import RequestState
     from kvtool.engine.runtimes.admission import AdmissionHost, ConnectorAdmission
-
-
-class Registration(TextEnum):
-    """How a worker is handed the KV cache at bring-up (the hook that is called)."""
-
-    LAYOUT = "register_kv_cache_layout"
-    """The layout (regions per layer group); its default passes a one-pool cache to `register_kv_caches`."""
-    POOL_TENSOR = "register_kv_caches"
-    """The one primary pool tensor `[num_blocks, num_layers, kv_factor, block_size]`, nothing else."""
 
 
 class CapacityPolicy(TextEnum):
@@ -92,6 +84,8 @@ class RuntimeProfile(ABC):
     """`update_state_after_alloc` and `request_finished` are called in their flat form (one list of
     pool-wide block ids), and `new_block_ids_by_layer_group` is `[]` (V1); else the per-layer-group forms."""
     calls_cancel_load: ClassVar[bool] = False
+    past_the_prompt: ClassVar[PastThePrompt] = PastThePrompt.REPAIR
+    """What an offer past the prompt's end becomes (a contract violation in every runtime)."""
     refuses_zero_async: ClassVar[bool] = False
     """`(0, True)` fails the request (the runtime's query raises), rather than being repaired to `(0, False)`."""
     use_kv_cache_manager_v2: ClassVar[bool] = True
@@ -131,6 +125,11 @@ class RuntimeProfile(ABC):
 
     def annotate(self, data: RequestData, state: RequestState, is_new: bool) -> None:
         """Fill what this runtime reports beyond pages and tokens (default: nothing, as V2)."""
+
+    @property
+    def reserves_outputs(self) -> bool:
+        """Whether a connector runs under output reservation here by default (GUARANTEED_NO_EVICT)."""
+        return self.default_capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
 
     def capacity_refusal(self, policy: CapacityPolicy) -> str | None:
         """The refusal of a capacity policy this runtime does not run a connector under, or None."""

@@ -26,6 +26,7 @@ with `add_sequence_batch`), `cpp/.../kvCacheManager.cpp` `WindowBlockManager::ad
 from __future__ import annotations
 
 from kvtool.connector.api import RequestData, implements
+from kvtool.connector.runtime import PastThePrompt
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.request_state import Offer, RequestState
 from kvtool.engine.runtimes.admission import Admits, AdmissionHost, ConnectorAdmission
@@ -73,6 +74,8 @@ class V1Admission(ConnectorAdmission):
     def _first_chunk_tokens(self, position: int, charged: int, prompt_len: int) -> int:
         """V1's `setPrepopulatedPromptLen`: the chunk the scheduler sized from position 0 starts at
         `position`; when the prompt goes on past it, its end is floored to a block boundary."""
+        if position == 0:   # nothing prepopulated: the chunk stays as sized
+            return charged
         if position + charged >= prompt_len:
             return prompt_len - position
         tpb = self.manager.tokens_per_block
@@ -104,6 +107,7 @@ class TrtllmV1(RuntimeProfile):
     registration = Registration.POOL_TENSOR
     flat_hooks = True
     refuses_zero_async = True
+    past_the_prompt = PastThePrompt.REFUSE
     use_kv_cache_manager_v2 = False
     capacity_policies = frozenset({CapacityPolicy.GUARANTEED_NO_EVICT})
     default_capacity_policy = CapacityPolicy.GUARANTEED_NO_EVICT
@@ -134,8 +138,7 @@ class TrtllmV1(RuntimeProfile):
         request = state.request
         kv = ConnectorAdmission.cache(state)
         tpb = kv.tokens_per_block
-        data.block_hashes = list(extend_block_hashes(state.block_hashes, request._token_view(), tpb,
-                                                     request.cache_salt))
+        data.block_hashes = list(extend_block_hashes(state.block_hashes, state.tokens, tpb, request.cache_salt))
         retention = request.kv_cache_retention_config
         if retention is not None:
             first_new = len(kv.get_page_indices(0)) - len(data.new_block_ids)

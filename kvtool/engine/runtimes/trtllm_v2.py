@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtool.connector.api import PrefixLoad, RESERVATION_HOOKS, reservation_hooks
+from kvtool.connector.api import RESERVATION_HOOKS, PrefixLoad, reservation_hooks, takes_part_in_reservations
+from kvtool.connector.runtime import PastThePrompt
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Ask, NotHonoured, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
@@ -180,15 +181,13 @@ class ReservingAdmission(ConnectorAdmission):
             candidate = self._candidates.pop(state.request_id, None)
             if candidate is not None:
                 self.book.accept(candidate, self.cache(state).page_indices_by_group(),
-                                 list(state.request._prompt_view()), state.request.cache_salt, iteration)
+                                 list(state.prompt_tokens), state.request.cache_salt, iteration)
                 state.offer = Offer(candidate.start, candidate.end, candidate.is_async)
                 self.record_delivery(state, candidate.start, candidate.end, iteration)
             if not self.tell_pages(state, batch):
                 continue
             if candidate is not None and candidate.is_async:
-                batch.drop(state)
-                batch.loading_started.append(state)
-                state.start_transmission(iteration)
+                self.park(state, batch, iteration, reported_by_get_finished=False)
                 self._awaited[state.request_id] = candidate.reservation_id
 
     def take_prefix_loads(self) -> list[PrefixLoad]:
@@ -196,7 +195,7 @@ class ReservingAdmission(ConnectorAdmission):
 
     def retire_reported(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
         """Retire the loads every rank reported; the requests waiting for exactly those resume."""
-        done, ok = self.hooks.collect_prefix_loads(self.book.tracked, answers)
+        done, ok = self.hooks.collect_prefix_loads(self.book.tracked, answers, ignored=self.book.given_up)
         resumed = []
         for rid in done:
             request_id = self.book.retire(rid).request.request_id
@@ -209,18 +208,20 @@ class ReservingAdmission(ConnectorAdmission):
         return self.book.unretired_since()
 
     def holds_allocation(self, state: RequestState) -> bool:
-        reservation = self.book.loading(state.request_id)
-        return reservation is not None and reservation.is_async and state.phase is Phase.TRANSMISSION
+        """The request waits for its asynchronous prefix load (the runtime never aborts a transfer)."""
+        return state.phase is Phase.TRANSMISSION and state.request_id in self._awaited
 
     def request_failed(self, state: RequestState) -> None:
-        """A candidate not accepted, or a load not dispatched yet, is released; a dispatched load
-        is released when it retires."""
+        """The request failed (not as a cancellation waiting for its load: `holds_allocation`): a
+        candidate not accepted, a load not dispatched, and one dispatched that has not retired (its
+        pass failed, or it outran the transmission bound) are released, the last given up on."""
         super().request_failed(state)
         self._awaited.pop(state.request_id, None)
         candidate = self._candidates.pop(state.request_id, None)
         if candidate is not None:
             self.book.release_unaccepted(candidate)
         self.book.withdraw(state.request_id)
+        self.book.give_up(state.request_id)
 
 
 class TrtllmV2(RuntimeProfile):
@@ -232,13 +233,14 @@ class TrtllmV2(RuntimeProfile):
                "connectors/prefix_load_completion.py @785b0128")
     registration = Registration.LAYOUT
     refuses_zero_async = True
+    past_the_prompt = PastThePrompt.CLAMP
 
     def refusal(self, bring_up: BringUp) -> str | None:
         return first(gpu_tier_only(bring_up), no_speculative_decoding(bring_up))
 
     def connector_refusal(self, bring_up: BringUp) -> str | None:
         implemented = reservation_hooks(bring_up.scheduler_class, bring_up.worker_class)
-        if not implemented or len(implemented) == len(RESERVATION_HOOKS):
+        if not implemented or takes_part_in_reservations(bring_up.scheduler_class, bring_up.worker_class):
             return None
         missing = [name for name in RESERVATION_HOOKS if name not in implemented]
         return ("prefix reservations require reserve_prefix and release_prefix_reservation on the scheduler and "
