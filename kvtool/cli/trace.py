@@ -16,14 +16,14 @@ from dataclasses import replace
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
                                OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
                                progress_bar, say, warn)
-from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
+from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, fleet_rows, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
                                 note_store_folder, tier_note)
 from kvtool.connectors.registry import load_connector
 from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
-from kvtool.report.instances_report import instances_table, write_instances_folder
+from kvtool.report.instances_report import instances_table, latency_table, write_instances_folder
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
 from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
@@ -141,11 +141,13 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
         say(replay.load_rate_note)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:
-        rows = run_instances(plan, lambda finished: update(completed=finished))
-    total = global_row(rows)
+        rows, total = fleet_rows(run_instances(plan, lambda finished: update(completed=finished)))
     if format is OutputFormat.table:
         Console().print(instances_table(rows + [total], f"trace over {instances} instances · {options.connector} "
                                                           f"· {route.value}"))
+        latencies = latency_table(rows + [total], "TTFT and TPOT (cost model), load (prefill work / fleet mean)")
+        if latencies is not None:
+            Console().print(latencies)
     elif format is OutputFormat.json:
         print(json.dumps({"instances": rows, "all": total}, indent=2))
     else:
