@@ -17,8 +17,7 @@ from urllib.parse import urlsplit
 
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
-from kvtool.connectors.remote_store import (REMOTE_OPTIONS, RemoteBlockStore, StoreBound, StoreUnavailable, seconds,
-                                           store_bound)
+from kvtool.connectors.remote_store import REMOTE_OPTIONS, RemoteBlockStore, StoreUnavailable, seconds, store_bound
 from kvtool.connectors.slot_index import EVICTION_POLICIES
 from kvtool.units import parse_capacity
 from kvtool.errors import InputError
@@ -107,8 +106,10 @@ then group and hex key of each) and evicts past the capacity; returns the blocks
 class RedisBlockStore(RemoteBlockStore):
     kind = "redis"
 
-    def __init__(self, llm_args: LlmArgs, payloads: bool = True, bound: StoreBound | None = None) -> None:
-        super().__init__(llm_args, payloads, bound if bound is not None else store_bound(llm_args))
+    def __init__(self, llm_args: LlmArgs, payloads: bool = True,
+                 bound_keys: tuple[str, str] = ("capacity", "eviction")) -> None:
+        """`bound_keys`: the options that bound it (capacity, eviction), if given."""
+        super().__init__(llm_args, payloads, store_bound(llm_args, *bound_keys))
         self.client = connect(llm_args.connector_options)
         self.ttl_ms = int(1000 * seconds(llm_args.connector_options.get("ttl", "0")))
         self._rank = self.client.register_script(RANK_SCRIPT)

@@ -37,6 +37,8 @@ def tier_table(summary: TraceSummary, title: str = "") -> Table:
     table.add_row(f"connector ({summary.connector})", f"{summary.connector_hit_tokens:,}",
                   share(summary.connector_hit_tokens), loaded, moved,
                   "-" if summary.connector_evictions is None else f"{summary.connector_evictions:,}")
+    for tier, tokens in (summary.tier_hit_tokens or {}).items():
+        table.add_row(f"  {tier} tier", f"{tokens:,}", share(tokens), "", "", "")
     if summary.saved_blocks is not None:
         table.add_row("  saved", "", "", f"{summary.saved_blocks:,} saved",
                       "-" if summary.bytes_saved is None else f"{format_size(summary.bytes_saved)} out", "")
