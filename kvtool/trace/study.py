@@ -1,0 +1,93 @@
+"""What a capacity sweep recommends: the knee of the hit-rate curve, what it costs, whether TTFT
+meets an SLO there, in one line a design document can quote.
+
+The knee is the smallest swept capacity whose hit rate reaches `KNEE_FRACTION` of the plateau's
+gain over the no-tier point:
+
+    hit rate >= no tier + 0.95 x (plateau - no tier),    plateau = the best hit rate swept
+
+(the gain, not the hit rate: where the GPU alone already reaches most of the plateau, 95 % of the
+hit rate says nothing). Capacities are a GPU's (one engine's tier, or a tensor-parallel rank's
+shard of it). No interpolation: the knee is a swept point, and the line says which point below it
+was swept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from kvtool.units import format_gib
+
+KNEE_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Knee:
+    capacity_bytes: int
+    capacity_tokens: int
+    hit_rate: float
+    plateau: float
+    no_tier: float
+    below_bytes: int | None
+    """The swept capacity below the knee (None: the knee is the smallest swept)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def knee(rows: Sequence[dict[str, Any]], fraction: float = KNEE_FRACTION) -> Knee | None:
+    """The knee of one tokens-per-block's rows (a row each capacity; `capacity_tokens` 0: the
+    no-tier point); None without sized points or with no gain over the no-tier point."""
+    sized = sorted((r for r in rows if r.get("capacity_tokens")), key=lambda r: r["capacity_tokens"])
+    if not sized or sized[0].get("capacity_bytes") is None:
+        return None
+    no_tier = next((r["hit_rate"] for r in rows if r.get("capacity_tokens") == 0), 0.0)
+    plateau = max(r["hit_rate"] for r in sized)
+    if plateau <= no_tier:
+        return None
+    target = no_tier + fraction * (plateau - no_tier)
+    at = next(i for i, r in enumerate(sized) if r["hit_rate"] >= target - 1e-12)
+    return Knee(int(sized[at]["capacity_bytes"]), int(sized[at]["capacity_tokens"]), sized[at]["hit_rate"], plateau,
+                no_tier, int(sized[at - 1]["capacity_bytes"]) if at else None)
+
+
+def point_at(rows: Sequence[dict[str, Any]], capacity_tokens: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r.get("capacity_tokens") == capacity_tokens), None)
+
+
+def recommendation(rows: Sequence[dict[str, Any]], price_per_gib: float | None = None,
+                   ttft_slo: float | None = None) -> str | None:
+    """The line: the knee, its hit rate against the plateau and no tier, its TTFT against no tier,
+    its price, its SLO attainment; None when there is no knee."""
+    found = knee(rows)
+    if found is None:
+        return None
+    at = point_at(rows, found.capacity_tokens) or {}
+    base = point_at(rows, 0)
+    parts = [f"{KNEE_FRACTION:.0%} of the plateau's gain at {format_gib(found.capacity_bytes)} a GPU "
+             f"({found.capacity_tokens:,} tokens): hit rate {100 * found.hit_rate:.2f} % of the plateau's "
+             f"{100 * found.plateau:.2f} % ({100 * found.no_tier:.2f} % without a tier)"]
+    if found.below_bytes is not None:
+        parts[0] += f"; {format_gib(found.below_bytes)} was short of it"
+    if at.get("ttft_p50_s") is not None:
+        ttft = f"TTFT p50 {_seconds(at['ttft_p50_s'])}, p99 {_seconds(at['ttft_p99_s'])}"
+        if base is not None and base.get("ttft_p50_s") is not None:
+            ttft += f" (no tier: {_seconds(base['ttft_p50_s'])}, {_seconds(base['ttft_p99_s'])})"
+        parts.append(ttft)
+    if ttft_slo is not None and at.get("slo_attainment") is not None:
+        parts.append(f"{100 * at['slo_attainment']:.1f} % of requests within the {ttft_slo:g} s TTFT SLO"
+                     + (f" (no tier: {100 * base['slo_attainment']:.1f} %)" if base is not None else ""))
+    if price_per_gib is not None:
+        parts.append(f"{price_per_gib * found.capacity_bytes / 2**30:,.2f} a GPU at {price_per_gib:g} a GiB")
+    return "recommendation: " + "; ".join(parts)
+
+
+def slo_attainment(ttfts: Sequence[float | None], slo: float) -> float | None:
+    """The fraction of requests whose first token came within `slo` seconds (None: no TTFT)."""
+    timed = [t for t in ttfts if t is not None]
+    return sum(t <= slo for t in timed) / len(timed) if timed else None
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
