@@ -27,10 +27,11 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               fail, frame_text, print_connector_help, progress_bar, say)
+                               fail, frame_text, print_connector_help, progress_bar, say, warn)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
                                 check_pools_fit_memory, workload_sizes)
+from kvtool.trace.load_check import load_check
 from kvtool.trace.study import knee, recommendation, slo_attainment
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.manager.manager import compute_layout
@@ -151,6 +152,10 @@ def trace_sweep(
     rows = [with_cost(row, price_per_gib) for row in rows]
     study = sweep_study(rows, price_per_gib, ttft_slo)
     _print_sweep(rows, study, format)
+    overloaded = [_capacity_words(r) for r in rows if r.get("overloaded")]
+    if overloaded:
+        warn(f"the engine did not keep up with the arrivals at {', '.join(overloaded)}: TTFT there measures the "
+             "queue more than the tier (trace run says by how much; add GPUs with --tp, or replay fewer requests)")
     if folder is not None:
         replay = build_replay(point_options[-1])
         write_sweep_folder(folder, pd.DataFrame(rows), {"workload": str(options.workload), "seed": options.seed,
@@ -160,6 +165,12 @@ def trace_sweep(
               f"{r['tokens_per_block']} tokens per block: {r['failed_checks']}" for r in rows if r["failed_checks"]]
     if failed:
         raise fail("; ".join(failed), ExitCode.CHECK_FAILED)
+
+
+def _capacity_words(row: dict[str, Any]) -> str:
+    if row["capacity_tokens"] == 0:
+        return "no tier"
+    return "its own size" if row.get("capacity_bytes") is None else format_gib(row["capacity_bytes"])
 
 
 def _check_study_options(jobs: int | None, ttft_slo: float | None, price_per_gib: float | None) -> None:
@@ -392,6 +403,8 @@ def run_point(point: SweepPoint, options: ReplayOptions, prepared: PreparedWorkl
         row.update({f"ttft_{k}_s": v for k, v in ttft_stats(result.recorder.requests).items()})
         if ttft_slo is not None:
             row["slo_attainment"] = slo_attainment([r.ttft for r in result.recorder.requests], ttft_slo)
+        check = load_check(result.recorder.requests)
+        row["overloaded"] = None if check is None else check.overloaded
     row.update(failed_checks="; ".join(result.failed_checks), wall_seconds=s.wall_seconds)
     return row
 

@@ -17,7 +17,7 @@ COLUMNS = (("instance", "in-\nstance"), ("num_requests", "re-\nquests"), ("promp
 
 
 def instances_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """Counts of 10 million or more in millions (M), so that the table fits 80 columns."""
+    """Counts of a million or more in millions (M), so that the table fits 80 columns."""
     table = Table(title=title)
     for _, header in COLUMNS:
         table.add_column(header, justify="right", no_wrap=True)
@@ -28,7 +28,7 @@ def instances_table(rows: list[dict[str, Any]], title: str) -> Table:
             if name == "hit_rate":
                 cells.append(f"{100 * value:.2f} %")
             elif isinstance(value, int):
-                cells.append(f"{value / 1e6:.2f} M" if value >= 10_000_000 else f"{value:,}")
+                cells.append(f"{value / 1e6:.2f} M" if value >= 1_000_000 else f"{value:,}")
             elif isinstance(value, float):
                 cells.append(f"{value:.1f}")
             else:
