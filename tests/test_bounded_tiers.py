@@ -3,6 +3,7 @@ in-process index of the same capacity chooses, and the store never holding more.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,19 @@ def test_bad_tier_options_exit_2_with_one_line(connector, option, message):
                                  connector, "--connector-opt", option])
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_at_equal_total_capacity_one_pooled_tier_serves_more_than_private_ones(tmp_path, server):
+    """Mooncake's Fig. 10 question in small: two engines, round-robin, 1,280 tokens of tier in all,
+    as one shared Redis or as 640 each."""
+    path = tmp_path / "m.jsonl"
+    random_mooncake_trace(path, 120, 64, seed=21)
+    common = ["trace", "run", str(path), "--source-block-size", "64", "--prefill-only", "--tokens-per-block", "16",
+              "--no-local-reuse", "--instances", "2", "--format", "json"]
+    pooled = runner.invoke(app, [*common, "--connector", "redis-index", "--connector-opt", "capacity=1280",
+                                 "--connector-opt", f"url={server.url}", "--connector-opt", "prefix=fig10"])
+    private = runner.invoke(app, [*common, "--connector", "index", "--connector-opt", "capacity=640"])
+    assert pooled.exit_code == 0 and private.exit_code == 0, pooled.output + private.output
+    shared, own = (json.loads(r.stdout)["all"] for r in (pooled, private))
+    assert shared["connector_hit_tokens"] > own["connector_hit_tokens"] > 0
+    assert shared["prompt_tokens"] == own["prompt_tokens"] and shared["integrity_errors"] == 0
