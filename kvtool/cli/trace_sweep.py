@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -32,9 +32,8 @@ from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
                                 check_pools_fit_memory, workload_sizes)
 from kvtool.trace.load_check import load_check
-from kvtool.trace.study import knee, recommendation, slo_attainment
-from kvtool.engine.ranks import rank_manager_config
-from kvtool.manager.manager import compute_layout
+from kvtool.trace.study import slo_attainment, study_caption, sweep_meta, sweep_study, with_cost
+from kvtool.trace.sweep_points import SweepPoint, sweep_points
 from kvtool.connector.options import declared_options
 from kvtool.connectors.registry import load_connector
 from kvtool.trace.replay import run_trace
@@ -49,15 +48,6 @@ from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
 SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes"}
 """The connectors whose `capacity` the sweep sets at each point, and its unit there."""
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    capacity_tokens: int | None
-    """None: the connector's own size (one kvtool cannot set); 0: no tier (the baseline)."""
-    tokens_per_block: int
-    capacity_bytes: int | None = None
-    """What the tier's whole blocks take (a GPU's shard), for tables and plots in GiB."""
 
 
 @clean_errors
@@ -121,7 +111,7 @@ def trace_sweep(
     if ttft_slo is not None and build_replay(options).cost_model is None:
         raise InputError("--ttft-slo is judged on the cost model's TTFT, which this sweep has not (off by default for "
                          "kvtool workloads): add --cost-model")
-    points = sweep_points(options, fidelity, capacities, tpbs, baseline)
+    points = [replace(p, ttft_slo=ttft_slo) for p in sweep_points(options, fidelity, capacities, tpbs, baseline)]
     point_options = [point_replay_options(options, fidelity, p) for p in points]
     sizes = workload_sizes(build_replay(options).workload)
     notes: dict[str, None] = dict.fromkeys(c.si_note for c in capacities if c is not None and c.si_note)
@@ -148,7 +138,7 @@ def trace_sweep(
     with tempfile.TemporaryDirectory(prefix="kvtool-sweep-workload-") as shared:
         prepared = prepare_workload(build_replay(options).workload, Path(shared)) if len(points) > 1 else None
         rows = _run_all(points, point_options, _jobs_that_fit(point_options, jobs or os.cpu_count() or 1),
-                        Console(stderr=True), prepared, ttft_slo)
+                        Console(stderr=True), prepared)
     rows = [with_cost(row, price_per_gib) for row in rows]
     study = sweep_study(rows, price_per_gib, ttft_slo)
     _print_sweep(rows, study, format)
@@ -192,54 +182,6 @@ def _capacities(text: str) -> list[Capacity]:
     return values
 
 
-def shard_block_bytes(options: ReplayOptions, fidelity: str, tokens_per_block: int) -> int:
-    """Bytes of one block of a GPU's shard (rank 0's), every layer group: what a tier's size holds."""
-    replay = build_replay(replace(options, tokens_per_block=tokens_per_block, fidelity=fidelity, connector="none",
-                                  connector_opt=(), connector_dir=None))
-    return block_bytes(rank_manager_config(replay.config.manager, replay.config.tp_size, 0))
-
-
-def sweep_points(options: ReplayOptions, fidelity: str, capacities: list[Capacity | None], tpbs: list[int],
-                 baseline: bool) -> list[SweepPoint]:
-    """The points, by tokens per block: the no-tier one first (with `baseline`), then each capacity
-    from the smallest (a size as the tokens of the whole blocks it holds; equal ones once)."""
-    points = []
-    for tpb in tpbs:
-        if baseline:
-            points.append(SweepPoint(0, tpb, 0))
-        if capacities == [None]:
-            points.append(SweepPoint(None, tpb))
-            continue
-        per_block = shard_block_bytes(options, fidelity, tpb)
-        sized: dict[int, SweepPoint] = {}
-        for c in capacities:
-            assert c is not None
-            blocks = c.blocks(per_block, tpb)
-            tokens = c.tokens if c.tokens is not None else blocks * tpb
-            sized.setdefault(tokens, SweepPoint(tokens, tpb, blocks * per_block))
-        points += [sized[t] for t in sorted(sized)]
-    return points
-
-
-def with_cost(row: dict[str, Any], price_per_gib: float | None) -> dict[str, Any]:
-    """`row` with `cost_per_gpu` (its tier's GiB x the price) when a price is given."""
-    if price_per_gib is None or row.get("capacity_bytes") is None:
-        return row
-    return {**row, "cost_per_gpu": round(price_per_gib * row["capacity_bytes"] / 2**30, 6)}
-
-
-def sweep_study(rows: list[dict[str, Any]], price_per_gib: float | None,
-                ttft_slo: float | None) -> dict[str, Any]:
-    """Per tokens per block: the knee and the recommendation line (`kvtool.trace.study`)."""
-    study = {}
-    for tpb in sorted({r["tokens_per_block"] for r in rows}):
-        mine = [r for r in rows if r["tokens_per_block"] == tpb]
-        found = knee(mine)
-        study[str(tpb)] = {"knee": found.as_dict() if found else None,
-                           "recommendation": recommendation(mine, price_per_gib, ttft_slo)}
-    return {"tokens_per_block": study, "price_per_gib": price_per_gib, "ttft_slo_s": ttft_slo}
-
-
 def _print_sweep(rows: list[dict[str, Any]], study: dict[str, Any], format: OutputFormat) -> None:
     frame = pd.DataFrame(rows)
     if format is OutputFormat.table:
@@ -253,31 +195,6 @@ def _print_sweep(rows: list[dict[str, Any]], study: dict[str, Any], format: Outp
         print(json.dumps(rows, indent=2))
     else:
         print(frame_text(frame, format), end="")
-
-
-def sweep_meta(replay: Replay) -> dict[str, Any]:
-    """meta.json's keys of a sweep's last point: its cost model and GPU pool."""
-    return {**({"cost_model": replay.cost_model.assumptions()} if replay.cost_model else {}),
-            **({"gpu_pool": replay.gpu_pool.as_dict()} if replay.gpu_pool else {})}
-
-
-def study_caption(replay: Replay, options: ReplayOptions, ttft_slo: float | None) -> str:
-    """The figure's caption: what was replayed, on what, and how TTFT was priced."""
-    manager = replay.config.manager
-    cost = replay.cost_model
-    gpu = f"{cost.tp} x {cost.gpu.name}" if cost else "no cost model"
-    pool = rank_manager_config(manager, replay.config.tp_size, 0)
-    pool_bytes = sum(pg.slot_bytes * pg.num_slots for pg in compute_layout(pool).pool_groups)
-    eviction = replay.options.get("eviction", "lru")
-    lines = [f"{Path(options.workload).name}: {replay.workload.count():,} requests; {manager.model.name} on {gpu}; "
-             f"GPU pool {format_gib(pool_bytes)} a GPU; {manager.tokens_per_block} tokens a block; tier "
-             f"{options.connector} ({eviction}), capacity a GPU."]
-    if cost is not None:
-        lines.append("TTFT from kvtool's cost model (prefill at the GPU's FLOP/s, decode at its HBM rate), a "
-                     "lower bound: it ran ~35 % fast against vLLM's published latencies (docs/trace-replay.md).")
-    if ttft_slo is not None:
-        lines.append(f"Dash-dotted: the {ttft_slo:g} s TTFT objective; dashed: the replay without the tier.")
-    return "\n".join(lines)
 
 
 def _positive_list(text: str, option: str, parse) -> list[int]:
@@ -358,16 +275,16 @@ def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoin
 
 
 def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs: int,
-             console: Console, prepared: PreparedWorkload | None, ttft_slo: float | None = None) -> list[dict[str, Any]]:
+             console: Console, prepared: PreparedWorkload | None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any] | None] = [None] * len(points)
     with progress_bar("sweep", len(points), console) as update:
         if jobs == 1 or len(points) == 1:
             for i, (point, each) in enumerate(zip(points, point_options)):
-                rows[i] = run_point(point, each, prepared, ttft_slo)
+                rows[i] = run_point(point, each, prepared)
                 update(advance=1)
         else:
             with ProcessPoolExecutor(min(jobs, len(points)), mp_context=get_context("spawn")) as pool:
-                futures = {pool.submit(run_point, p, o, prepared, ttft_slo): i
+                futures = {pool.submit(run_point, p, o, prepared): i
                            for i, (p, o) in enumerate(zip(points, point_options))}
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
@@ -375,11 +292,10 @@ def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs:
     return [row for row in rows if row is not None]
 
 
-def run_point(point: SweepPoint, options: ReplayOptions, prepared: PreparedWorkload | None = None,
-              ttft_slo: float | None = None) -> dict[str, Any]:
+def run_point(point: SweepPoint, options: ReplayOptions, prepared: PreparedWorkload | None = None) -> dict[str, Any]:
     """One replay, as a row of the sweep (runs in a worker process); its requests read from
-    `prepared` (the workload the points share, parsed once) when given; `slo_attainment` with a
-    TTFT objective."""
+    `prepared` (the workload the points share, parsed once) when given; `slo_attainment` when the
+    point has a TTFT objective."""
     replay: Replay = build_replay(options)
     if prepared is not None:
         replay = replace(replay, workload=prepared)
@@ -401,8 +317,8 @@ def run_point(point: SweepPoint, options: ReplayOptions, prepared: PreparedWorkl
     }
     if replay.cost_model is not None:
         row.update({f"ttft_{k}_s": v for k, v in ttft_stats(result.recorder.requests).items()})
-        if ttft_slo is not None:
-            row["slo_attainment"] = slo_attainment([r.ttft for r in result.recorder.requests], ttft_slo)
+        if point.ttft_slo is not None:
+            row["slo_attainment"] = slo_attainment([r.ttft for r in result.recorder.requests], point.ttft_slo)
         check = load_check(result.recorder.requests)
         row["overloaded"] = None if check is None else check.overloaded
     row.update(failed_checks="; ".join(result.failed_checks), wall_seconds=s.wall_seconds)

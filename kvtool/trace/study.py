@@ -15,8 +15,12 @@ was swept.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
+from kvtool.engine.ranks import rank_manager_config
+from kvtool.manager.manager import compute_layout
+from kvtool.trace.setup import Replay, ReplayOptions
 from kvtool.units import format_gib
 
 KNEE_FRACTION = 0.95
@@ -91,3 +95,47 @@ def slo_attainment(ttfts: Sequence[float | None], slo: float) -> float | None:
 
 def _seconds(value: float) -> str:
     return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def with_cost(row: dict[str, Any], price_per_gib: float | None) -> dict[str, Any]:
+    """`row` with `cost_per_gpu` (its tier's GiB x the price) when a price is given."""
+    if price_per_gib is None or row.get("capacity_bytes") is None:
+        return row
+    return {**row, "cost_per_gpu": round(price_per_gib * row["capacity_bytes"] / 2**30, 6)}
+
+
+def sweep_study(rows: list[dict[str, Any]], price_per_gib: float | None,
+                ttft_slo: float | None) -> dict[str, Any]:
+    """Per tokens per block: the knee and the recommendation line (`kvtool.trace.study`)."""
+    study = {}
+    for tpb in sorted({r["tokens_per_block"] for r in rows}):
+        mine = [r for r in rows if r["tokens_per_block"] == tpb]
+        found = knee(mine)
+        study[str(tpb)] = {"knee": found.as_dict() if found else None,
+                           "recommendation": recommendation(mine, price_per_gib, ttft_slo)}
+    return {"tokens_per_block": study, "price_per_gib": price_per_gib, "ttft_slo_s": ttft_slo}
+
+
+def sweep_meta(replay: Replay) -> dict[str, Any]:
+    """meta.json's keys of a sweep's last point: its cost model and GPU pool."""
+    return {**({"cost_model": replay.cost_model.assumptions()} if replay.cost_model else {}),
+            **({"gpu_pool": replay.gpu_pool.as_dict()} if replay.gpu_pool else {})}
+
+
+def study_caption(replay: Replay, options: ReplayOptions, ttft_slo: float | None) -> str:
+    """The figure's caption: what was replayed, on what, and how TTFT was priced."""
+    manager = replay.config.manager
+    cost = replay.cost_model
+    gpu = f"{cost.tp} x {cost.gpu.name}" if cost else "no cost model"
+    pool = rank_manager_config(manager, replay.config.tp_size, 0)
+    pool_bytes = sum(pg.slot_bytes * pg.num_slots for pg in compute_layout(pool).pool_groups)
+    eviction = replay.options.get("eviction", "lru")
+    lines = [f"{Path(options.workload).name}: {replay.workload.count():,} requests; {manager.model.name} on {gpu}; "
+             f"GPU pool {format_gib(pool_bytes)} a GPU; {manager.tokens_per_block} tokens a block; tier "
+             f"{options.connector} ({eviction}), capacity a GPU."]
+    if cost is not None:
+        lines.append("TTFT from kvtool's cost model (prefill at the GPU's FLOP/s, decode at its HBM rate), a "
+                     "lower bound: it ran ~35 % fast against vLLM's published latencies (docs/trace-replay.md).")
+    if ttft_slo is not None:
+        lines.append(f"Dash-dotted: the {ttft_slo:g} s TTFT objective; dashed: the replay without the tier.")
+    return "\n".join(lines)
