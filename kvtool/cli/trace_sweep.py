@@ -30,7 +30,7 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
                                fail, frame_text, print_connector_help, progress_bar, say, warn)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
-                                check_pools_fit_memory, workload_sizes)
+                                check_pools_fit_memory, pool_tokens, tier_tokens, workload_sizes)
 from kvtool.trace.load_check import load_check
 from kvtool.trace.study import slo_attainment, study_caption, sweep_meta, sweep_study, with_cost
 from kvtool.trace.sweep_points import SweepPoint, sweep_points
@@ -131,6 +131,7 @@ def trace_sweep(
             continue
         kept.append((point, each))
         notes.setdefault(replay.load_rate_note or "")
+    notes.setdefault(_shadowed_note([(p, build_replay(o)) for p, o in kept]) or "")
     points, point_options = [p for p, _ in kept], [o for _, o in kept]
     folder = prepare_run_folder(output, "trace") if output is not None else None
     for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points
@@ -155,6 +156,19 @@ def trace_sweep(
               f"{r['tokens_per_block']} tokens per block: {r['failed_checks']}" for r in rows if r["failed_checks"]]
     if failed:
         raise fail("; ".join(failed), ExitCode.CHECK_FAILED)
+
+
+def _shadowed_note(points: list[tuple[SweepPoint, Replay]]) -> str | None:
+    """One line naming the capacities no larger than the GPU pool (their tier holds what the GPU
+    still holds: few tier hits), or None."""
+    small = [(p, r) for p, r in points if p.capacity_tokens and r.config.scheduler.local_reuse
+             and (tier_tokens(r) or 0) <= pool_tokens(r)]
+    if not small:
+        return None
+    names = ", ".join(format_gib(p.capacity_bytes) if p.capacity_bytes else f"{p.capacity_tokens:,} tokens"
+                      for p, _ in small)
+    return (f"the tier at {names} holds no more than the GPU pool's {pool_tokens(small[0][1]):,} tokens: what it "
+            "holds is still on the GPU, where a reuse counts as a local hit, so expect few or no tier hits there")
 
 
 def _capacity_words(row: dict[str, Any]) -> str:
