@@ -88,6 +88,7 @@ def trace_sweep(
 
     One replay of WORKLOAD per (capacity, tokens per block), and one without the tier, in parallel
     processes; the report ends with the knee (95 % of the plateau's gain) as a recommendation."""
+    options = replace(options, tp=tp)
     if connector_help and connector is None and options.workload is None:
         raise InputError("--connector-help without --connector lists the sweep's own tier, which WORKLOAD's "
                          "fidelity chooses: give WORKLOAD or --connector")
@@ -106,7 +107,7 @@ def trace_sweep(
     _check_study_options(jobs, ttft_slo, price_per_gib)
     if sized and any(pair.split("=", 1)[0] == "capacity" for pair in options.connector_opt):
         raise InputError("the sweep sets the tier's capacity itself: give --capacity, not --connector-opt capacity=")
-    options = replace(options, connector=tier, tp=tp)
+    options = replace(options, connector=tier)
     fidelity = fidelity or build_replay(options).config.fidelity
     if ttft_slo is not None and build_replay(options).cost_model is None:
         raise InputError("--ttft-slo is judged on the cost model's TTFT, which this sweep has not (off by default for "
