@@ -92,5 +92,8 @@ def parse_capacity(text: str) -> Capacity:
 
 
 def format_gib(num_bytes: float) -> str:
-    """`64 GiB`, `1.5 GiB`, `0.25 GiB`: bytes in GiB, up to two decimals and no trailing zeros."""
+    """`64 GiB`, `1.5 GiB`, `0.25 GiB`: bytes in GiB, up to two decimals and no trailing zeros;
+    below 0.01 GiB in MiB or KiB (`format_size`)."""
+    if num_bytes < 0.01 * 2**30:
+        return format_size(num_bytes)
     return f"{num_bytes / 2**30:.2f}".rstrip("0").rstrip(".") + " GiB"

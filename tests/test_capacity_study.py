@@ -60,7 +60,7 @@ def study(tmp_path_factory):
     result = runner.invoke(app, ["trace", "sweep", str(trace), "--source-block-size", "64", "--prefill-only",
                                  "--tokens-per-block", "16", "--max-batch-size", "1", "--gpu-memory", "64MiB",
                                  "--capacity", "32MiB,80MiB,0.16GB,1GiB", "--ttft-slo", "0.05",
-                                 "--price-per-gib", "2", "--jobs", "2", "--output", str(folder / "out")],
+                                 "--price-per-gib", "2", "--baseline", "--jobs", "2", "--output", str(folder / "out")],
                            env={"COLUMNS": "80"})
     return folder / "out", result
 

@@ -46,6 +46,6 @@ def test_sweep_points_read_the_shared_workload(tmp_path, monkeypatch):
                         real_run_point(p, o, prepared))
     result = CliRunner().invoke(app, ["trace", "sweep", str(ROOT / "workloads" / "mooncake_conversation_head200.jsonl"),
                                       "--prefill-only", "--capacity", "1e4,1e5", "--tokens-per-block", "32",
-                                      "--jobs", "1", "--no-baseline"])
+                                      "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert len(parsed) == 1 and len(seen) == 2 and all(p is not None and p.folder for p in seen)

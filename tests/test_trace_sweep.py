@@ -18,7 +18,7 @@ def test_a_sweep_in_processes_rises_to_the_bound_and_writes_its_files(tmp_path):
     out = tmp_path / "sweep"
     result = runner.invoke(app, ["trace", "sweep", str(path), "--source-block-size", "64", "--prefill-only",
                                  "--no-local-reuse", "--max-batch-size", "1", "--capacity", "1e9,64,1e3",
-                                 "--tokens-per-block", "16,32", "--jobs", "2", "--no-baseline", "--output", str(out)])
+                                 "--tokens-per-block", "16,32", "--jobs", "2", "--output", str(out)])
     assert result.exit_code == 0, result.output
     frame = pd.read_csv(out / "sweep.csv")
     assert list(zip(frame["tokens_per_block"], frame["capacity_tokens"])) == [
@@ -36,7 +36,7 @@ def test_a_sweep_in_processes_rises_to_the_bound_and_writes_its_files(tmp_path):
 
 def test_a_bytes_sweep_uses_the_host_tier_sized_to_the_same_blocks(tmp_path):
     result = runner.invoke(app, ["trace", "sweep", "workloads/shared_prefix.jsonl", "--no-local-reuse",
-                                 "--capacity", "320,1e6", "--jobs", "1", "--no-baseline", "--format", "json"])
+                                 "--capacity", "320,1e6", "--jobs", "1", "--format", "json"])
     assert result.exit_code == 0, result.output
     small, large = json.loads(result.stdout)
     assert (small["tier"], small["fidelity"]) == ("host", "bytes")

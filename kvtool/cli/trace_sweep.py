@@ -71,8 +71,8 @@ def trace_sweep(
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel GPUs an engine: the cost model divides "
                                     "compute and weights by N, the GPU pool and the tier are a GPU's (blocks "
                                     "fidelity replays rank 0's shard).")] = 1,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also replay without the tier: the "
-                                           "no-tier point (capacity 0) the knee and TTFT are set against.")] = True,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the tier: the no-tier point "
+                                           "(capacity 0) the knee's gain and TTFT are set against.")] = False,
     ttft_slo: Annotated[Optional[float], typer.Option(metavar="SECONDS", help="A TTFT objective: each point's "
                                                       "share of requests whose first token came within it (needs "
                                                       "the cost model).")] = None,
@@ -84,10 +84,11 @@ def trace_sweep(
         files="sweep.csv, sweep.json, capacity_study.png, hit_rate_vs_capacity.png, "
               "hit_rate_vs_tokens_per_block.png"))] = None,
 ) -> None:
-    """Hit rate and TTFT against tier capacity and block size, and the capacity to buy.
+    """Hit rate and TTFT against tier capacity and block size.
 
-    One replay of WORKLOAD per (capacity, tokens per block), and one without the tier, in parallel
-    processes; the report ends with the knee (95 % of the plateau's gain) as a recommendation."""
+    One replay of WORKLOAD per (capacity, tokens per block), and with --baseline one without the
+    tier, in parallel processes; the report ends with the knee (95 % of the plateau's gain) as a
+    recommendation."""
     options = replace(options, tp=tp)
     if connector_help and connector is None and options.workload is None:
         raise InputError("--connector-help without --connector lists the sweep's own tier, which WORKLOAD's "
@@ -132,7 +133,8 @@ def trace_sweep(
             continue
         kept.append((point, each))
         notes.setdefault(replay.load_rate_note or "")
-    notes.setdefault(_shadowed_note([(p, build_replay(o)) for p, o in kept]) or "")
+    if capacity is not None:       # the capacities asked for (a default grid reaches below any pool)
+        notes.setdefault(_shadowed_note([(p, build_replay(o)) for p, o in kept]) or "")
     points, point_options = [p for p, _ in kept], [o for _, o in kept]
     folder = prepare_run_folder(output, "trace") if output is not None else None
     for note in filter(None, notes):   # one line per row --bandwidth-from took, whatever the points

@@ -2,7 +2,7 @@
 meets an SLO there, in one line a design document can quote.
 
 The knee is the smallest swept capacity whose hit rate reaches `KNEE_FRACTION` of the plateau's
-gain over the no-tier point:
+gain over the no-tier point (a sweep's `--baseline`; without it the gain is counted from 0):
 
     hit rate >= no tier + 0.95 x (plateau - no tier),    plateau = the best hit rate swept
 
@@ -69,9 +69,11 @@ def recommendation(rows: Sequence[dict[str, Any]], price_per_gib: float | None =
         return None
     at = point_at(rows, found.capacity_tokens) or {}
     base = point_at(rows, 0)
+    against = f"{100 * found.no_tier:.2f} % without a tier" if base is not None else \
+        "no --baseline: the gain counted from 0"
     parts = [f"{KNEE_FRACTION:.0%} of the plateau's gain at {format_gib(found.capacity_bytes)} a GPU "
              f"({found.capacity_tokens:,} tokens): hit rate {100 * found.hit_rate:.2f} % of the plateau's "
-             f"{100 * found.plateau:.2f} % ({100 * found.no_tier:.2f} % without a tier)"]
+             f"{100 * found.plateau:.2f} % ({against})"]
     if found.below_bytes is not None:
         parts[0] += f"; {format_gib(found.below_bytes)} was short of it"
     if at.get("ttft_p50_s") is not None:

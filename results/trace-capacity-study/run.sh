@@ -10,7 +10,7 @@ W=${W:-/tmp/kvtool-study-chat-$REQUESTS.jsonl}
 M="--fidelity blocks --cost-model --model llama-3.1-70b --tp 4 --gpu H200"
 kvtool trace generate chat --requests "$REQUESTS" --seed 55 --turn-tokens 512 --turns 8 --rate 0.5 \
     --think-seconds 120 --output "$W" > "$OUT/generate.txt" 2>&1
-kvtool trace sweep "$W" $M --capacity 16GiB,32GiB,64GiB,128GiB,256GiB,512GiB --ttft-slo 2 \
+kvtool trace sweep "$W" $M --capacity 16GiB,32GiB,64GiB,128GiB,256GiB,512GiB --baseline --ttft-slo 2 \
     --price-per-gib 4 --jobs 2 --output "$OUT/sweep" > "$OUT/sweep.txt" 2>&1
 KNEE=${KNEE:-64GiB}          # the sweep's recommendation, a GPU's tier
 POOLED=${POOLED:-256GiB}     # four engines' tiers pooled: 4 x KNEE
