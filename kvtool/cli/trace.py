@@ -19,7 +19,8 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Conn
 from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, fleet_rows, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
-                                note_store_folder, tier_note)
+                                note_store_folder)
+from kvtool.trace.tier_size import tier_note
 from kvtool.connectors.registry import load_connector
 from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError

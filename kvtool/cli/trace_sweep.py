@@ -30,7 +30,8 @@ from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, Exit
                                fail, frame_text, print_connector_help, progress_bar, say, warn)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
-                                check_pools_fit_memory, pool_tokens, tier_tokens, workload_sizes)
+                                check_pools_fit_memory, workload_sizes)
+from kvtool.trace.tier_size import pool_tokens, tier_tokens
 from kvtool.trace.load_check import load_check
 from kvtool.trace.study import slo_attainment, study_caption, sweep_meta, sweep_study, with_cost
 from kvtool.trace.sweep_points import SweepPoint, sweep_points

@@ -29,7 +29,7 @@ from kvtool.manager.manager import compute_layout, default_device, plan_num_slot
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.manager.storage import memory_shortfall
 from kvtool.report.bench_report import bench_rate
-from kvtool.units import Capacity, format_size, parse_capacity, parse_size
+from kvtool.units import format_size, parse_capacity, parse_size
 from kvtool.models import load_model
 from kvtool.workloads.source import RequestSize, Workload, open_workload
 
@@ -221,46 +221,6 @@ def _cost_model(o: ReplayOptions, model: str, gpu: GpuSpec, spec: ConnectorSpec 
     compute = model_compute(whole.model, o.params, o.attention_width)
     return cost_model_for(whole.model, compute, gpu, per_token, o.tp, layerwise,
                           {"host": gpu.load_gbps, "remote": o.remote_gbps or DEFAULT_REMOTE_GBPS})
-
-
-TIER_CAPACITY_UNITS = {"index": "tokens or bytes", "stacked-index": "tokens or bytes", "host": "bytes",
-                       "host-async": "bytes", "host-layerwise": "bytes"}
-"""Connectors whose `capacity` is one engine's tier, and how a number without a unit reads there."""
-
-
-def tier_tokens(replay: Replay) -> int | None:
-    """Tokens the connector's own tier holds (its `capacity` in whole blocks of rank 0's shard);
-    None for a connector whose size kvtool does not know."""
-    units = TIER_CAPACITY_UNITS.get(replay.connector.name if replay.connector else "")
-    if units is None:
-        return None
-    text = replay.options.get("capacity") or str(declared_default(replay.connector, "capacity"))
-    capacity = parse_capacity(text) if units != "bytes" else Capacity(text, num_bytes=parse_size(text))
-    manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
-    return capacity.blocks(block_bytes(manager), manager.tokens_per_block) * manager.tokens_per_block
-
-
-def pool_tokens(replay: Replay) -> int:
-    """Tokens the GPU pool of rank 0 holds (its smallest pool group)."""
-    manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
-    return min(plan_num_slots(manager)) * manager.tokens_per_block
-
-
-def tier_note(replay: Replay) -> str | None:
-    """Why a tier no larger than the GPU pool serves (almost) nothing, said before the replay."""
-    tier = tier_tokens(replay)
-    pool = pool_tokens(replay)
-    if tier is None or tier > pool or replay.config.scheduler.local_reuse is False:
-        return None
-    return (f"the {replay.connector.name if replay.connector else ''} tier holds {tier:,} tokens, no more than the GPU "
-            f"pool's {pool:,}: what it holds is still on the GPU, where a reuse counts as a local hit, so expect few "
-            "or no tier hits (a tier pays off above the pool's size; --no-local-reuse measures the tier alone)")
-
-
-def declared_default(spec: ConnectorSpec | None, name: str) -> str | None:
-    """The default a connector declares for its option `name` (None when it declares none)."""
-    declared = declared_options(spec.scheduler_class) if spec else None
-    return next((o.default for o in declared or () if o.name == name), None)
 
 
 def block_bytes(manager) -> int:
