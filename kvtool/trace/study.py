@@ -137,7 +137,7 @@ def study_caption(replay: Replay, options: ReplayOptions, ttft_slo: float | None
              f"{options.connector} ({eviction}), capacity a GPU."]
     if cost is not None:
         lines.append("TTFT from kvtool's cost model (prefill at the GPU's FLOP/s, decode at its HBM rate), a "
-                     "lower bound: it ran ~35 % fast against vLLM's published latencies (docs/trace-replay.md).")
+                     "lower bound: 24-36 % fast against vLLM's published latencies (docs/trace-replay.md).")
     if ttft_slo is not None:
         lines.append(f"Dash-dotted: the {ttft_slo:g} s TTFT objective; dashed: the replay without the tier.")
     return "\n".join(lines)
