@@ -156,7 +156,9 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
     if folder is not None:
         write_instances_folder(folder, rows, total, {"workload": str(options.workload), "route": route.value,
                                                      "instances": instances, "sync_window_s": sync_window,
-                                                     "connector": options.connector})
+                                                     "connector": options.connector,
+                                                     "cost_model": replay.cost_model.assumptions()
+                                                     if replay.cost_model else None, **replay_meta(replay)})
     if total["failed_checks"]:
         raise fail(total["failed_checks"], ExitCode.CHECK_FAILED)
 
