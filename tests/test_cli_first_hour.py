@@ -291,12 +291,12 @@ def test_a_request_the_cache_cannot_hold_is_refused_before_the_replay_with_the_s
                                                                                                monkeypatch):
     import kvtool.cli.trace as trace
     monkeypatch.setattr(trace, "run_trace", lambda *a, **k: pytest.fail("the replay started"))
-    path = mooncake_trace(tmp_path / "m.jsonl", [2000] * 11 + [600_000] + [2000] * 5)
+    path = mooncake_trace(tmp_path / "m.jsonl", [2000] * 11 + [1_000_000] + [2000] * 5)
     result = runner.invoke(app, ["trace", "run", str(path)])
     assert result.exit_code == 2, result.output
-    message = result.stderr
-    assert "request 11 (600000 prompt + 10 new tokens) needs 18751 pages in pool group 0, which has 16384" in message
-    assert f"{path} line 12" in message and "--num-slots 18751 or --gpu-memory " in message
+    message = result.stderr       # the pool llama-3.1-8b leaves on an H200: 912,608 tokens
+    assert "request 11 (1000000 prompt + 10 new tokens) needs 31251 pages in pool group 0, which has 28519" in message
+    assert f"{path} line 12" in message and "--num-slots 31251 or --gpu-memory " in message
     assert "--batch-bytes" not in message
 
 

@@ -10,7 +10,12 @@ import time
 from pathlib import Path
 
 
-from kvtool.trace.instances import ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests
+import pandas as pd
+import pytest
+
+from helpers.traces import random_mooncake_trace
+from kvtool.trace.instances import (LATENCIES, ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests, fleet_rows,
+                                    latency_columns, with_load_ratios)
 from kvtool.connector.request import Request
 from tests.helpers.servers import RedisServer, need_redis
 
@@ -94,3 +99,32 @@ def test_an_instance_that_dies_is_reported_not_waited_for():
     done = kvtool("trace", "run", str(WORKLOAD), "--instances", "2", "--connector",
                   "tests.helpers.dying_connector:DiesAtAsk:HostConnectorWorker")
     assert done.returncode == 2 and "exited with code 7 without a report" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_fleet_row_has_percentiles_over_every_request_and_the_busiest_load():
+    rows = with_load_ratios([
+        {"instance": 0, "prompt_tokens": 300, "local_hit_tokens": 0, "connector_hit_tokens": 0, LATENCIES: ([1.0, 2.0, 3.0], [0.1])},
+        {"instance": 1, "prompt_tokens": 200, "local_hit_tokens": 50, "connector_hit_tokens": 50, LATENCIES: ([4.0], [])}])
+    for row in rows:
+        row.update(num_requests=1, computed_tokens=0, cancelled_tokens=0, integrity_errors=0, failed_requests=0,
+                   iterations=1, evictions=0, wall_seconds=1.0, failed_checks="")
+    assert [r["load_ratio"] for r in rows] == [1.5, 0.5]      # 300 and 100 computed, mean 200
+    written, total = fleet_rows(rows)
+    assert LATENCIES not in written[0] and total["load_imbalance"] == 1.5
+    assert (total["ttft_p50_s"], total["ttft_p99_s"], total["tpot_p50_s"]) == (2.5, pytest.approx(3.97), 0.1)
+    assert latency_columns([]) == {f"{m}_p{p}_s": None for m, ps in (("ttft", (50, 90, 99)), ("tpot", (50, 99)))
+                                   for p in ps}
+
+
+def test_instances_report_ttft_and_load_per_engine_and_for_the_fleet(tmp_path):
+    trace = tmp_path / "m.jsonl"
+    random_mooncake_trace(trace, 24, 64, seed=5)
+    done = kvtool("trace", "run", str(trace), "--source-block-size", "64", "--prefill-only", "--instances", "2",
+                  "--connector", "index", "--output", str(tmp_path / "fleet"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = pd.read_csv(tmp_path / "fleet" / "instances.csv")
+    engines, fleet = frame.iloc[:2], frame.iloc[2]
+    assert engines["load_ratio"].mean() == pytest.approx(1.0) and fleet["load_imbalance"] == engines["load_ratio"].max()
+    assert (engines["ttft_p50_s"] > 0).all() and min(engines["ttft_p50_s"]) <= fleet["ttft_p50_s"] <= \
+        max(engines["ttft_p99_s"]) and fleet["ttft_p99_s"] == pytest.approx(max(engines["ttft_p99_s"]), rel=0.2)
+    assert "TTFT p50" in done.stdout and "load" in done.stdout

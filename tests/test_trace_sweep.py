@@ -45,7 +45,7 @@ def test_a_bytes_sweep_uses_the_host_tier_sized_to_the_same_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--capacity", "1e4,lots"], "--capacity: not a number of tokens: 'lots'"),
+    (["--capacity", "1e4,lots"], "--capacity: not a capacity: 'lots': give tokens (1e6) or a size (64GiB, 10GB)"),
     (["--capacity", "0"], "--capacity: a capacity in tokens must be a whole number >= 1"),
     (["--tokens-per-block", "16,x"], "--tokens-per-block: not a whole number: 'x'"),
     (["--tokens-per-block", "-16"], "--tokens-per-block values must be positive"),

@@ -15,15 +15,16 @@ from dataclasses import replace
 
 from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
                                OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
-                               progress_bar, say)
-from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, global_row, run_instances
+                               progress_bar, say, warn)
+from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, fleet_rows, run_instances
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
 from kvtool.trace.setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
-                                    note_store_folder)
+                                note_store_folder)
+from kvtool.trace.tier_size import tier_note
 from kvtool.connectors.registry import load_connector
 from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
-from kvtool.report.instances_report import instances_table, write_instances_folder
+from kvtool.report.instances_report import instances_table, latency_table, write_instances_folder
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
 from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
@@ -46,7 +47,9 @@ def trace_run(
                                            "torch.distributed group (gloo on CPU, NCCL on GPU), each with its own "
                                            "pools and connector worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel: each rank holds 1/N of the KV heads "
-                                    "(N = --num-ranks, dividing the heads).")] = 1,
+                                    "(N = --num-ranks, dividing the heads) and the cost model divides compute and "
+                                    "weights by N; in blocks fidelity --tp alone replays rank 0's shard (the GPU "
+                                    "pool and tier sizes are a GPU's).")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the connector, and compare "
                                            "TTFT and compute saved.")] = False,
     timeline: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write a Chrome trace / Perfetto "
@@ -85,19 +88,26 @@ def trace_run(
     replay = build_replay(options)
     if baseline and replay.connector is None:
         raise InputError("--baseline compares with a run without the connector: give a --connector")
+    if baseline and replay.cost_model is None:
+        raise InputError(BASELINE_NEEDS_COST_MODEL)
     check_before_replay(replay)
     folder = prepare_run_folder(output, "trace") if output is not None else None
     note_store_folder(replay)
     console = Console(stderr=True)
-    for note in filter(None, (replay.load_rate_note, decode_check_note(replay))):
+    for note in replay_notes(replay):
         say(note)
     recorder = TimelineRecorder() if timeline is not None else None
     result = _replay(replay, console, [recorder] if recorder else [])
     base = _replay(replace(replay, connector=None, options={}), console, []) if baseline else None
     _print_summary(result.summary, format)
     ttft = ttft_report(result, replay.cost_model, base)
+    overload = ttft.get("load", {}).get("note")
+    if overload:
+        warn(overload)
     if format is OutputFormat.table:
         Console().print(tier_table(result.summary))
+        if replay.gpu_pool is not None:
+            Console().print(replay.gpu_pool.describe(result.summary.model), highlight=False, markup=False)
         if ttft:
             Console().print(ttft_table(ttft, result.summary.connector))
             Console().print(cost_model_text(replay.cost_model.assumptions()), highlight=False, markup=False)
@@ -110,8 +120,7 @@ def trace_run(
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
                            {"workload": str(options.workload), "workload_format": replay.workload.format, "seed": options.seed,
-                            "connector_options": replay.options,
-                            **({"load_gbps_from": replay.load_rate_source} if replay.load_rate_source else {})})
+                            "connector_options": replay.options, **replay_meta(replay)})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
 
@@ -133,11 +142,13 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
         say(replay.load_rate_note)
     plan = InstancesPlan(options, instances, route, sync_window)
     with progress_bar("instances", instances, Console(stderr=True)) as update:
-        rows = run_instances(plan, lambda finished: update(completed=finished))
-    total = global_row(rows)
+        rows, total = fleet_rows(run_instances(plan, lambda finished: update(completed=finished)))
     if format is OutputFormat.table:
         Console().print(instances_table(rows + [total], f"trace over {instances} instances · {options.connector} "
                                                           f"· {route.value}"))
+        latencies = latency_table(rows + [total], "TTFT and TPOT (cost model), load (prefill work / fleet mean)")
+        if latencies is not None:
+            Console().print(latencies)
     elif format is OutputFormat.json:
         print(json.dumps({"instances": rows, "all": total}, indent=2))
     else:
@@ -145,9 +156,28 @@ def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_wi
     if folder is not None:
         write_instances_folder(folder, rows, total, {"workload": str(options.workload), "route": route.value,
                                                      "instances": instances, "sync_window_s": sync_window,
-                                                     "connector": options.connector})
+                                                     "connector": options.connector,
+                                                     "cost_model": replay.cost_model.assumptions()
+                                                     if replay.cost_model else None, **replay_meta(replay)})
     if total["failed_checks"]:
         raise fail(total["failed_checks"], ExitCode.CHECK_FAILED)
+
+
+BASELINE_NEEDS_COST_MODEL = ("--baseline compares TTFT with and without the connector, and this replay has no cost "
+                             "model (off by default for kvtool workloads: 10 ms an iteration): add --cost-model "
+                             "(--gpu and --model say what it prices)")
+
+
+def replay_notes(replay: Replay) -> list[str]:
+    """What to say on stderr before a replay: sizes in SI units, where the load rate came from, a
+    tier no larger than the GPU pool, what bytes fidelity's decode checks will cost."""
+    return [n for n in (*replay.notes, replay.load_rate_note, tier_note(replay), decode_check_note(replay)) if n]
+
+
+def replay_meta(replay: Replay) -> dict:
+    """meta.json's keys of a replay besides the command's: the GPU pool's derivation, the load rate's source."""
+    return {**({"gpu_pool": replay.gpu_pool.as_dict()} if replay.gpu_pool else {}),
+            **({"load_gbps_from": replay.load_rate_source} if replay.load_rate_source else {})}
 
 
 def _replay(replay: Replay, console: Console, subscribers: list) -> TraceResult:

@@ -16,7 +16,7 @@ import typer
 
 from kvtool.engine.runtimes import DEFAULT_RUNTIME, RUNTIMES
 from kvtool.trace.setup import ReplayOptions
-from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS
+from kvtool.trace.gpus import DEFAULT_GPU, GPUS
 from kvtool.workloads.source import FORMATS
 
 
@@ -35,10 +35,12 @@ def _shared(
                                                     "kvtool].")] = None,
     model: Annotated[Optional[str], typer.Option(help="Preset name or path to a Hugging Face config.json "
                                                  "[default: tiny; llama-3.1-8b for traces].")] = None,
-    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: 1024; "
-                                                     "524288 tokens' worth for traces].")] = None,
-    gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools instead of "
-                                                      "--num-slots.")] = None,
+    num_slots: Annotated[Optional[int], typer.Option(metavar="N", help="Slots per pool group [default: what the "
+                                                     "model leaves on the --gpu for traces or with --gpu; 1024 "
+                                                     "for kvtool workloads].")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory for all pools of a GPU (the "
+                                                      "GPU pool) instead of --num-slots or the one derived from "
+                                                      "the model: GPU memory - weights / tp - 10 %.")] = None,
     max_batch_size: Annotated[int, typer.Option(help="Requests per iteration at most.")] = 64,
     max_num_tokens: Annotated[int, typer.Option(help="Tokens per iteration at most (the token budget).")] = 8192,
     chunk_size: Annotated[Optional[int], typer.Option(metavar="N", help="Prefill chunk size [default: the token "
@@ -62,9 +64,20 @@ def _shared(
     cost_model: Annotated[Optional[bool], typer.Option("--cost-model/--no-cost-model", help="Clock the replay "
                                                        "with the GPU cost model and report TTFT [default: on for "
                                                        "traces; off: 10 ms an iteration].")] = None,
-    tflops: Annotated[float, typer.Option(help="Compute rate of the cost model, TFLOP/s (H200 bf16 measured).")]
-    = H200_BF16_TFLOPS,
-    load_gbps: Annotated[float, typer.Option(help="Connector load rate of the cost model, GB/s.")] = H200_LOAD_GBPS,
+    gpu: Annotated[Optional[str], typer.Option(metavar="|".join(GPUS), help="The GPU of the cost model and of the "
+                                               "GPU pool derived from the model (its memory less the weights a "
+                                               f"GPU holds and 10 % for activations) [default: {DEFAULT_GPU}; the "
+                                               "pool only for traces unless given].")] = None,
+    tflops: Annotated[Optional[float], typer.Option(help="Compute rate of one GPU, TFLOP/s [default: the --gpu's, "
+                                                    "750 for the H200 (measured bf16)].")] = None,
+    hbm_gbps: Annotated[Optional[float], typer.Option(help="HBM read rate of one GPU, GB/s: a decode step reads "
+                                                      "the weights and its context's KV at it [default: the "
+                                                      "--gpu's, 3888 for the H200].")] = None,
+    load_gbps: Annotated[Optional[float], typer.Option(help="Connector load rate of one GPU, GB/s [default: the "
+                                                       "--gpu's, 51].")] = None,
+    remote_gbps: Annotated[Optional[float], typer.Option(help="Load rate of a shared remote tier below the host "
+                                                         "tier (stacked tiers), GB/s a GPU [default: 25, a "
+                                                         "200 Gb/s NIC].")] = None,
     bandwidth_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Take the load rate from a "
                                                            "kvtool bench run folder (results.json), at the "
                                                            "replay's tokens per block (or the closest), and "

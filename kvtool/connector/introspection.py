@@ -29,6 +29,8 @@ class Introspection:
     staged_bytes: int | None = None
     ask_errors: int | None = None
     corrupt_entries: int | None = None
+    tier_hit_tokens: tuple[tuple[str, int], ...] | None = None
+    """Tokens delivered from each tier, for a connector of several (name, tokens), fastest first."""
 
     @classmethod
     def from_mapping(cls, answer: Mapping[str, Any]) -> Introspection:

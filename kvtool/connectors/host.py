@@ -2,14 +2,13 @@
 
 The scheduler owns the index (which entry sits in which store slot, LRU order, pins), so the
 worker only moves bytes: one batched copy per layer group and region, never a loop per page.
-Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `mode`
+Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `eviction` (`lru`, `lfu`: `slot_index`), `mode`
 (`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `auto`: `staged` for GPU
 pages where PyCUDA runs, else `torch`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
 from dataclasses import replace
 from typing import Sequence
 
@@ -20,6 +19,7 @@ from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.metadata import PageTransfer
+from kvtool.connectors.slot_index import EVICTION_POLICIES, SlotIndex, slot_index
 from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler, PrefixReservingScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker, PrefixReservingWorker
 from kvtool.errors import InputError
@@ -28,6 +28,10 @@ from kvtool.transfer.api import PageSpace
 from kvtool.units import parse_size
 
 DEFAULT_CAPACITY = "256MiB"
+DEFAULT_EVICTION = "lru"
+EVICTION_OPTION = ConnectorOption("eviction", "which block goes when the tier is full: lru (least recently "
+                                  "used) or lfu (least often used, ties least recent)", DEFAULT_EVICTION,
+                                  tuple(EVICTION_POLICIES))
 
 
 def entries_per_group(llm_args: LlmArgs) -> int:
@@ -50,77 +54,17 @@ def zeroed_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
 
 
-class SlotIndex:
-    """LRU map from block key to store slot for one layer group; pinned slots are never evicted."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._num_fresh = 0
-        """Slots [0, _num_fresh) were handed out once; the rest never (so a huge index costs nothing)."""
-        self._free: deque[int] = deque()
-        self._entries: OrderedDict[bytes, int] = OrderedDict()
-        self._pins: Counter = Counter()
-        self.num_evictions = 0
-
-    def lookup(self, key: bytes) -> int | None:
-        slot = self._entries.get(key)
-        if slot is not None:
-            self._entries.move_to_end(key)
-        return slot
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
-
-    def reserve(self, key: bytes) -> int | None:
-        if key in self._entries:
-            return None
-        if self._num_fresh < self.num_slots:
-            slot = self._num_fresh
-            self._num_fresh += 1
-        elif self._free:
-            slot = self._free.popleft()
-        else:
-            victim = next((k for k, s in self._entries.items() if not self._pins[s]), None)
-            if victim is None:
-                return None
-            slot = self._entries.pop(victim)
-            self.num_evictions += 1
-        self._entries[key] = slot
-        return slot
-
-    def discard(self, key: bytes) -> None:
-        """Drop `key` and free its slot (an entry whose bytes were never written)."""
-        slot = self._entries.pop(key, None)
-        if slot is not None and not self._pins[slot]:
-            self._free.append(slot)
-        elif slot is not None:
-            self._entries[key] = slot    # a pending load holds it: it must stay until unpinned
-
-    def pin(self, slot: int) -> None:
-        self._pins[slot] += 1
-
-    def unpin(self, slot: int) -> None:
-        self._pins[slot] -= 1
-        if self._pins[slot] <= 0:
-            del self._pins[slot]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def num_pinned(self) -> int:
-        return sum(self._pins.values())
-
-
 class HostConnectorScheduler(BlockStoreScheduler):
     kvtool_options = STORE_OPTIONS + (
         ConnectorOption("capacity", "host memory for stored blocks, e.g. 1GiB", DEFAULT_CAPACITY, check=parse_size),
+        EVICTION_OPTION,
     )
 
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         size = entries_per_group(llm_args)
-        self.indexes = {g.layer_group_id: SlotIndex(size) for g in self.groups}
+        policy = llm_args.connector_options.get("eviction", DEFAULT_EVICTION)
+        self.indexes: dict[int, SlotIndex] = {g.layer_group_id: slot_index(policy, size) for g in self.groups}
 
     def lookup(self, key: bytes, layer_group_id: int) -> tuple[int, int] | None:
         slot = self.indexes[layer_group_id].lookup(key)

@@ -14,6 +14,7 @@ from kvtool.connectors.mooncake_connector import (MooncakeConnectorScheduler, Mo
                                                  MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker)
 from kvtool.connectors.redis_connector import (RedisConnectorScheduler, RedisConnectorWorker,
                                                RedisIndexConnectorScheduler, RedisIndexConnectorWorker)
+from kvtool.connectors.stacked import StackedIndexScheduler, StackedIndexWorker
 
 
 def _builtin(name: str, scheduler: type, worker: type, mode: str) -> tuple[str, ConnectorSpec]:
@@ -31,6 +32,7 @@ BUILTIN_CONNECTORS = MappingProxyType(dict([
     _builtin("redis-index", RedisIndexConnectorScheduler, RedisIndexConnectorWorker, "sync"),
     _builtin("mooncake", MooncakeConnectorScheduler, MooncakeConnectorWorker, "sync"),
     _builtin("mooncake-index", MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker, "sync"),
+    _builtin("stacked-index", StackedIndexScheduler, StackedIndexWorker, "sync"),
 ]))
 
 

@@ -15,6 +15,8 @@ Saves: every block this engine computed is written (one batch per pass; a block 
 store or found on the GPU is not computed, hence not written again). Checking first would cost a
 round trip and protect nothing: a value is rewritten with the same bytes. A failed write is a lost
 cache entry, counted and warned about, never a failed request.
+A bounded store (`capacity`, `eviction`: `remote_store.StoreBound`) ranks the blocks an ask plans
+(`secure`) and those rank 0 writes, and drops the lowest ranked past its capacity.
 The `-index` variants are the same tiers for block fidelity: the same keys, asks and saves, but
 each value is the block's header alone (no page bytes exist to store), and nothing is fetched or
 copied.
@@ -70,6 +72,7 @@ class RemoteStoreScheduler(BlockStoreScheduler):
         if vanished:
             self._present -= vanished
             return None
+        self.store.touch(list(plan.values()))
         return {where: fetched[entry] for where, entry in plan.items()}
 
     def end_ask(self) -> None:
@@ -86,7 +89,8 @@ class RemoteStoreScheduler(BlockStoreScheduler):
 
     def kvtool_introspection(self) -> Introspection:
         return replace(super().kvtool_introspection(), staged_bytes=self.num_staged_bytes,
-                       ask_errors=self.store.num_errors, corrupt_entries=self.store.num_corrupt)
+                       ask_errors=self.store.num_errors, corrupt_entries=self.store.num_corrupt,
+                       evicted_entries=self.store.evicted_total())
 
 
 class RemoteStoreWorker(BlockStoreWorker):
@@ -116,6 +120,7 @@ class RemoteIndexScheduler(RemoteStoreScheduler):
         return None                # nothing is staged
 
     def secure(self, plan: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        self.store.touch(list(plan.values()))    # a bounded store counts the use
         return plan                # nothing will be read: there is no window to close
 
     def pin(self, location: Entry) -> None:

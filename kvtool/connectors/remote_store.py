@@ -8,6 +8,12 @@ tokens per block, every layer group's page size and the tensor-parallel size, so
 or layout never reads a block it cannot use; the rank names the shard. Values are `block_codec`
 records (header with key, group, size and SHA-256, then the page bytes), verified on every read.
 
+A store may be bounded (`StoreBound`: the `capacity` and `eviction` options of a store kind that
+supports them, Redis): rank 0 ranks every block it writes, the scheduler ranks every block an ask
+uses, and past the capacity the store drops the lowest ranked block of that layer group (every
+rank's value of it), with the ranks and ties of `slot_index`'s policies, so a bounded shared store
+and an in-process index of the same capacity choose the same victims.
+
 Every call is one batched request however many blocks it names. A connection refused or dropped,
 a timeout, or a server error never escapes: reads answer "not there", writes are dropped, both
 counted and warned about once per kind of error. After a failure the store is left alone for
@@ -28,12 +34,13 @@ from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.block_codec import HEADER, CorruptBlock, decode_block, encode_block, layout_signature
-from kvtool.units import parse_size
+from kvtool.connectors.slot_index import check_eviction
+from kvtool.units import parse_capacity, parse_size
 
 DEFAULT_PREFIX = "kvtool"
 DEFAULT_STAGING = "1GiB"
 RETRY_AFTER_S = 1.0
-_SHARD_SUFFIX = re.compile(r" tp\d+/\d+$")
+_SHARD_SUFFIX = re.compile(r" tp\d+/(\d+)$")
 
 Entry = tuple[bytes, int]
 """(chained block key, layer group id): one page of one block."""
@@ -61,6 +68,28 @@ REMOTE_OPTIONS = (
 
 
 @dataclass(frozen=True)
+class StoreBound:
+    """What a bounded store holds: `blocks` per layer group (every rank's value of a block counts
+    once), evicted by `policy` (`slot_index.EVICTION_POLICIES`)."""
+
+    blocks: int
+    policy: str
+
+
+def store_bound(llm_args: LlmArgs, capacity_key: str = "capacity", eviction_key: str = "eviction") -> StoreBound | None:
+    """The bound the options give (None: no `capacity_key`, the store keeps all it is sent). A
+    size counts a whole block: every rank's shard, every layer group."""
+    options = llm_args.connector_options
+    if options.get(capacity_key) is None:
+        return None
+    shard = _SHARD_SUFFIX.search(llm_args.model)        # a shard replayed alone stands for tp of them
+    shards = max(llm_args.world_size, int(shard.group(1)) if shard else 1)
+    block_bytes = shards * sum(g.bytes_per_page for g in llm_args.layer_groups)
+    blocks = parse_capacity(options[capacity_key]).blocks(block_bytes, llm_args.kv_cache_config.tokens_per_block)
+    return StoreBound(blocks, check_eviction(options.get(eviction_key, "lru")))
+
+
+@dataclass(frozen=True)
 class StagedEntry:
     """One page's bytes for every rank, fetched and verified at the ask (a store location)."""
 
@@ -77,9 +106,10 @@ class RemoteBlockStore(ABC):
     kind = "remote"
     """The server's name in warnings."""
 
-    def __init__(self, llm_args: LlmArgs, payloads: bool = True) -> None:
+    def __init__(self, llm_args: LlmArgs, payloads: bool = True, bound: StoreBound | None = None) -> None:
         """`payloads` False: values are headers of empty payloads (block fidelity's index), under
-        a signature of their own, so they never meet a store of real blocks."""
+        a signature of their own, so they never meet a store of real blocks. `bound`: the store
+        holds at most that many blocks a layer group (None: all it is sent)."""
         options = llm_args.connector_options
         self.world_size = llm_args.world_size
         self.rank = llm_args.rank
@@ -95,6 +125,9 @@ class RemoteBlockStore(ABC):
         self._warned: set[str] = set()
         self._down_until = 0.0
         self._retry_after_s = seconds(options.get("retry_after", str(RETRY_AFTER_S)))
+        self.bound = bound
+        self.num_evicted = 0
+        """Blocks this store object evicted (rank 0's writes do)."""
 
     # ---- per server kind -----------------------------------------------------------------------
     @abstractmethod
@@ -109,7 +142,28 @@ class RemoteBlockStore(ABC):
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
         """Store every (key, value) (StoreUnavailable when the server fails)."""
 
+    def rank_many(self, entries: list[Entry], added: bool) -> int:
+        """Rank `entries` in the bound's order: `added` ones just written (ranked only if new),
+        else just used; evict past the bound. Returns the blocks evicted (StoreUnavailable when the
+        server fails). A store kind that can be bounded implements it."""
+        raise NotImplementedError(f"a {self.kind} store cannot be bounded")
+
+    def count_evicted(self) -> int:
+        """Blocks the bounded store has evicted, whoever's write made it (StoreUnavailable when the
+        server fails). A store kind that can be bounded implements it."""
+        raise NotImplementedError(f"a {self.kind} store cannot be bounded")
+
     # ---- what the connector calls ----------------------------------------------------------------
+    @property
+    def key_head(self) -> str:
+        """What every key of this store begins with (prefix, namespace, layout signature)."""
+        return self._key_head
+
+    def evicted_total(self) -> int | None:
+        """Blocks the bounded store evicted, every engine's writes together (None: not bounded, or
+        the server did not answer)."""
+        return None if self.bound is None else self._guarded(self.count_evicted, "count evictions")
+
     def key(self, entry: Entry, rank: int) -> str:
         return f"{self._key_head}r{rank}:g{entry[1]}:{entry[0].hex()}"
 
@@ -137,9 +191,23 @@ class RemoteBlockStore(ABC):
         return {e: self._verified(e, values[i * n:(i + 1) * n]) for i, e in enumerate(entries)}
 
     def put(self, items: Iterable[tuple[Entry, bytes]]) -> bool:
-        """Store this rank's pages (one call); False (counted, warned) when the server fails."""
+        """Store this rank's pages (one call), then, on rank 0 of a bounded store, rank them (and
+        evict past the bound); False (counted, warned) when the server fails."""
+        items = list(items)
         encoded = [(self.key(entry, self.rank), encode_block(entry[0], entry[1], payload)) for entry, payload in items]
-        return not encoded or self._guarded(lambda: self.put_many(encoded) or True, "save blocks") is not None
+        if not encoded:
+            return True
+        if self._guarded(lambda: self.put_many(encoded) or True, "save blocks") is None:
+            return False
+        if self.bound is not None and self.rank == 0:
+            self.num_evicted += self._guarded(lambda: self.rank_many([e for e, _ in items], added=True),
+                                              "rank blocks") or 0
+        return True
+
+    def touch(self, entries: Sequence[Entry]) -> None:
+        """Count `entries` as used by an ask (a bounded store ranks them; others do nothing)."""
+        if self.bound is not None and entries:
+            self._guarded(lambda: self.rank_many(list(entries), added=False), "rank blocks")
 
     def _verified(self, entry: Entry, values: list) -> StagedEntry | None:
         payloads = []

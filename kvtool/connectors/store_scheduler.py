@@ -295,17 +295,23 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         tpb = self.tokens_per_block
         wanted = {(j, g) for g, pages in tracker.pages.items() for j in range(start // tpb, num_blocks(end, tpb))
                   if start < end and j < len(pages) and pages[j] != BAD_PAGE_INDEX}
+        loads = []
         for (j, g), location in tracker.planned.items():
             if (j, g) in wanted:
-                tracker.pending_loads.append(PageTransfer(request.request_id, g, j, tracker.pages[g][j], location,
-                                                          tracker.keys[j]))
+                loads.append(PageTransfer(request.request_id, g, j, tracker.pages[g][j], location, tracker.keys[j]))
                 tracker.held_pins.append(location)
             else:
                 self.unpin(location)
+        tracker.pending_loads.extend(loads)
         tracker.planned = {}
         tracker.delivered = (start, end) if start < end else None
         if tracker.delivered:
             self.num_loaded_blocks += len({t.block_ordinal for t in tracker.pending_loads})
+            self.delivered(request.request_id, tracker.delivered, loads)
+
+    def delivered(self, request_id: int, span: tuple[int, int], loads: list[PageTransfer]) -> None:
+        """Tokens `span` of the request will be loaded by `loads` (their locations as the store
+        planned them): a store of several tiers counts where they come from here."""
 
     def _delivered(self, tracker: _Tracker) -> tuple[int, int]:
         """The offer minus what was cancelled: cancels always cut its head or its tail."""

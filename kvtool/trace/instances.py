@@ -23,8 +23,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.connector.request import Request
+from kvtool.trace.recorder import RequestRow
 from kvtool.trace.replay import run_trace, token_hit_rate
 from kvtool.errors import InputError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
@@ -105,7 +108,7 @@ def run_instances(plan: InstancesPlan, on_progress: Callable[[int], None]) -> li
             if p.is_alive():
                 p.terminate()
             p.join()
-    return sorted(rows, key=lambda row: row["instance"])
+    return with_load_ratios(sorted(rows, key=lambda row: row["instance"]))
 
 
 def _next_report(results, processes, reported: set[int]) -> tuple[str, int, Any]:
@@ -133,7 +136,9 @@ def _instance_main(plan: InstancesPlan, k: int, assignment: bytes, clocks, done,
                                keep_iterations=False)
         finally:
             done[k] = 1
-        row = {"instance": k, **result.summary.as_dict(), "failed_checks": "; ".join(result.failed_checks)}
+        row = {"instance": k, **result.summary.as_dict(), "failed_checks": "; ".join(result.failed_checks),
+               **latency_columns(result.recorder.requests if replay.cost_model else [])}
+        row[LATENCIES] = _latencies(result.recorder.requests) if replay.cost_model else ([], [])
         results.put(("row", k, row))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits with it
         done[k] = 1
@@ -153,8 +158,44 @@ def _lockstep(k: int, clocks, done, window_s: float) -> Callable:
     return wait_for_the_others
 
 
+LATENCIES = "_latencies"
+"""A row's (TTFT values, TPOT values) from its process, for the fleet's percentiles (not written)."""
+PERCENTILES = {"ttft": (50, 90, 99), "tpot": (50, 99)}
+
+
+def _latencies(requests: list[RequestRow]) -> tuple[list[float], list[float]]:
+    return ([r.ttft for r in requests if r.ttft is not None], [r.tpot for r in requests if r.tpot is not None])
+
+
+def latency_columns(requests: list[RequestRow]) -> dict[str, float | None]:
+    """`ttft_p50_s` ... `tpot_p99_s` over `requests` (None without any: no cost model)."""
+    return _percentile_columns(*_latencies(requests))
+
+
+def _percentile_columns(ttft: list[float], tpot: list[float]) -> dict[str, float | None]:
+    columns: dict[str, float | None] = {}
+    for metric, values in (("ttft", ttft), ("tpot", tpot)):
+        for p in PERCENTILES[metric]:
+            columns[f"{metric}_p{p}_s"] = float(np.percentile(values, p)) if values else None
+    return columns
+
+
+def with_load_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each instance's prefill work (prompt tokens it computed: neither hit locally nor loaded) over
+    the fleet's mean, as `load_ratio` (1.0: its fair share)."""
+    work = [r["prompt_tokens"] - r["local_hit_tokens"] - r["connector_hit_tokens"] for r in rows]
+    mean = sum(work) / len(work) if work else 0
+    return [{**r, "load_ratio": round(w / mean, 4) if mean else None} for r, w in zip(rows, work)]
+
+
+def fleet_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`run_instances`' rows as written (without the latencies they carried) and the `all` row."""
+    return [{k: v for k, v in r.items() if k != LATENCIES} for r in rows], global_row(rows)
+
+
 def global_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The instances together: sums, and the hit rate over every prompt token."""
+    """The instances together: sums, the hit rate over every prompt token, TTFT and TPOT
+    percentiles over every request, and `load_imbalance`: the busiest instance's `load_ratio`."""
     summed = ("num_requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "connector_hit_tokens",
               "cancelled_tokens", "integrity_errors", "failed_requests", "iterations", "evictions")
     total = {name: sum(r[name] for r in rows) for name in summed}
@@ -163,4 +204,8 @@ def global_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     total["wall_seconds"] = max(r["wall_seconds"] for r in rows)
     total["failed_checks"] = "; ".join(f"instance {r['instance']}: {r['failed_checks']}"
                                        for r in rows if r["failed_checks"])
-    return {"instance": "all", **total}
+    ttft = [v for r in rows for v in r.get(LATENCIES, ([], []))[0]]
+    tpot = [v for r in rows for v in r.get(LATENCIES, ([], []))[1]]
+    ratios = [r["load_ratio"] for r in rows if r.get("load_ratio") is not None]
+    return {"instance": "all", **total, **_percentile_columns(ttft, tpot),
+            "load_imbalance": max(ratios) if ratios else None}

@@ -17,6 +17,7 @@ from kvtool.connector.introspection import introspect
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import Subscriber
+from kvtool.trace.cost_model import CostModel
 from kvtool.trace.recorder import TraceRecorder
 from kvtool.errors import InputError, LogicError
 from kvtool.manager.integrity import check_manager
@@ -72,6 +73,12 @@ class TraceSummary:
     """Token-weighted hit rate: (local_hit_tokens + connector_hit_tokens) / prompt_tokens."""
     simulated_seconds: float
     """The replay's clock at the end (the cost model's seconds, or 10 ms an iteration)."""
+    gpu_pool_bytes: int
+    """Bytes of the GPU pool (rank 0's: a GPU's shard), every pool group."""
+    gpu_pool_tokens: int
+    """Tokens the GPU pool holds (its smallest pool group's slots x tokens per block)."""
+    tier_hit_tokens: dict[str, int] | None
+    """Connector hit tokens per tier, for a connector of several tiers (stacked); None otherwise."""
     fidelity: str
     runtime: str
     """The TensorRT-LLM runtime the engine played (`--runtime`)."""
@@ -125,6 +132,9 @@ def run_trace(requests: Iterable[Request], config: EngineConfig, connector: Conn
     """Replay `requests` (read as the clock reaches them; arrivals must not decrease)."""
     started = time.perf_counter()
     engine = Engine(dataclasses.replace(config, forget_finished=True), connector, connector_options)
+    cost = getattr(config.iteration_time, "__self__", None)
+    if isinstance(cost, CostModel):        # the cost model reads this replay's connector's tier splits
+        cost.split.bind(engine.connector.scheduler if engine.connector else None)
     recorder = TraceRecorder(keep_iterations)
     engine.events.subscribe(recorder)
     for subscriber in subscribers:
@@ -220,6 +230,9 @@ def _summary(engine: Engine, recorder: TraceRecorder, connector: ConnectorSpec |
         bytes_saved=None if saved is None else saved * block_bytes,
         hit_rate=token_hit_rate(local, external, prompt_tokens),
         simulated_seconds=round(engine.clock, 6),
+        gpu_pool_bytes=sum(pg.slot_bytes * pg.num_slots for pg in engine.manager.layout.pool_groups),
+        gpu_pool_tokens=min(engine.manager.num_slots) * engine.manager.tokens_per_block,
+        tier_hit_tokens=dict(said.tier_hit_tokens) if said is not None and said.tier_hit_tokens else None,
         fidelity=engine.config.fidelity,
         runtime=str(engine.config.runtime),
         invariant_errors=len(invariant_errors),

@@ -11,6 +11,7 @@ import pandas as pd
 from rich.table import Table
 
 from kvtool.trace.cost_model import CostModel
+from kvtool.trace.load_check import load_check
 from kvtool.trace.replay import TraceResult, TraceSummary
 from kvtool.trace.recorder import RequestRow
 from kvtool.report.run_folder import write_file, write_json, write_meta
@@ -36,6 +37,8 @@ def tier_table(summary: TraceSummary, title: str = "") -> Table:
     table.add_row(f"connector ({summary.connector})", f"{summary.connector_hit_tokens:,}",
                   share(summary.connector_hit_tokens), loaded, moved,
                   "-" if summary.connector_evictions is None else f"{summary.connector_evictions:,}")
+    for tier, tokens in (summary.tier_hit_tokens or {}).items():
+        table.add_row(f"  {tier} tier", f"{tokens:,}", share(tokens), "", "", "")
     if summary.saved_blocks is not None:
         table.add_row("  saved", "", "", f"{summary.saved_blocks:,} saved",
                       "-" if summary.bytes_saved is None else f"{format_size(summary.bytes_saved)} out", "")
@@ -70,6 +73,9 @@ def ttft_report(result: TraceResult, cost: CostModel | None, baseline: TraceResu
     report = {"with_connector": ttft_stats(result.recorder.requests),
               "prefill_compute_saved_s": compute_saved_seconds(result.recorder.requests, cost),
               "tpot": ttft_stats(result.recorder.requests, "tpot")}
+    check = load_check(result.recorder.requests)
+    if check is not None:
+        report["load"] = {**check.as_dict(), "note": check.note()}
     if baseline is not None:
         report["without_connector"] = ttft_stats(baseline.recorder.requests)
         report["prefill_compute_saved_without_connector_s"] = compute_saved_seconds(baseline.recorder.requests, cost)
@@ -101,23 +107,18 @@ def cost_model_text(assumptions: dict[str, Any]) -> str:
     """The cost model's assumptions (`CostModel.assumptions()`) as one sentence; a field this does
     not know is appended as `name=value`."""
     a = dict(assumptions)
-    parts = []
-    if "active_params" in a:
-        parts.append(f"{a.pop('active_params'):,.3g} active parameters")
-    if "num_layers" in a:
-        parts.append(f"{a.pop('num_layers')} layers")
-    if "attention_width" in a:
-        parts.append(f"attention width {a.pop('attention_width')}")
-    if "kv_bytes_per_token" in a:
-        parts.append(f"{format_size(a.pop('kv_bytes_per_token'))} of KV a token")
-    if "tflops" in a:
-        parts.append(f"compute at {a.pop('tflops'):g} TFLOP/s")
-    if "load_gbps" in a:
-        overlap = a.pop("layerwise", False)
-        parts.append(f"connector loads at {a.pop('load_gbps'):g} GB/s"
-                     + (" overlapped layer by layer" if overlap else " before the pass"))
-    if "idle_seconds" in a:
-        parts.append(f"{format_seconds(a.pop('idle_seconds'))} an idle iteration")
+    phrases = (("active_params", lambda v: f"{v:,.3g} active parameters"), ("num_layers", lambda v: f"{v} layers"),
+               ("attention_width", lambda v: f"attention width {v}"), ("hidden", lambda v: f"hidden {v}"),
+               ("kv_bytes_per_token", lambda v: f"{format_size(v)} of KV a token"),
+               ("weight_bytes", lambda v: f"{format_size(v)} of weights"),
+               ("gpu", lambda v: f"on {a.pop('tp', 1)} x {v}"),
+               ("tflops", lambda v: f"compute at {v:g} TFLOP/s"), ("hbm_gbps", lambda v: f"HBM reads at {v:g} GB/s"),
+               ("nvlink_gbps", lambda v: f"all-reduces at {v:g} GB/s + {a.pop('allreduce_us', 0):g} us"),
+               ("load_gbps", lambda v: f"connector loads at {v:g} GB/s"
+                + (" overlapped layer by layer" if a.pop("layerwise", False) else " before the pass")),
+               ("tier_gbps", lambda v: "tiers " + ", ".join(f"{k} {g:g} GB/s" for k, g in v.items())),
+               ("idle_seconds", lambda v: f"{format_seconds(v)} an idle iteration"))
+    parts = [describe(a.pop(key)) for key, describe in phrases if key in a]
     parts += [f"{k}={v}" for k, v in a.items()]
     return "cost model: " + ", ".join(parts)
 

@@ -15,7 +15,10 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import declared_options
 from kvtool.connector.request import max_kv_tokens
 from kvtool.connectors.registry import load_connector
-from kvtool.trace.cost_model import H200_BF16_TFLOPS, H200_LOAD_GBPS, CostModel, cost_model_for
+from kvtool.trace.cost_model import CostModel, cost_model_for
+from kvtool.trace.gpu_pool import GpuPool, gpu_pool
+from kvtool.trace.gpus import GpuSpec, gpu_named
+from kvtool.trace.model_compute import model_compute
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.runtimes import DEFAULT_RUNTIME, runtime_name
 from kvtool.engine.ranks import rank_manager_config
@@ -27,14 +30,17 @@ from kvtool.manager.manager import compute_layout, default_device, plan_num_slot
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.manager.storage import memory_shortfall
 from kvtool.report.bench_report import bench_rate
-from kvtool.units import format_size, parse_size
+from kvtool.units import format_size, parse_capacity, parse_size
+from kvtool.models import load_model
 from kvtool.workloads.source import RequestSize, Workload, open_workload
 
 DEFAULT_NUM_SLOTS = 1024
-"""Pool slots for kvtool workloads (the shipped ones are small)."""
-DEFAULT_GPU_TOKENS_IMPORTED = 524_288
-"""KV tokens the GPU pool holds for imported traces: about what an H200 keeps for an 8B model
-after its weights (64 GiB of bf16 KV at 128 KiB a token)."""
+"""Pool slots for kvtool workloads (the shipped ones are small) unless --gpu names a GPU."""
+DEFAULT_BYTES_POOL_TOKENS = 524_288
+"""KV tokens of the pool of an imported trace replayed in bytes fidelity without --gpu: its pools are
+allocated on this machine, so it does not get a GPU's (--gpu asks for one)."""
+DEFAULT_REMOTE_GBPS = 25.0
+"""Load rate of a shared remote tier (a 200 Gb/s NIC a GPU), for the stacked tiers' remote level."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,11 @@ class Replay:
     """Where --bandwidth-from took the load rate, in words (and how that row differs from the replay)."""
     load_rate_source: dict | None = None
     """The same for meta.json."""
+    gpu_pool: GpuPool | None = None
+    """How the GPU pool was derived from the model and the GPU (None: --num-slots or --gpu-memory, or
+    a kvtool workload's default)."""
+    notes: tuple[str, ...] = ()
+    """Lines to say before the replay (a size in SI units, in GiB)."""
 
     @property
     def is_imported(self) -> bool:
@@ -83,8 +94,13 @@ class ReplayOptions:
     num_ranks: int = 1
     tp: int = 1
     cost_model: bool | None = None
-    tflops: float = H200_BF16_TFLOPS
-    load_gbps: float = H200_LOAD_GBPS
+    gpu: str | None = None
+    """`--gpu`: the GPU the cost model and the derived pool assume (None: the H200's cost model,
+    and for a kvtool workload the default pool)."""
+    tflops: float | None = None
+    hbm_gbps: float | None = None
+    load_gbps: float | None = None
+    remote_gbps: float | None = None
     bandwidth_from: Path | None = None
     """A kvtool bench run folder: its load GB/s at `tokens_per_block` replaces `load_gbps`, and
     turns the cost model on (the rate means nothing without it)."""
@@ -96,6 +112,44 @@ class ReplayOptions:
 
 def build_replay(o: ReplayOptions) -> Replay:
     """The replay the options describe; InputError for anything that cannot run."""
+    _check_counts(o)
+    workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
+    imported = workload.format != "kvtool"
+    fidelity = o.fidelity or ("blocks" if imported else "bytes")
+    model = o.model or ("llama-3.1-8b" if imported else "tiny")
+    modelled_tp = o.tp > 1 and o.num_ranks == 1 and fidelity == "blocks"
+    gpu = gpu_named(o.gpu, o.tflops, o.hbm_gbps, o.load_gbps)
+    pool = _derived_pool(o, model, gpu, imported and fidelity == "blocks")
+    num_slots = o.num_slots
+    if num_slots is None and o.gpu_memory is None and pool is None:
+        num_slots = ceil_div(DEFAULT_BYTES_POOL_TOKENS, o.tokens_per_block) if imported else DEFAULT_NUM_SLOTS
+    memory = str(pool.pool_bytes) if pool else o.gpu_memory
+    manager = manager_config(model, o.tokens_per_block, None, memory, num_slots,
+                             tp=(o.tp, 0) if modelled_tp else (1, 0))
+    spec = None if o.connector == "none" else load_connector(o.connector, o.compat)
+    options = _connector_options(o, spec)
+    rate = None
+    if o.bandwidth_from is not None:
+        if o.cost_model is False:
+            raise InputError("--bandwidth-from sets the cost model's load rate: it cannot go with --no-cost-model")
+        rate = bench_rate(o.bandwidth_from, "load", o.tokens_per_block, manager.model.name)
+        gpu = replace(gpu, load_gbps=rate.gbps)
+        o = replace(o, cost_model=True)
+    cost = _cost_model(o, model, gpu, spec, options, imported)
+    config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
+                                                   local_reuse=not o.no_local_reuse,
+                                                   **_admission(o.admission)),
+                          seed=o.seed, runtime=runtime_name(o.runtime), num_ranks=o.num_ranks,
+                          tp_size=1 if modelled_tp else o.tp,
+                          ranks_as_processes=True, fidelity=fidelity,
+                          iteration_time=cost.iteration_seconds if cost else None,
+                          draft_tokens=o.draft_tokens, acceptance=o.acceptance)
+    return Replay(workload, config, spec, options, cost,
+                  rate.describe(o.tokens_per_block, manager.model.name) if rate else None,
+                  rate.as_dict() if rate else None, pool, capacity_notes(options))
+
+
+def _check_counts(o: ReplayOptions) -> None:
     for name, value in (("max-batch-size", o.max_batch_size), ("max-num-tokens", o.max_num_tokens),
                         ("chunk-size", o.chunk_size), ("num-ranks", o.num_ranks), ("tp", o.tp),
                         ("tokens-per-block", o.tokens_per_block)):
@@ -105,38 +159,48 @@ def build_replay(o: ReplayOptions) -> Replay:
         raise InputError(f"--draft-tokens must be 0 or more, got {o.draft_tokens}")
     if not 0.0 <= o.acceptance <= 1.0:
         raise InputError(f"--acceptance is a probability: between 0 and 1, got {o.acceptance}")
-    workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
-    imported = workload.format != "kvtool"
-    fidelity = o.fidelity or ("blocks" if imported else "bytes")
-    model = o.model or ("llama-3.1-8b" if imported else "tiny")
-    num_slots = o.num_slots
-    if num_slots is None and o.gpu_memory is None:
-        num_slots = ceil_div(DEFAULT_GPU_TOKENS_IMPORTED, o.tokens_per_block) if imported else DEFAULT_NUM_SLOTS
-    manager = manager_config(model, o.tokens_per_block, None, o.gpu_memory, num_slots)
-    spec = None if o.connector == "none" else load_connector(o.connector, o.compat)
+    if o.remote_gbps is not None and not (o.remote_gbps > 0 and o.remote_gbps != float("inf")):
+        raise InputError(f"--remote-gbps must be a positive number, got {o.remote_gbps}")
+
+
+def _derived_pool(o: ReplayOptions, model: str, gpu: GpuSpec, by_default: bool) -> GpuPool | None:
+    """The pool the model leaves on the GPU: with --gpu, or `by_default` (an imported trace in
+    blocks fidelity), unless --num-slots or --gpu-memory gives the pool."""
+    if o.num_slots is not None or o.gpu_memory is not None or not (by_default or o.gpu is not None):
+        return None
+    spec = load_model(model)
+    try:
+        compute = model_compute(spec, o.params, o.attention_width)
+    except InputError as exc:
+        raise InputError(f"{exc} (or give the GPU pool itself: --gpu-memory)") from None
+    return gpu_pool(gpu, compute.weight_bytes, o.tp, spec.name)
+
+
+def _connector_options(o: ReplayOptions, spec: ConnectorSpec | None) -> dict[str, str]:
     if o.connector_dir is not None and spec is None:
         raise InputError("--connector-dir is the disk connector's folder: give --connector disk")
     options = connector_options(spec, list(o.connector_opt), o.connector_dir) if spec else \
         parse_options(list(o.connector_opt))
     if options and spec is None:
         raise InputError("--connector-opt needs a --connector")
-    rate = None
-    if o.bandwidth_from is not None:
-        if o.cost_model is False:
-            raise InputError("--bandwidth-from sets the cost model's load rate: it cannot go with --no-cost-model")
-        rate = bench_rate(o.bandwidth_from, "load", o.tokens_per_block, manager.model.name)
-        o = replace(o, load_gbps=rate.gbps, cost_model=True)
-    cost = _cost_model(o, manager, spec, options, imported)
-    config = EngineConfig(manager, SchedulerConfig(o.max_batch_size, o.max_num_tokens, o.chunk_size,
-                                                   local_reuse=not o.no_local_reuse,
-                                                   **_admission(o.admission)),
-                          seed=o.seed, runtime=runtime_name(o.runtime), num_ranks=o.num_ranks, tp_size=o.tp,
-                          ranks_as_processes=True,
-                          fidelity=fidelity, iteration_time=cost.iteration_seconds if cost else None,
-                          draft_tokens=o.draft_tokens, acceptance=o.acceptance)
-    return Replay(workload, config, spec, options, cost,
-                  rate.describe(o.tokens_per_block, manager.model.name) if rate else None,
-                  rate.as_dict() if rate else None)
+    return options
+
+
+CAPACITY_OPTIONS = ("capacity", "remote_capacity")
+"""Connector options that take a tier size (said in GiB when typed in SI units)."""
+
+
+def capacity_notes(options: dict[str, str]) -> tuple[str, ...]:
+    """`10GB is SI: 10,000,000,000 bytes = 9.31 GiB` for each tier size typed in SI units."""
+    notes = []
+    for key in CAPACITY_OPTIONS:
+        try:
+            note = parse_capacity(options[key]).si_note if key in options else None
+        except ValueError:
+            note = None
+        if note:
+            notes.append(f"{key}={note}")
+    return tuple(notes)
 
 
 ADMISSIONS = {"reserve": dict(reserve_outputs=True), "greedy": dict(),
@@ -150,14 +214,17 @@ def _admission(admission: str) -> dict[str, bool]:
     return ADMISSIONS[admission]
 
 
-def _cost_model(o: ReplayOptions, manager, spec: ConnectorSpec | None, options: dict[str, str],
+def _cost_model(o: ReplayOptions, model: str, gpu: GpuSpec, spec: ConnectorSpec | None, options: dict[str, str],
                 imported: bool) -> CostModel | None:
     """The cost model: on by default for imported traces, off (10 ms an iteration) for kvtool ones."""
     if not (o.cost_model if o.cost_model is not None else imported):
         return None
-    per_token = block_bytes(manager) // manager.tokens_per_block
+    whole = KvCacheManagerConfig(load_model(model), o.tokens_per_block, num_slots=1)   # every rank's shard
+    per_token = block_bytes(whole) // whole.tokens_per_block
     layerwise = (options.get("mode") or (spec.options.get("mode") if spec else None)) == "layerwise"
-    return cost_model_for(manager.model, per_token, o.params, o.attention_width, o.tflops, o.load_gbps, layerwise)
+    compute = model_compute(whole.model, o.params, o.attention_width)
+    return cost_model_for(whole.model, compute, gpu, per_token, o.tp, layerwise,
+                          {"host": gpu.load_gbps, "remote": o.remote_gbps or DEFAULT_REMOTE_GBPS})
 
 
 def block_bytes(manager) -> int:
