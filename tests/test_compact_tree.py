@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvtool.errors import OutOfPagesError
 from kvtool.manager.block_keys import ReuseScope, block_key
 from kvtool.manager.droppable import DroppablePages
+from kvtool.manager.page_cells import PageCells
 from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
 from kvtool.manager.radix_tree import RadixTree
 
@@ -57,15 +58,16 @@ def test_a_key_removed_is_not_found_and_its_cell_is_reused():
 @given(st.lists(st.tuples(st.sampled_from(["release", "take", "evict"]), st.integers(0, 15), st.integers(0, 2)),
                 max_size=60))
 def test_droppable_pages_are_evicted_lowest_priority_then_oldest_first(operations):
-    droppable, model = DroppablePages(16), {}
+    cells = PageCells(16)
+    droppable, model = DroppablePages(cells), {}
     for op, slot, priority in operations:
         listed = any(slot in bucket for bucket in model.values())
         if op == "release" and not listed:
-            droppable.add([slot], [100 + slot], [0], [priority])
+            cells.node[slot], cells.priority[slot] = 100 + slot, priority
+            droppable.add(np.array([slot]))
             model.setdefault(priority, OrderedDict())[slot] = None
         elif op == "take" and listed:
-            priority = next(p for p, b in model.items() if slot in b)
-            assert droppable.take_many(np.array([slot])) == [(100 + slot, priority)]
+            droppable.take_many(np.array([slot]))
             next(b for b in model.values() if slot in b).pop(slot)
         elif op == "evict":
             order = [s for p in sorted(model) for s in model[p]]
@@ -73,7 +75,8 @@ def test_droppable_pages_are_evicted_lowest_priority_then_oldest_first(operation
                 with pytest.raises(OutOfPagesError):
                     droppable.evict(slot)
                 continue
-            assert droppable.evict(slot).slots.tolist() == order[:slot]
+            evicted = droppable.evict(slot)
+            assert evicted.slots.tolist() == order[:slot] and evicted.nodes.tolist() == [100 + s for s in order[:slot]]
             for s in order[:slot]:
                 next(b for b in model.values() if s in b).pop(s)
         assert droppable.in_eviction_order().tolist() == [s for p in sorted(model) for s in model[p]]

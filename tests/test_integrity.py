@@ -25,9 +25,9 @@ def in_use(tiny):
     return tiny
 
 
-def _pages(manager):
-    """Pages in use, by slot."""
-    return sorted(manager.page_table.pages_of(0).values(), key=lambda p: p.slot)
+def _slots_in_use(manager):
+    """Slots of the pages in use, ascending."""
+    return manager.page_table.pages_in_use(0).tolist()
 
 
 def _droppable_slots(manager):
@@ -35,7 +35,7 @@ def _droppable_slots(manager):
 
 
 def test_a_count_nobody_holds_is_caught(in_use):
-    _pages(in_use)[0].num_held = 1
+    in_use.page_table.cells(0).num_held[_slots_in_use(in_use)[0]] = 1
     with pytest.raises(LogicError, match=r"counts \(active 1, held 1\) but caches and holds reference it"):
         check_manager(in_use)
 
@@ -48,33 +48,35 @@ def test_a_droppable_page_off_the_eviction_list_is_caught(closed):
 
 
 def test_a_droppable_page_pointing_at_a_node_that_does_not_hold_it_is_caught(closed):
-    droppable = closed.page_table.droppable(0)
+    cells = closed.page_table.cells(0)
     first, second = _droppable_slots(closed)[:2]
-    closed.tree.pages[droppable.node[second], 0] = -1
-    droppable.node[second] = droppable.node[first]
+    closed.tree.pages[cells.node[second], 0] = -1
+    cells.node[second] = cells.node[first]
     with pytest.raises(LogicError, match="points at a node that does not hold it"):
         check_manager(closed)
 
 
 def test_a_page_in_use_pointing_at_a_node_that_does_not_hold_it_is_caught(in_use):
-    first, second = _pages(in_use)[:2]
-    in_use.tree.pages[second.node, 0] = -1
-    second.node = first.node
+    cells = in_use.page_table.cells(0)
+    first, second = _slots_in_use(in_use)[:2]
+    in_use.tree.pages[cells.node[second], 0] = -1
+    cells.node[second] = cells.node[first]
     with pytest.raises(LogicError, match="points at a node that does not hold it"):
         check_manager(in_use)
 
 
 def test_a_node_holding_a_page_that_points_elsewhere_is_caught(in_use):
-    first, second = _pages(in_use)[:2]
-    first.node = second.node
+    cells = in_use.page_table.cells(0)
+    first, second = _slots_in_use(in_use)[:2]
+    cells.node[first] = cells.node[second]
     with pytest.raises(LogicError, match="disagree about each other"):
         check_manager(in_use)
 
 
 def test_a_node_holding_a_droppable_page_that_points_elsewhere_is_caught(closed):
-    droppable = closed.page_table.droppable(0)
+    cells = closed.page_table.cells(0)
     first, second = _droppable_slots(closed)[:2]
-    droppable.node[first] = droppable.node[second]
+    cells.node[first] = cells.node[second]
     with pytest.raises(LogicError, match="which no page of its layer group owns"):
         check_manager(closed)
 
@@ -82,7 +84,7 @@ def test_a_node_holding_a_droppable_page_that_points_elsewhere_is_caught(closed)
 def test_a_freed_slot_still_droppable_is_caught(closed):
     slot = _droppable_slots(closed)[0]
     closed.page_table.allocators[0]._owned[slot] = 0
-    with pytest.raises(LogicError, match="owned slots and page objects disagree"):
+    with pytest.raises(LogicError, match="owned slots and page cells disagree"):
         check_manager(closed)
 
 
@@ -102,8 +104,7 @@ def test_the_trees_own_bookkeeping_is_checked(closed, corrupt, message):
 
 
 def test_a_droppable_page_listed_under_another_priority_is_caught(closed):
-    droppable = closed.page_table.droppable(0)
-    droppable.priority[_droppable_slots(closed)[0]] += 1
+    closed.page_table.cells(0).priority[_droppable_slots(closed)[0]] += 1
     with pytest.raises(LogicError, match="eviction list and status disagree"):
         check_manager(closed)
 

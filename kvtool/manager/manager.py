@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvtool.errors import UnsupportedTierError
@@ -23,7 +24,7 @@ from kvtool.manager.key_index import keys_array
 from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
-from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
+from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
 
 
 POISON_BYTE = 0xA5
@@ -161,9 +162,14 @@ class KvCacheManager:
         return True
 
     def hold_pages(self, cache: KvCache) -> "PageHold":
-        """Keep every page `cache` uses alive (HELD) after it closes, until the hold is released."""
-        hold = PageHold(self, [p for g in self.layer_groups for p in cache.pages(g.layer_group_id)
-                               if p is not None])
+        """Keep every page of `cache`'s page lists alive (HELD) after it closes, until the hold is
+        released."""
+        slots: dict[PoolGroupIndex, list[np.ndarray]] = {}
+        for group in self.layer_groups:
+            pages = cache.page_slots(group.layer_group_id)
+            slots.setdefault(self.page_table.pool_group_of(group.layer_group_id), []).append(
+                pages[pages != BAD_PAGE_INDEX])
+        hold = PageHold(self, {pg: np.concatenate(parts) for pg, parts in slots.items()})
         self._holds[id(hold)] = hold
         return hold
 
@@ -233,17 +239,19 @@ _FIRST_MATCH_WINDOW = 16
 
 
 class PageHold:
-    """Pages kept alive past their cache's close (an asynchronous save in flight)."""
+    """Pages kept alive past their cache's close (an asynchronous save in flight): one held user
+    of each."""
 
-    def __init__(self, manager: KvCacheManager, pages: list[Page]) -> None:
+    def __init__(self, manager: KvCacheManager, slots: dict[PoolGroupIndex, np.ndarray]) -> None:
         self._manager = manager
-        self.pages = pages
-        for page in pages:
-            manager.page_table.acquire(page, active=False)
+        self.slots = slots
+        """Slots per pool group, in the order they are released."""
+        for pool_group, held in slots.items():
+            manager.page_table.acquire(pool_group, held, active=False)
 
     def release(self) -> None:
         """Let the pages go; idempotent."""
-        for page in self.pages:
-            self._manager.page_table.release(page, active=False)
-        self.pages = []
+        for pool_group, held in self.slots.items():
+            self._manager.page_table.release(pool_group, held, active=False)
+        self.slots = {}
         self._manager._forget_hold(self)
