@@ -1,7 +1,7 @@
-"""The array-backed tree's parts against plain Python models: the key index against a dict, the
-droppable pages' eviction order against OrderedDicts per priority, and the tree's partial
-matches (wide nodes listed by first token included) against a brute-force scan of the children
-in insertion order."""
+"""The array-backed tree's parts against plain Python models: the fingerprint index against a
+set, a prompt's fingerprints at once against the chain of single blocks, the droppable pages'
+eviction order against OrderedDicts per priority, and the tree's partial matches (wide nodes
+listed by first token included) against a brute-force scan of the children in insertion order."""
 
 from __future__ import annotations
 
@@ -14,44 +14,64 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.errors import OutOfPagesError
-from kvtool.manager.block_keys import ReuseScope, block_key
+from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.droppable import DroppablePages
+from kvtool.manager.fingerprint_index import EMPTY, FingerprintIndex
+from kvtool.manager.fingerprints import Fingerprinter
 from kvtool.manager.page_cells import PageCells
-from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
 from kvtool.manager.radix_tree import RadixTree
 
-KEYS = [hashlib.sha256(str(i).encode()).digest() for i in range(400)]
+FINGERPRINTS = [int.from_bytes(hashlib.sha256(str(i).encode()).digest()[:8], "little") for i in range(40)]
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "find"]), st.lists(st.integers(0, 399), max_size=40)),
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "find"]), st.lists(st.integers(0, 199), max_size=40)),
                 max_size=30))
-def test_the_key_index_finds_what_a_dict_would(operations):
-    index, model, next_id = KeyIndex(16), {}, 0
+def test_the_fingerprint_index_finds_what_a_dict_would(operations):
+    """Ids 0..199 with 40 fingerprints among them (five ids a fingerprint): `first_many` answers
+    one id holding the fingerprint, `all_of` every one, `contains_many` exactly the ids in the set."""
+    values = np.array([FINGERPRINTS[i % 40] for i in range(200)], dtype=np.uint64)
+    index, model = FingerprintIndex(values, 16), set()
     for op, picks in operations:
         picks = list(dict.fromkeys(picks))
         if op == "add":
-            new = [k for k in picks if k not in model]
-            ids = np.arange(next_id, next_id + len(new))
-            index.add_many(ids, keys_array([KEYS[k] for k in new]))
-            model.update(zip(new, ids.tolist()))
-            next_id += len(new)
+            index.add_many(np.array([i for i in picks if i not in model], dtype=np.int64))
+            model.update(picks)
         elif op == "remove":
-            gone = [k for k in picks if k in model]
-            index.remove_many(np.array([model.pop(k) for k in gone], dtype=np.int64))
-        found = index.find_many(keys_array([KEYS[k] for k in picks])).tolist()
-        assert found == [model.get(k, EMPTY) for k in picks]
-        assert len(index) == len(model)
-        assert sorted(index.ids().tolist()) == sorted(model.values())
+            index.remove_many(np.array([i for i in picks if i in model], dtype=np.int64))
+            model.difference_update(picks)
+        for i, first in zip(picks, index.first_many(values[picks]).tolist()):
+            holders = {j for j in model if values[j] == values[i]}
+            assert (first in holders) if holders else first == EMPTY
+            assert set(index.all_of(int(values[i]))) == holders
+        assert index.contains_many(np.array(picks, dtype=np.int64)).tolist() == [i in model for i in picks]
+        assert len(index) == len(model) and sorted(index.ids().tolist()) == sorted(model)
 
 
-def test_a_key_removed_is_not_found_and_its_cell_is_reused():
-    index = KeyIndex(16)
-    index.add_many(np.arange(3), keys_array(KEYS[:3]))
+def test_an_id_removed_is_not_found_and_its_cell_is_reused():
+    values = np.array(FINGERPRINTS[:8], dtype=np.uint64)
+    index = FingerprintIndex(values, 16)
+    index.add_many(np.arange(3))
     index.remove_many(np.array([1]))
-    assert index.find_many(keys_array(KEYS[:3])).tolist() == [0, EMPTY, 2]
-    index.add_many(np.array([1]), keys_array([KEYS[7]]))
-    assert index.find(KEYS[7]) == 1 and index.find(KEYS[1]) == EMPTY
+    assert index.first_many(values[:3]).tolist() == [0, EMPTY, 2]
+    index.add_many(np.array([7]))
+    assert index.first_many(values[[7, 1]]).tolist() == [7, EMPTY]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(0, 2**64 - 1))
+def test_a_prompts_fingerprints_at_once_are_the_chain_of_single_blocks(tpb, tokens, root):
+    fingerprinter = Fingerprinter(tpb)
+    at_once = fingerprinter.full_blocks(root, np.array(tokens, dtype=np.uint32)).tolist()
+    one_by_one, previous = [], root
+    for start in range(0, len(tokens) - tpb + 1, tpb):
+        previous = fingerprinter.block(previous, tokens[start:start + tpb])
+        one_by_one.append(previous)
+    assert at_once == one_by_one
+    if one_by_one:
+        rows = np.array(tokens[:len(one_by_one) * tpb], dtype=np.uint32).reshape(-1, tpb)
+        parents = np.array([root, *one_by_one[:-1]], dtype=np.uint64)
+        assert fingerprinter.one_step(parents, rows, np.full(len(rows), tpb)).tolist() == one_by_one
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,7 +119,7 @@ def test_a_partial_match_is_the_first_inserted_longest_common_prefix(blocks, pru
     root = tree.root(ReuseScope())
     children = {}
     for tokens in blocks:
-        node = tree.get_or_insert(root, tokens, block_key(tree.key(root), tokens))
+        node = tree.get_or_insert(root, tokens)
         children.setdefault(node, tokens)
     for k in pruned:
         node = list(children)[k % len(children)] if children else None
@@ -133,11 +153,8 @@ def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
         base = chains[branch % len(chains)] if chains else []
         parent = base[len(base) // 2] if base and tree.is_alive(base[len(base) // 2]) else root
         tokens = np.arange(serial * 100, serial * 100 + length * tpb, dtype=np.uint32)
-        keys, previous = [], tree.key(parent)
-        for b in range(length):
-            previous = block_key(previous, tokens[b * tpb:(b + 1) * tpb].tolist())
-            keys.append(previous)
-        chain = tree.extend(parent, tokens, keys).tolist()
+        fingerprints = tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), tokens)
+        chain = tree.extend(parent, tokens, fingerprints).tolist()
         for b, node in enumerate(chain):
             model[node] = (chain[b - 1] if b else parent, tuple(tokens[b * tpb:(b + 1) * tpb].tolist()))
         if prune:

@@ -90,7 +90,8 @@ def test_a_freed_slot_still_droppable_is_caught(closed):
 
 @pytest.mark.parametrize("corrupt, message", [
     (lambda t, n: t.num_children.__setitem__(n, t.num_children[n] + 1), "child count disagrees"),
-    (lambda t, n: t._index.remove_many(np.array([n])), "key index holds other ids"),
+    (lambda t, n: t._index.remove_many(np.array([n])), "fingerprint index holds other ids"),
+    (lambda t, n: t.fingerprint.__setitem__(n, t.fingerprint[n] + np.uint64(1)), "fingerprint is not the one"),
     (lambda t, n: t.parent.__setitem__(n, 999), "parent is not a live full block"),
     (lambda t, n: t._first_child.__setitem__(t.parent[n], -1), "sibling list is not linked"),
     (lambda t, n: t.depth.__setitem__(n, 7), "one level up"),

@@ -17,7 +17,7 @@ import numpy as np
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, block_key, chain_keys, token_array, tokens_bytes
+from kvtool.manager.block_keys import ReuseScope, token_array
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.page_cells import NO_NODE, PageCells
 from kvtool.manager.pages import PageTable
@@ -35,9 +35,6 @@ class Match:
     """Radix tree node ids, block 0 first."""
     partial: int | None = None
     num_partial_tokens: int = 0
-    keys: list[bytes] = field(default_factory=list)
-    """The keys of the prompt's first full blocks that the match hashed (at least the matched
-    ones): a commit of the same tokens reuses them instead of hashing the blocks again."""
 
     def num_tokens(self, tokens_per_block: int) -> int:
         return len(self.nodes) * tokens_per_block + self.num_partial_tokens
@@ -87,8 +84,6 @@ class KvCache:
         """Compact (4 bytes a token): a long prompt's cache holds its tokens once, as one buffer."""
         self._capacity = self._history = reused
         self._nodes = list(match.nodes)
-        self._hashed_keys, self._hashed_tokens = match.keys, tokens
-        """The match's keys of `tokens`' first blocks, until a commit has used them."""
         self._pages: dict[LayerGroupId, np.ndarray] = {}
         """Slots (int64) per block ordinal, BAD_PAGE_INDEX where none."""
         self._pool_group = {g.layer_group_id: self._table.pool_group_of(g.layer_group_id) for g in self._groups}
@@ -208,7 +203,6 @@ class KvCache:
             tree.num_users[chained] -= 1   # a cache chains through a node once
             tree.prune_many(chained)
         self._nodes = []
-        self._forget_hashed()
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)
 
@@ -401,32 +395,12 @@ class KvCache:
             return
         tree = self._context.tree
         parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
-        packed = tokens_bytes(self._committed[first * tpb:end * tpb])
-        keys = self._block_keys(first, tree.key(parent), packed)
-        chain = tree.extend(parent, np.frombuffer(packed, dtype="<u4"), keys)
+        blocks = np.array(self._committed[first * tpb:end * tpb], dtype=np.uint32)
+        chain = tree.extend(parent, blocks, tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), blocks))
         for gid, pages in self._pages.items():
             self._attach_pages(gid, pages[first:end], chain)
         tree.num_users[chain] += 1
         self._nodes.extend(chain.tolist())
-
-    def _block_keys(self, first: int, parent_key: bytes, packed: bytes) -> list[bytes]:
-        """The keys of the full blocks from `first` on (their tokens `packed`, chained after
-        `parent_key`): the match's where it hashed the same tokens after the same key, the rest
-        hashed here."""
-        tpb, known = self.tokens_per_block, self._hashed_keys
-        reused = min(len(known) - first, len(packed) // (4 * tpb))
-        if reused <= 0:
-            self._forget_hashed()
-            return chain_keys(parent_key, packed, tpb)
-        same_chain = first == 0 or known[first - 1] == parent_key
-        size = 4 * tpb * reused
-        if not same_chain or packed[:size] != tokens_bytes(self._hashed_tokens[first * tpb:(first + reused) * tpb]):
-            self._forget_hashed()
-            return chain_keys(parent_key, packed, tpb)
-        return known[first:first + reused] + chain_keys(known[first + reused - 1], packed[size:], tpb)
-
-    def _forget_hashed(self) -> None:
-        self._hashed_keys, self._hashed_tokens = [], ()
 
     def _attach_pages(self, gid: LayerGroupId, slots: np.ndarray, nodes: np.ndarray) -> None:
         """Let the tree hold these pages of consecutive blocks as the nodes' pages of layer group
@@ -446,7 +420,7 @@ class KvCache:
             tree = self._context.tree
             parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
             tokens = self._committed[num_full * tpb:]
-            node = tree.get_or_insert(parent, tokens, block_key(tree.key(parent), tokens))
+            node = tree.get_or_insert(parent, tokens)
             for gid, pages in self._pages.items():
                 if num_full < len(pages):
                     self._attach_pages(gid, pages[num_full:num_full + 1], np.array([node], dtype=np.int64))

@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 from kvtool.errors import UnsupportedTierError
-from kvtool.manager.block_keys import ReuseScope, chain_keys, root_key, tokens_bytes
+from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
-from kvtool.manager.key_index import keys_array
+from kvtool.manager.fingerprints import uint32_tokens
 from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
@@ -118,35 +118,33 @@ class KvCacheManager:
         root = self.tree.find_root(scope)
         if root is None:
             return Match()
-        path, keys = self._full_blocks_found(tokens, scope)
+        path = self._full_blocks_found(uint32_tokens(tokens), root)
         node = path[-1] if path else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
-        partial = self.tree.best_partial(node, rest) if rest else None
+        partial = self.tree.best_partial(node, rest) if len(rest) else None
         if partial and self._usable(Match(path, partial[0], partial[1])):
-            return Match(path, partial[0], partial[1], keys)
+            return Match(path, partial[0], partial[1])
         # Shorter matches are built only as they are tried: with full attention the first one is
         # usable, and building every prefix of a long path up front costs O(blocks^2).
-        return next(m for m in (Match(path[:k], keys=keys) for k in range(len(path), -1, -1)) if self._usable(m))
+        return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
-    def _full_blocks_found(self, tokens: Sequence[int], scope: ReuseScope) -> tuple[list[int], list[bytes]]:
-        """Node ids of the longest run of `tokens`' full blocks in the tree, and the keys hashed to
-        find them. Blocks are hashed a window at a time, windows doubling: a prompt that misses
-        early hashes little more."""
-        tpb = self.tokens_per_block
+    def _full_blocks_found(self, tokens: np.ndarray, root: int) -> list[int]:
+        """Node ids of the longest run of `tokens`' full blocks in the tree below `root`. Blocks
+        are fingerprinted a window at a time, windows doubling: a prompt that misses early costs
+        little more."""
+        tpb, tree = self.tokens_per_block, self.tree
         num_full = len(tokens) // tpb
-        previous, start, window = root_key(scope), 0, _FIRST_MATCH_WINDOW
+        parent, start, window = root, 0, _FIRST_MATCH_WINDOW
         path: list[int] = []
-        hashed: list[bytes] = []
         while start < num_full:
             stop = min(num_full, start + window)
-            keys = chain_keys(previous, tokens_bytes(tokens[start * tpb:stop * tpb]), tpb)
-            hashed += keys
-            found = self.tree.find_chain(keys_array(keys))
+            blocks = tokens[start * tpb:stop * tpb]
+            found = tree.find_chain(parent, blocks, tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), blocks))
             path.extend(found.tolist())
-            if len(found) < len(keys):
+            if len(found) < stop - start:
                 break
-            previous, start, window = keys[-1], stop, 2 * window
-        return path, hashed
+            parent, start, window = path[-1], stop, 2 * window
+        return path
 
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])
@@ -235,7 +233,7 @@ class KvCacheManager:
 
 
 _FIRST_MATCH_WINDOW = 16
-"""Blocks hashed before the first lookup of a match."""
+"""Blocks fingerprinted before the first lookup of a match."""
 
 
 class PageHold:

@@ -1,14 +1,16 @@
 """The radix tree of committed blocks, one root per reuse scope, as arrays indexed by node id.
 
-A node is one block: its chained key, its tokens, and at most one page (slot) per layer group.
-Full blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf.
-A node stays while it holds a page, has children, or some cache chains through it (its users).
+A node is one block: its tokens, its parent, and at most one page (slot) per layer group. Full
+blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf. A node
+stays while it holds a page, has children, or some cache chains through it (its users).
+
+A block is found by its chained fingerprint (`fingerprints`) in a `FingerprintIndex`, and is the
+block looked for only when its tokens and its parent are the prompt's: matches are exact.
 
 The tree of a long trace holds millions of blocks, so a node is a row of numpy arrays, not an
-object: its key in the `KeyIndex` (32 bytes and a table cell), its tokens in one uint32 row, its
-parent, its children as a doubly linked list (newest first), counts and page slots as int32
-cells: about 190 bytes a block of 32 tokens. Whole prompts are looked up, added and pruned with
-array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
+object: its fingerprint (8 bytes and a table cell), its tokens in one uint32 row, its parent, its
+children as a doubly linked list (newest first), counts and page slots as int32 cells: about 170
+bytes a block of 32 tokens. Whole prompts are looked up, added and pruned with array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
 pages' slots), so rows never used cost no memory, and only grow past it.
 Node ids are reused once pruned; a caller holds an id only while the node is alive (a cache
 chaining through a node keeps it alive).
@@ -21,9 +23,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvtool.errors import LogicError
-from kvtool.manager.block_keys import ReuseScope, root_key, unpack_tokens
+from kvtool.manager.block_keys import ReuseScope, unpack_tokens
+from kvtool.manager.fingerprint_index import EMPTY, FingerprintIndex
+from kvtool.manager.fingerprints import Fingerprinter, scope_fingerprint
 from kvtool.manager.growable import grow_rows
-from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
 
 NO_NODE = -1
 NO_SLOT = -1
@@ -34,17 +37,22 @@ _FREE = 0
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
 _CHECK_CHUNK = 1 << 19
-_KEYS_SAMPLED = 1 << 16
-"""Live nodes `structure_problem` looks up by key (evenly spaced; all of them in a small tree)."""
+_SAMPLED = 1 << 16
+"""Live nodes whose fingerprint `structure_problem` recomputes and looks up (evenly spaced; all
+of them in a small tree)."""
 
 
 class RadixTree:
     def __init__(self, tokens_per_block: int, num_layer_groups: int = 1, expected_nodes: int = 1024) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_layer_groups = num_layer_groups
-        self._index = KeyIndex(expected_nodes)
-        self._roots: dict[bytes, int] = {}
+        self.fingerprints = Fingerprinter(tokens_per_block)
         rows = max(expected_nodes, 16)
+        self.fingerprint = np.zeros(rows, dtype=np.uint64)
+        """Each node's chained fingerprint (a root's: its scope's)."""
+        self._index = FingerprintIndex(self.fingerprint, expected_nodes)
+        """Every live node but the roots, by fingerprint."""
+        self._roots: dict[ReuseScope, int] = {}
         self.parent = np.zeros(rows, dtype=np.int32)
         self.num_tokens = np.zeros(rows, dtype=np.int16)   # at most MAX_TOKENS_PER_BLOCK
         self.depth = np.zeros(rows, dtype=np.int32)
@@ -65,10 +73,7 @@ class RadixTree:
     # ---- reading -----------------------------------------------------------------------------
     def __len__(self) -> int:
         """Nodes alive, roots included."""
-        return len(self._index)
-
-    def key(self, node: int) -> bytes:
-        return self._index.key(node)
+        return len(self._index) + len(self._roots)
 
     def is_full(self, node: int) -> bool:
         return int(self.num_tokens[node]) == self.tokens_per_block
@@ -93,7 +98,7 @@ class RadixTree:
         return iter(self.node_ids().tolist())
 
     def node_ids(self) -> np.ndarray:
-        return self._index.ids()
+        return np.concatenate((self._index.ids(), np.array(list(self._roots.values()), dtype=np.int64)))
 
     def node_id_chunks(self, size: int) -> Iterator[np.ndarray]:
         """Every live node, a chunk of at most `size` ids at a time (int32)."""
@@ -112,8 +117,10 @@ class RadixTree:
         """What is wrong with the tree's own bookkeeping, in words (None: nothing): parents are
         live full blocks one level up, child counts equal the nodes naming each parent, sibling
         lists are linked both ways from their parent's first child, wide nodes list exactly their
-        children, the roots are the parentless nodes, and the key index holds exactly the live
-        nodes (a sample of them found by key). A chunk at a time: millions of nodes in little memory."""
+        children, the roots are the parentless nodes with their scopes' fingerprints, and the
+        fingerprint index holds exactly the live blocks (a sample of them found by their
+        fingerprints, recomputed from parent and tokens). A chunk at a time: millions of nodes in
+        little memory."""
         alive = self.num_tokens[:self._next_id] != _FREE
         children = 0
         for start in range(0, self._next_id, _CHECK_CHUNK):
@@ -129,6 +136,8 @@ class RadixTree:
         roots = set(np.flatnonzero(alive & (self.parent[:self._next_id] == NO_NODE)).tolist())
         if roots != set(self._roots.values()):
             return "the roots listed are not the parentless nodes"
+        if any(int(self.fingerprint[node]) != scope_fingerprint(scope) for scope, node in self._roots.items()):
+            return "a root's fingerprint is not its scope's"
         for node, by_token in self._heads.items():
             listed = [child for same in by_token.values() for child in same]
             if sorted(listed) != sorted(self.children(node)) or \
@@ -158,38 +167,68 @@ class RadixTree:
         found = np.zeros(self._next_id, dtype=bool)
         for ids in self._index.id_chunks(_CHECK_CHUNK):
             if (ids >= self._next_id).any() or found[ids].any():
-                return "the key index holds an id twice or one never handed out"
+                return "the fingerprint index holds an id twice or one never handed out"
             found[ids] = True
-        if not np.array_equal(found, alive):
-            return "the key index holds other ids than the live nodes"
-        live = np.flatnonzero(alive)
-        sample = live[::max(1, len(live) // _KEYS_SAMPLED)]
-        if not np.array_equal(self._index.find_many(self._index.keys_of(sample)), sample):
-            return "a live node's key does not find it"
+        blocks = alive.copy()
+        blocks[list(self._roots.values())] = False
+        if not np.array_equal(found, blocks):
+            return "the fingerprint index holds other ids than the live blocks"
+        live = np.flatnonzero(blocks)
+        sample = live[::max(1, len(live) // _SAMPLED)]
+        recomputed = self.fingerprints.one_step(self.fingerprint[self.parent[sample]], self.tokens[sample],
+                                                self.num_tokens[sample])
+        if not np.array_equal(recomputed, self.fingerprint[sample]):
+            return "a block's fingerprint is not the one its parent and tokens give"
+        if not self._index.contains_many(sample).all():
+            return "a live block's fingerprint does not find it"
         return None
 
     # ---- roots and lookups -------------------------------------------------------------------
     def root(self, scope: ReuseScope) -> int:
-        key = root_key(scope)
-        node = self._roots.get(key)
+        node = self._roots.get(scope)
         if node is None:
             node = int(self._new_ids(1)[0])
             self._init_rows(np.array([node]), NO_NODE, 0, self.tokens_per_block)
-            self._index.add_many(np.array([node]), keys_array([key]))
-            self._roots[key] = node
+            self.fingerprint[node] = scope_fingerprint(scope)
+            self._roots[scope] = node
         return node
 
     def find_root(self, scope: ReuseScope) -> int | None:
-        return self._roots.get(root_key(scope))
+        return self._roots.get(scope)
 
-    def find_chain(self, keys: np.ndarray) -> np.ndarray:
-        """Node ids of the longest run of `keys` ((n, 4) keys of consecutive full blocks, the first a
-        child of some node) present in the tree; a chained key present means its parent is too."""
-        found = self._index.find_many(keys)
-        missing = np.flatnonzero(found == EMPTY)
-        chain = found if not len(missing) else found[:missing[0]]
-        full = self.num_tokens[chain] == self.tokens_per_block
-        return chain if full.all() else chain[:np.flatnonzero(~full)[0]]
+    def find_chain(self, parent: int, tokens: np.ndarray, fingerprints: np.ndarray) -> np.ndarray:
+        """Node ids of the longest run of consecutive full blocks below `parent` that the tree
+        holds: their `tokens` (uint32, a block each) and chained `fingerprints` (one each, as
+        `self.fingerprints.full_blocks` gives them after `parent`'s)."""
+        candidates = self._index.first_many(fingerprints)
+        absent = np.flatnonzero(candidates == EMPTY)
+        chain = candidates[:absent[0]] if len(absent) else candidates
+        tpb = self.tokens_per_block
+        same = (self.tokens[chain] == tokens[:len(chain) * tpb].reshape(-1, tpb)).all(axis=1)
+        same &= self.num_tokens[chain] == tpb
+        same &= self.parent[chain] == np.concatenate(([parent], chain[:-1]))
+        if same.all():
+            return chain
+        # A candidate that shares the block's fingerprint but is another block: the rest of the
+        # chain is walked block by block among every node with the fingerprint (rare).
+        first = int(np.flatnonzero(~same)[0])
+        found = chain[:first].tolist()
+        for k in range(first, len(chain)):
+            node = self._child_among(self._index.all_of(int(fingerprints[k])), found[-1] if found else parent,
+                                     tokens[k * tpb:(k + 1) * tpb])
+            if node == NO_NODE:
+                break
+            found.append(node)
+        return np.array(found, dtype=np.int64)
+
+    def _child_among(self, candidates: list[int], parent: int, tokens: Sequence[int] | np.ndarray) -> int:
+        """The candidate that is `parent`'s child holding exactly `tokens`; NO_NODE if none."""
+        width = len(tokens)
+        for node in candidates:
+            if int(self.parent[node]) == parent and int(self.num_tokens[node]) == width and \
+                    np.array_equal(self.tokens[node, :width], np.asarray(tokens, dtype=np.uint32)):
+                return node
+        return NO_NODE
 
     def best_partial(self, parent: int, chunk: Sequence[int]) -> tuple[int, int] | None:
         """The child sharing the longest token prefix with `chunk` (at most a block), if any: the
@@ -211,43 +250,43 @@ class RadixTree:
         return (int(ids[best]), int(common[best])) if common[best] else None
 
     # ---- growing -----------------------------------------------------------------------------
-    def get_or_insert(self, parent: int, tokens: Sequence[int], key: bytes) -> int:
-        """The child of `parent` keyed `key` (a block of `tokens`), inserted when missing. Partial
-        blocks become leaves."""
+    def get_or_insert(self, parent: int, tokens: Sequence[int]) -> int:
+        """The child of `parent` holding exactly `tokens` (1 .. tokens_per_block of them), inserted
+        when missing. Partial blocks become leaves."""
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
-        node = self._index.find(key)
-        if node != EMPTY:
+        fingerprint = self.fingerprints.block(int(self.fingerprint[parent]), tokens)
+        node = self._child_among(self._index.all_of(fingerprint), parent, tokens)
+        if node != NO_NODE:
             return node
         node = int(self._new_ids(1)[0])
         self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(tokens))
         self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
-        self._index.add_many(np.array([node]), keys_array([key]))
+        self.fingerprint[node] = fingerprint
+        self._index.add_many(np.array([node]))
         self._link(parent, node)
         return node
 
-    def extend(self, parent: int, tokens: np.ndarray, keys: list[bytes]) -> np.ndarray:
+    def extend(self, parent: int, tokens: np.ndarray, fingerprints: np.ndarray) -> np.ndarray:
         """`get_or_insert` of consecutive full blocks (their `tokens`, a uint32 array of at least
-        len(keys) blocks; one key each), each the child of the one before: the chain's node ids.
-        Past the first block the tree does not know, every block is new (a new node has no
-        children), so they are made at once: a prefill commits thousands of blocks."""
-        if not keys:
+        len(fingerprints) blocks, and their chained fingerprints after `parent`'s), each the child
+        of the one before: the chain's node ids. Past the first block the tree does not know,
+        every block is new (a new node has no children), so they are made at once: a prefill
+        commits thousands of blocks."""
+        count = len(fingerprints)
+        if not count:
             return np.zeros(0, dtype=np.int64)
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
-        packed = keys_array(keys)
         # Blocks chain: a first block unknown means all are (the usual prefill).
-        known = self._index.find_many(packed[:1])
-        if known[0] != EMPTY and len(keys) > 1:
-            known = self._index.find_many(packed)
-        elif len(keys) > 1:
-            known = np.full(len(keys), EMPTY, dtype=np.int64)
-        missing = np.flatnonzero(known == EMPTY)
-        if not len(missing):
+        known = self.find_chain(parent, tokens, fingerprints[:1])
+        if len(known) and count > 1:
+            known = self.find_chain(parent, tokens, fingerprints)
+        first = len(known)
+        if first == count:
             return known
-        first = int(missing[0])
-        below = int(known[first - 1]) if first else parent
-        new = self._new_ids(len(keys) - first)
+        below = int(known[-1]) if first else parent
+        new = self._new_ids(count - first)
         tpb = self.tokens_per_block
         parents = np.concatenate(([below], new[:-1]))
         # Fresh ids are consecutive: rows written as slices, much cheaper than fancy indexing.
@@ -255,13 +294,14 @@ class RadixTree:
         rows = slice(int(new[0]), int(new[-1]) + 1) if consecutive else new
         but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
         self._init_rows(rows, parents, int(self.depth[below]) + 1 + np.arange(len(new)), tpb)
-        self.tokens[rows] = tokens[first * tpb:len(keys) * tpb].reshape(-1, tpb)
+        self.tokens[rows] = tokens[first * tpb:count * tpb].reshape(-1, tpb)
+        self.fingerprint[rows] = fingerprints[first:]
         # Each new block is the only child of the one before it.
         self._first_child[but_last] = new[1:]
         self.num_children[but_last] = 1
-        self._index.add_many(new, packed[first:])
+        self._index.add_many(new)
         self._link(below, int(new[0]))
-        return np.concatenate((known[:first], new))
+        return np.concatenate((known, new))
 
     def _new_ids(self, count: int) -> np.ndarray:
         """`count` unused ids (int64): pruned ones first, then fresh ones (consecutive)."""
@@ -275,7 +315,7 @@ class RadixTree:
 
     def _grow(self, rows: int) -> None:
         for name in ("parent", "num_tokens", "depth", "num_users", "num_children", "_first_child", "_next_sibling",
-                     "_prev_sibling", "tokens", "pages"):
+                     "_prev_sibling", "tokens", "pages", "fingerprint"):
             grow_rows(getattr(self, name), rows)
 
     def _init_rows(self, ids: np.ndarray | slice, parent, depth, num_tokens: int) -> None:
@@ -340,13 +380,14 @@ class RadixTree:
         staying = (parents != NO_NODE) & (self.num_tokens[np.maximum(parents, 0)] != _FREE)
         for node, parent in zip(gone[staying].tolist(), parents[staying].tolist()):
             self._unlink(parent, node)
-        for node in gone[parents == NO_NODE].tolist():
-            self._roots.pop(self._index.key(node), None)
+        roots = set(gone[parents == NO_NODE].tolist())
+        if roots:
+            self._roots = {scope: node for scope, node in self._roots.items() if node not in roots}
         if self._heads:
             wide = np.fromiter(self._heads, dtype=np.int64, count=len(self._heads))
             for node in wide[np.isin(wide, gone)].tolist():
                 del self._heads[node]
-        self._index.remove_many(gone)
+        self._index.remove_many(gone[parents != NO_NODE])
         self.num_tokens[gone] = _FREE
         self._free_ids.extend(gone.tolist())
 
