@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool.errors import OutOfPagesError
-from kvtool.manager.growable import grow_rows
+from kvtool.manager.growable import grow_rows, lazy_zeros
 from kvtool.manager.page_cells import PageCells
 
 
@@ -65,8 +65,8 @@ class DroppablePages:
     def __init__(self, cells: PageCells) -> None:
         self.num_slots = cells.num_slots
         self.cells = cells
-        self.is_droppable = np.zeros(cells.num_slots, dtype=bool)
-        self._generation = np.zeros(cells.num_slots, dtype=np.uint32)
+        self.is_droppable = lazy_zeros(cells.num_slots, np.bool_)
+        self._generation = lazy_zeros(cells.num_slots, np.uint32)
         self._fifos: dict[int, _Fifo] = {}
         self._count = 0
 

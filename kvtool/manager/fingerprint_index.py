@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from kvtool.errors import LogicError
+from kvtool.manager.growable import lazy_zeros
 
 EMPTY = -1
 REMOVED = -2
@@ -44,7 +45,7 @@ class FingerprintIndex:
         while expected > _MAX_LOAD * cells:
             cells *= 2
         self._values = values
-        self._cells = np.full(cells, EMPTY, dtype=np.int32)
+        self._cells = lazy_zeros(cells, np.int32, EMPTY)
         self._mask = cells - 1
         self._num_live = 0
         self._num_removed = 0
@@ -179,7 +180,7 @@ class FingerprintIndex:
         while needed > _MAX_LOAD * cells * 0.75:   # room to add a quarter as many again before the next rebuild
             cells *= 2
         live = self.ids()
-        self._cells = np.full(cells, EMPTY, dtype=np.int32)
+        self._cells = lazy_zeros(cells, np.int32, EMPTY)
         self._mask = cells - 1
         self._num_removed = 0
         self._place(live)

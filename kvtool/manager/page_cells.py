@@ -7,12 +7,14 @@ how many active and held users it has and whether it is a scratch page; a free s
 nothing until it is handed out again. There are no per-page objects: a trace keeps millions of
 pages, and a prefill allocates and releases thousands at once with a few array operations.
 
-The arrays are zeroed lazily (`np.zeros`): slots never handed out cost no memory.
+The arrays are zeroed lazily (`lazy_zeros`): slots never handed out cost no memory.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from kvtool.manager.growable import lazy_zeros
 
 NO_NODE = -1
 """`node` of a page no tree node holds (the same value as the tree's NO_NODE)."""
@@ -27,12 +29,12 @@ class PageCells:
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.layer_group = np.zeros(num_slots, dtype=np.int8)   # a model has few layer groups
-        self.node = np.zeros(num_slots, dtype=np.int32)
-        self.priority = np.zeros(num_slots, dtype=np.int32)
-        self.num_active = np.zeros(num_slots, dtype=np.int32)
-        self.num_held = np.zeros(num_slots, dtype=np.int32)
-        self.is_scratch = np.zeros(num_slots, dtype=bool)
+        self.layer_group = lazy_zeros(num_slots, np.int8)   # a model has few layer groups
+        self.node = lazy_zeros(num_slots, np.int32)
+        self.priority = lazy_zeros(num_slots, np.int32)
+        self.num_active = lazy_zeros(num_slots, np.int32)
+        self.num_held = lazy_zeros(num_slots, np.int32)
+        self.is_scratch = lazy_zeros(num_slots, np.bool_)
 
     def hand_out(self, slots: np.ndarray | slice | int, layer_group: int, active: bool, is_scratch: bool = False) -> None:
         """Cells of freshly allocated pages: one user each (active or held), held by no node."""

@@ -26,7 +26,7 @@ from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope, unpack_tokens
 from kvtool.manager.fingerprint_index import EMPTY, FingerprintIndex
 from kvtool.manager.fingerprints import Fingerprinter, scope_fingerprint
-from kvtool.manager.growable import grow_rows
+from kvtool.manager.growable import grow_rows, lazy_zeros
 
 NO_NODE = -1
 NO_SLOT = -1
@@ -48,22 +48,22 @@ class RadixTree:
         self.num_layer_groups = num_layer_groups
         self.fingerprints = Fingerprinter(tokens_per_block)
         rows = max(expected_nodes, 16)
-        self.fingerprint = np.zeros(rows, dtype=np.uint64)
+        self.fingerprint = lazy_zeros(rows, np.uint64)
         """Each node's chained fingerprint (a root's: its scope's)."""
         self._index = FingerprintIndex(self.fingerprint, expected_nodes)
         """Every live node but the roots, by fingerprint."""
         self._roots: dict[ReuseScope, int] = {}
-        self.parent = np.zeros(rows, dtype=np.int32)
-        self.num_tokens = np.zeros(rows, dtype=np.int16)   # at most MAX_TOKENS_PER_BLOCK
-        self.depth = np.zeros(rows, dtype=np.int32)
+        self.parent = lazy_zeros(rows, np.int32)
+        self.num_tokens = lazy_zeros(rows, np.int16)   # at most MAX_TOKENS_PER_BLOCK
+        self.depth = lazy_zeros(rows, np.int32)
         """Blocks from the root (a root is 0): an evicted page's block ordinal, without a walk up."""
-        self.num_users = np.zeros(rows, dtype=np.int32)
-        self.num_children = np.zeros(rows, dtype=np.int32)
-        self._first_child = np.zeros(rows, dtype=np.int32)
-        self._next_sibling = np.zeros(rows, dtype=np.int32)
-        self._prev_sibling = np.zeros(rows, dtype=np.int32)
-        self.tokens = np.zeros((rows, tokens_per_block), dtype=np.uint32)
-        self.pages = np.zeros((rows, num_layer_groups), dtype=np.int32)
+        self.num_users = lazy_zeros(rows, np.int32)
+        self.num_children = lazy_zeros(rows, np.int32)
+        self._first_child = lazy_zeros(rows, np.int32)
+        self._next_sibling = lazy_zeros(rows, np.int32)
+        self._prev_sibling = lazy_zeros(rows, np.int32)
+        self.tokens = lazy_zeros((rows, tokens_per_block), np.uint32)
+        self.pages = lazy_zeros((rows, num_layer_groups), np.int32)
         """Slot of each node's page per layer group (NO_SLOT: none); the page table writes it."""
         self._heads: dict[int, dict[int, list[int]]] = {}
         """Children of a node with more than WIDE_NODE, by first token, in insertion order."""
