@@ -45,9 +45,9 @@ def token_array(tokens: Sequence[int]) -> array:
         raise ValueError("token ids must lie in [0, 2**32)") from None
 
 
-def token_array_from_native(buffer: bytes) -> array:
+def token_array_from_native(buffer: bytes | memoryview) -> array:
     """`token_array` of tokens already packed as native-order 4-byte unsigned ints (a numpy
-    uint32 array's bytes), without a Python int per token."""
+    uint32 array's bytes, or a byte view of it), without a Python int per token."""
     tokens = array(_UINT32)
     tokens.frombytes(buffer)
     return tokens

@@ -23,6 +23,7 @@ EMPTY = -1
 REMOVED = -2
 """Cell values besides an id: never used, and used once (a probe goes on past it)."""
 
+_32, _1 = np.uint64(32), np.uint64(1)
 _SCALAR_BELOW = 8
 """Keys still probing when a vectorised round is not worth its fixed cost."""
 _MIN_CELLS = 1 << 10
@@ -56,6 +57,10 @@ class FingerprintIndex:
     # ---- lookups -----------------------------------------------------------------------------
     def first_many(self, fingerprints: np.ndarray) -> np.ndarray:
         """For each fingerprint, the first id on its probe sequence that has it, or EMPTY (int64)."""
+        if len(fingerprints) == 1:   # one key does not pay a vectorised round's fixed cost
+            fingerprint = int(fingerprints[0])
+            at, step = self._start_one(fingerprint)
+            return np.array([self._walk(fingerprint, at, step, None)[0]], dtype=np.int64)
         return self._probe(np.asarray(fingerprints, dtype=np.uint64), None)[0]
 
     def all_of(self, fingerprint: int) -> list[int]:
@@ -105,10 +110,13 @@ class FingerprintIndex:
 
     # ---- probing -----------------------------------------------------------------------------
     def _start(self, fingerprints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Home cells and probe steps (int64: the mask keeps them below 2**63, so a view is exact)."""
         mask = np.uint64(self._mask)
-        home = (fingerprints & mask).astype(np.int64)
-        step = (((fingerprints >> np.uint64(32)) | np.uint64(1)) & mask).astype(np.int64)
-        return home, step
+        home = fingerprints & mask
+        step = fingerprints >> _32
+        step |= _1
+        step &= mask
+        return home.view(np.int64), step.view(np.int64)
 
     def _start_one(self, fingerprint: int) -> tuple[int, int]:
         return fingerprint & self._mask, ((fingerprint >> 32) | 1) & self._mask

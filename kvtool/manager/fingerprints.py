@@ -28,18 +28,24 @@ _C_INVERSE = pow(_C, -1, 1 << 64)
 _MASK = (1 << 64) - 1
 
 
+_30, _27, _31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+# Array arithmetic on uint64 wraps silently (only scalar arithmetic warns): no errstate needed.
+
+
 def mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, element-wise on uint64 (wrapping)."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+    """splitmix64's finaliser, element-wise on a uint64 array (wrapping); changes `z` in place."""
+    z ^= z >> _30
+    z *= _M1
+    z ^= z >> _27
+    z *= _M2
+    z ^= z >> _31
+    return z
 
 
 def _weights(count: int) -> np.ndarray:
     """R_0 .. R_{count-1}: odd pseudo-random uint64 constants, the same in every process."""
-    with np.errstate(over="ignore"):
-        return mix(np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) | np.uint64(1)
+    return mix(np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) | np.uint64(1)
 
 
 class Fingerprinter:
@@ -60,16 +66,14 @@ class Fingerprinter:
         count = len(tokens) // tpb
         if not count:
             return np.zeros(0, dtype=np.uint64)
-        blocks = tokens[:count * tpb].reshape(count, tpb).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            own = mix(blocks @ self._weights + self._full_length_term)
-        return self._chain(previous, own)
+        own = tokens[:count * tpb].reshape(count, tpb).astype(np.uint64) @ self._weights
+        own += self._full_length_term
+        return self._chain(previous, mix(own))
 
     def block(self, previous: int, tokens: Sequence[int]) -> int:
         """The fingerprint of one block of 1 .. tokens_per_block tokens after `previous`."""
         values = np.asarray(tokens, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            linear = int((values * self._weights[:len(values)]).sum()) + len(values) * self._length_weight
+        linear = int((values * self._weights[:len(values)]).sum()) + len(values) * self._length_weight
         own = int(mix(np.array([linear & _MASK], dtype=np.uint64))[0])
         return (_C * previous + own) & _MASK
 
@@ -78,26 +82,27 @@ class Fingerprinter:
         counting) each after its own `previous` (uint64 arrays)."""
         width = np.arange(self.tokens_per_block)
         values = np.where(width < lengths[:, None], tokens, 0).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            own = mix(values @ self._weights + lengths.astype(np.uint64) * np.uint64(self._length_weight))
-            return np.uint64(_C) * previous + own
+        own = mix(values @ self._weights + lengths.astype(np.uint64) * np.uint64(self._length_weight))
+        return np.uint64(_C) * previous + own
 
     def _chain(self, previous: int, own: np.ndarray) -> np.ndarray:
         count = len(own)
-        self._grow_powers(count + 1)
-        with np.errstate(over="ignore"):
-            sums = np.cumsum(own * self._inverse_powers[:count], dtype=np.uint64)
-            return self._powers[1:count + 1] * np.uint64(previous) + self._powers[:count] * sums
+        if len(self._powers) <= count:
+            self._grow_powers(count + 1)
+        own *= self._inverse_powers[:count]
+        sums = own.cumsum()
+        sums *= self._powers[:count]
+        sums += self._powers[1:count + 1] * np.uint64(previous)
+        return sums
 
     def _grow_powers(self, count: int) -> None:
         if len(self._powers) >= count:
             return
         size = max(count, 2 * len(self._powers), 4096)
-        with np.errstate(over="ignore"):
-            self._powers = np.cumprod(np.full(size, _C, dtype=np.uint64), dtype=np.uint64)
-            self._powers = np.concatenate((np.ones(1, dtype=np.uint64), self._powers[:-1]))
-            inverse = np.cumprod(np.full(size, _C_INVERSE, dtype=np.uint64), dtype=np.uint64)
-            self._inverse_powers = np.concatenate((np.ones(1, dtype=np.uint64), inverse[:-1]))
+        powers = np.cumprod(np.full(size, _C, dtype=np.uint64), dtype=np.uint64)
+        self._powers = np.concatenate((np.ones(1, dtype=np.uint64), powers[:-1]))
+        inverse = np.cumprod(np.full(size, _C_INVERSE, dtype=np.uint64), dtype=np.uint64)
+        self._inverse_powers = np.concatenate((np.ones(1, dtype=np.uint64), inverse[:-1]))
 
 
 def uint32_tokens(tokens: Sequence[int]) -> np.ndarray:

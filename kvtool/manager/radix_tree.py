@@ -286,11 +286,12 @@ class RadixTree:
         if first == count:
             return known
         below = int(known[-1]) if first else parent
+        num_reused = min(count - first, len(self._free_ids))
         new = self._new_ids(count - first)
         tpb = self.tokens_per_block
         parents = np.concatenate(([below], new[:-1]))
         # Fresh ids are consecutive: rows written as slices, much cheaper than fancy indexing.
-        consecutive = len(new) == 1 or bool((np.diff(new) == 1).all())
+        consecutive = len(new) == 1 or not num_reused
         rows = slice(int(new[0]), int(new[-1]) + 1) if consecutive else new
         but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
         self._init_rows(rows, parents, int(self.depth[below]) + 1 + np.arange(len(new)), tpb)

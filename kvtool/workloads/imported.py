@@ -66,7 +66,7 @@ def parse_record(raw: dict[str, Any], index: int, fmt: TraceFormat, block_size: 
             raise InputError(f"{key} must be an integer, got {raw[key]!r}")
     if "type" in raw and not isinstance(raw["type"], str):
         raise InputError(f"type must be a string, got {raw['type']!r}")
-    tokens = token_array_from_native(synthesize_tokens(hash_ids, input_length, size).tobytes())
+    tokens = token_array_from_native(synthesize_tokens(hash_ids, input_length, size).data.cast("B"))
     return Request(index, tokens, 0 if prefill_only else output_length, arrival=float(stamp) * fmt.seconds_per_tick)
 
 
