@@ -1,11 +1,10 @@
-"""The array-backed tree's parts against plain Python models: the fingerprint index against a
-set, a prompt's fingerprints at once against the chain of single blocks, the droppable pages'
-eviction order against OrderedDicts per priority, and the tree's partial matches (wide nodes
-listed by first token included) against a brute-force scan of the children in insertion order."""
+"""The array-backed tree's parts against plain Python models: the droppable pages' eviction order
+against OrderedDicts per priority, the tree's partial matches (wide nodes listed by first token
+included) against a brute-force scan of the children in insertion order, its blocks against a
+dict keyed by (parent, tokens), and chains grown from recycled ids."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -16,63 +15,8 @@ from hypothesis import strategies as st
 from kvtool.errors import OutOfPagesError
 from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.droppable import DroppablePages
-from kvtool.manager.fingerprint_index import EMPTY, FingerprintIndex
-from kvtool.manager.fingerprints import Fingerprinter
 from kvtool.manager.page_cells import PageCells
 from kvtool.manager.radix_tree import RadixTree
-
-FINGERPRINTS = [int.from_bytes(hashlib.sha256(str(i).encode()).digest()[:8], "little") for i in range(40)]
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "find"]), st.lists(st.integers(0, 199), max_size=40)),
-                max_size=30))
-def test_the_fingerprint_index_finds_what_a_dict_would(operations):
-    """Ids 0..199 with 40 fingerprints among them (five ids a fingerprint): `first_many` answers
-    one id holding the fingerprint, `all_of` every one, `contains_many` exactly the ids in the set."""
-    values = np.array([FINGERPRINTS[i % 40] for i in range(200)], dtype=np.uint64)
-    index, model = FingerprintIndex(values, 16), set()
-    for op, picks in operations:
-        picks = list(dict.fromkeys(picks))
-        if op == "add":
-            index.add_many(np.array([i for i in picks if i not in model], dtype=np.int64))
-            model.update(picks)
-        elif op == "remove":
-            index.remove_many(np.array([i for i in picks if i in model], dtype=np.int64))
-            model.difference_update(picks)
-        for i, first in zip(picks, index.first_many(values[picks]).tolist()):
-            holders = {j for j in model if values[j] == values[i]}
-            assert (first in holders) if holders else first == EMPTY
-            assert set(index.all_of(int(values[i]))) == holders
-        assert index.contains_many(np.array(picks, dtype=np.int64)).tolist() == [i in model for i in picks]
-        assert len(index) == len(model) and sorted(index.ids().tolist()) == sorted(model)
-
-
-def test_an_id_removed_is_not_found_and_its_cell_is_reused():
-    values = np.array(FINGERPRINTS[:8], dtype=np.uint64)
-    index = FingerprintIndex(values, 16)
-    index.add_many(np.arange(3))
-    index.remove_many(np.array([1]))
-    assert index.first_many(values[:3]).tolist() == [0, EMPTY, 2]
-    index.add_many(np.array([7]))
-    assert index.first_many(values[[7, 1]]).tolist() == [7, EMPTY]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(0, 2**64 - 1))
-def test_a_prompts_fingerprints_at_once_are_the_chain_of_single_blocks(tpb, tokens, root):
-    fingerprinter = Fingerprinter(tpb)
-    at_once = fingerprinter.full_blocks(root, np.array(tokens, dtype=np.uint32)).tolist()
-    one_by_one, previous = [], root
-    for start in range(0, len(tokens) - tpb + 1, tpb):
-        previous = fingerprinter.block(previous, tokens[start:start + tpb])
-        one_by_one.append(previous)
-    assert at_once == one_by_one
-    if one_by_one:
-        rows = np.array(tokens[:len(one_by_one) * tpb], dtype=np.uint32).reshape(-1, tpb)
-        parents = np.array([root, *one_by_one[:-1]], dtype=np.uint64)
-        assert fingerprinter.one_step(parents, rows, np.full(len(rows), tpb)).tolist() == one_by_one
-
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["release", "take", "evict"]), st.integers(0, 15), st.integers(0, 2)),
@@ -153,8 +97,7 @@ def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
         base = chains[branch % len(chains)] if chains else []
         parent = base[len(base) // 2] if base and tree.is_alive(base[len(base) // 2]) else root
         tokens = np.arange(serial * 100, serial * 100 + length * tpb, dtype=np.uint32)
-        fingerprints = tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), tokens)
-        chain = tree.extend(parent, tokens, fingerprints).tolist()
+        chain = tree.extend(parent, tokens).tolist()
         for b, node in enumerate(chain):
             model[node] = (chain[b - 1] if b else parent, tuple(tokens[b * tpb:(b + 1) * tpb].tolist()))
         if prune:
@@ -167,3 +110,47 @@ def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
     for node, (parent, tokens) in model.items():
         assert tree.is_alive(node) and int(tree.parent[node]) == parent and tree.block_tokens(node) == tokens
     assert len(tree) == len(model) + 1   # and the root
+
+
+chain_step = st.tuples(st.integers(0, 30), st.lists(st.integers(0, 1), min_size=2, max_size=10), st.booleans())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(chain_step, min_size=1, max_size=25))
+def test_the_tree_holds_what_a_dict_of_parent_and_tokens_holds(steps):
+    """Chains of two-token blocks over {0, 1} (equal blocks under many parents, wide nodes) grow
+    from random full blocks, a partial leaf after some, and are pruned at once or kept: ids are
+    recycled, so chains are seldom consecutive. `find_chain` finds exactly what walking a dict of
+    (parent, tokens) -> node finds, and `extend` and `get_or_insert` add only what it lacks."""
+    tpb = 2
+    tree = RadixTree(tpb, expected_nodes=4)
+    root = tree.root(ReuseScope())
+    tree.num_users[root] += 1
+    model: dict[tuple[int, tuple[int, ...]], int] = {}
+    for pick, tokens, prune in steps:
+        full = [root] + [n for (_, t), n in model.items() if len(t) == tpb]
+        parent = full[pick % len(full)]
+        blocks = np.array(tokens[:len(tokens) - len(tokens) % tpb], dtype=np.uint32)
+        expected, at = [], parent
+        for k in range(len(blocks) // tpb):
+            at = model.get((at, tuple(blocks[k * tpb:(k + 1) * tpb].tolist())), -1)
+            if at == -1:
+                break
+            expected.append(at)
+        assert tree.find_chain(parent, blocks).tolist() == expected
+        chain = tree.extend(parent, blocks).tolist()
+        assert chain[:len(expected)] == expected and len(set(chain)) == len(chain)
+        for k, node in enumerate(chain):
+            model[(chain[k - 1] if k else parent, tuple(blocks[k * tpb:(k + 1) * tpb].tolist()))] = node
+        if len(tokens) % tpb:
+            leaf_parent, leaf = chain[-1] if chain else parent, tuple(tokens[-(len(tokens) % tpb):])
+            node = tree.get_or_insert(leaf_parent, leaf)
+            assert model.setdefault((leaf_parent, leaf), node) == node
+            chain = chain + [node]
+        if prune:
+            tree.prune_many(np.array(chain, dtype=np.int64))
+            model = {key: node for key, node in model.items() if tree.is_alive(node)}
+        else:
+            tree.num_users[chain] += 1
+        assert tree.structure_problem() is None
+    assert len(tree) == len(model) + 1 and sorted(tree.node_ids().tolist()) == sorted([root, *model.values()])

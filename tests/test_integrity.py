@@ -1,7 +1,6 @@
 """check_manager catches a corrupted manager, each kind of corruption with its own message (its
 fast path over millions of pages must still name what is wrong)."""
 
-import numpy as np
 import pytest
 
 from kvtool.errors import LogicError
@@ -90,8 +89,7 @@ def test_a_freed_slot_still_droppable_is_caught(closed):
 
 @pytest.mark.parametrize("corrupt, message", [
     (lambda t, n: t.num_children.__setitem__(n, t.num_children[n] + 1), "child count disagrees"),
-    (lambda t, n: t._index.remove_many(np.array([n])), "fingerprint index holds other ids"),
-    (lambda t, n: t.fingerprint.__setitem__(n, t.fingerprint[n] + np.uint64(1)), "fingerprint is not the one"),
+    (lambda t, n: setattr(t, "_num_alive", t._num_alive + 1), "count of live nodes"),
     (lambda t, n: t.parent.__setitem__(n, 999), "parent is not a live full block"),
     (lambda t, n: t._first_child.__setitem__(t.parent[n], -1), "sibling list is not linked"),
     (lambda t, n: t.depth.__setitem__(n, 7), "one level up"),
@@ -102,6 +100,16 @@ def test_the_trees_own_bookkeeping_is_checked(closed, corrupt, message):
     corrupt(tree, node)
     with pytest.raises(LogicError, match=message):
         check_manager(closed)
+
+
+def test_two_children_holding_the_same_tokens_are_caught(tiny):
+    run_prompt(tiny, "a", list(range(10))).close()
+    run_prompt(tiny, "b", [0, 1, 2, 3, 40, 41, 42, 43, 44]).close()   # block 1 differs: a sibling
+    tree = tiny.tree
+    first, second = (n for n in tree.nodes() if tree.depth[n] == 2 and tree.is_full(n))
+    tree.tokens[second] = tree.tokens[first]
+    with pytest.raises(LogicError, match="not the one child of its parent holding its tokens"):
+        check_manager(tiny)
 
 
 def test_a_droppable_page_listed_under_another_priority_is_caught(closed):

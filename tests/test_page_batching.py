@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.manager import ReuseScope
-from kvtool.manager.integrity import check_manager
 from kvtool.types import KvCacheStatus
 from tests.helpers.managers import make_manager
 
@@ -26,12 +25,9 @@ operation = st.one_of(
 )
 
 
-def replay(operations, model: str, poison: bool, num_slots: int, fingerprinter=None) -> list:
-    """Apply `operations` to a fresh manager (its tree fingerprinted by `fingerprinter`, a
-    `Fingerprinter` class, when given, and then checked after each one); what it held after each."""
+def replay(operations, model: str, poison: bool, num_slots: int) -> list:
+    """Apply `operations` to a fresh manager; what it held after each one."""
     manager = make_manager(model, TPB, num_slots=num_slots, poison_new_pages=poison)
-    if fingerprinter is not None:
-        manager.tree.fingerprints = fingerprinter(TPB)
     caches, sequences, seen = [], [], []
     for kind, first, second in operations:
         open_caches = [i for i, c in enumerate(caches) if c.status is not KvCacheStatus.CLOSED]
@@ -49,8 +45,6 @@ def replay(operations, model: str, poison: bool, num_slots: int, fingerprinter=N
                 cache.commit(sequences[i][cache.num_committed_tokens:capacity])
         elif kind == "close" and open_caches:
             caches[open_caches[first % len(open_caches)]].close()
-        if fingerprinter is not None:
-            check_manager(manager)
         table = manager.page_table
         seen.append(([c.get_page_indices(g.layer_group_id) for c in caches if c.status is not KvCacheStatus.CLOSED
                       for g in manager.layer_groups],

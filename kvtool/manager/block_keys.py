@@ -12,6 +12,8 @@ import sys
 from array import array
 from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
+
 
 class ReuseScope(NamedTuple):
     lora_id: int | None = None
@@ -43,6 +45,16 @@ def token_array(tokens: Sequence[int]) -> array:
         return array(_UINT32, tokens)
     except (OverflowError, TypeError):
         raise ValueError("token ids must lie in [0, 2**32)") from None
+
+
+def uint32_tokens(tokens: Sequence[int]) -> np.ndarray:
+    """The tokens as a uint32 array (a view of an `array` of 4-byte ints, no copy: do not let it
+    outlive a change to that array); ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32:
+        return tokens
+    if isinstance(tokens, array) and tokens.itemsize == 4 and tokens.typecode in "IL":
+        return np.frombuffer(tokens, dtype=np.uint32)
+    return np.frombuffer(token_array(tokens), dtype=np.uint32)
 
 
 def token_array_from_native(buffer: bytes | memoryview) -> array:

@@ -395,8 +395,7 @@ class KvCache:
             return
         tree = self._context.tree
         parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
-        blocks = np.array(self._committed[first * tpb:end * tpb], dtype=np.uint32)
-        chain = tree.extend(parent, blocks, tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), blocks))
+        chain = tree.extend(parent, np.array(self._committed[first * tpb:end * tpb], dtype=np.uint32))
         for gid, pages in self._pages.items():
             self._attach_pages(gid, pages[first:end], chain)
         tree.num_users[chain] += 1

@@ -13,14 +13,13 @@ import numpy as np
 import torch
 
 from kvtool.errors import UnsupportedTierError
-from kvtool.manager.block_keys import ReuseScope
+from kvtool.manager.block_keys import ReuseScope, uint32_tokens
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
-from kvtool.manager.fingerprints import uint32_tokens
 from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
@@ -118,7 +117,7 @@ class KvCacheManager:
         root = self.tree.find_root(scope)
         if root is None:
             return Match()
-        path = self._full_blocks_found(uint32_tokens(tokens), root)
+        path = self.tree.find_chain(root, uint32_tokens(tokens)).tolist()
         node = path[-1] if path else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if len(rest) else None
@@ -127,24 +126,6 @@ class KvCacheManager:
         # Shorter matches are built only as they are tried: with full attention the first one is
         # usable, and building every prefix of a long path up front costs O(blocks^2).
         return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
-
-    def _full_blocks_found(self, tokens: np.ndarray, root: int) -> list[int]:
-        """Node ids of the longest run of `tokens`' full blocks in the tree below `root`. Blocks
-        are fingerprinted a window at a time, windows doubling: a prompt that misses early costs
-        little more."""
-        tpb, tree = self.tokens_per_block, self.tree
-        num_full = len(tokens) // tpb
-        parent, start, window = root, 0, _FIRST_MATCH_WINDOW
-        path: list[int] = []
-        while start < num_full:
-            stop = min(num_full, start + window)
-            blocks = tokens[start * tpb:stop * tpb]
-            found = tree.find_chain(parent, blocks, tree.fingerprints.full_blocks(int(tree.fingerprint[parent]), blocks))
-            path.extend(found.tolist())
-            if len(found) < stop - start:
-                break
-            parent, start, window = path[-1], stop, 2 * window
-        return path
 
     def _usable(self, match: Match) -> bool:
         blocks = match.nodes + ([match.partial] if match.partial is not None else [])
@@ -230,10 +211,6 @@ class KvCacheManager:
 
     def _forget_hold(self, hold: "PageHold") -> None:
         self._holds.pop(id(hold), None)
-
-
-_FIRST_MATCH_WINDOW = 16
-"""Blocks fingerprinted before the first lookup of a match."""
 
 
 class PageHold:

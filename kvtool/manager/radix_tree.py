@@ -4,13 +4,18 @@ A node is one block: its tokens, its parent, and at most one page (slot) per lay
 blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf. A node
 stays while it holds a page, has children, or some cache chains through it (its users).
 
-A block is found by its chained fingerprint (`fingerprints`) in a `FingerprintIndex`, and is the
-block looked for only when its tokens and its parent are the prompt's: matches are exact.
+A block is its parent's one child holding exactly its tokens: a prompt is matched by walking
+down from its scope's root, comparing tokens, so a match is exact (no hash stands for the tokens).
+Blocks committed together get consecutive ids, each the only child of the one before; a walk
+that found block i at node n checks whether n+1, n+2, ... hold the next blocks with one array
+comparison, so a prefix of thousands of blocks costs a lookup among a node's children per run
+of blocks committed together, not one per block. A node with many children lists them by first
+token as well.
 
 The tree of a long trace holds millions of blocks, so a node is a row of numpy arrays, not an
-object: its fingerprint (8 bytes and a table cell), its tokens in one uint32 row, its parent, its
-children as a doubly linked list (newest first), counts and page slots as int32 cells: about 170
-bytes a block of 32 tokens. Whole prompts are looked up, added and pruned with array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
+object: its tokens in one uint32 row, its parent, its children as a doubly linked list (newest
+first), counts and page slots as int32 cells: about 160 bytes a block of 32 tokens. Whole prompts
+are looked up, added and pruned with array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
 pages' slots), so rows never used cost no memory, and only grow past it.
 Node ids are reused once pruned; a caller holds an id only while the node is alive (a cache
 chaining through a node keeps it alive).
@@ -24,8 +29,6 @@ import numpy as np
 
 from kvtool.errors import LogicError
 from kvtool.manager.block_keys import ReuseScope, unpack_tokens
-from kvtool.manager.fingerprint_index import EMPTY, FingerprintIndex
-from kvtool.manager.fingerprints import Fingerprinter, scope_fingerprint
 from kvtool.manager.growable import grow_rows, lazy_zeros
 
 NO_NODE = -1
@@ -37,22 +40,20 @@ _FREE = 0
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
 _CHECK_CHUNK = 1 << 19
-_SAMPLED = 1 << 16
-"""Live nodes whose fingerprint `structure_problem` recomputes and looks up (evenly spaced; all
-of them in a small tree)."""
+_SAMPLED = 1 << 12
+"""Live blocks `structure_problem` looks up among their parents' children (evenly spaced; all of
+them in a small tree)."""
+_FIRST_RUN = 64
+"""Blocks checked at once after a block found among its parent's children (doubling while all match)."""
 
 
 class RadixTree:
     def __init__(self, tokens_per_block: int, num_layer_groups: int = 1, expected_nodes: int = 1024) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_layer_groups = num_layer_groups
-        self.fingerprints = Fingerprinter(tokens_per_block)
         rows = max(expected_nodes, 16)
-        self.fingerprint = lazy_zeros(rows, np.uint64)
-        """Each node's chained fingerprint (a root's: its scope's)."""
-        self._index = FingerprintIndex(self.fingerprint, expected_nodes)
-        """Every live node but the roots, by fingerprint."""
         self._roots: dict[ReuseScope, int] = {}
+        self._num_alive = 0
         self.parent = lazy_zeros(rows, np.int32)
         self.num_tokens = lazy_zeros(rows, np.int16)   # at most MAX_TOKENS_PER_BLOCK
         self.depth = lazy_zeros(rows, np.int32)
@@ -73,7 +74,7 @@ class RadixTree:
     # ---- reading -----------------------------------------------------------------------------
     def __len__(self) -> int:
         """Nodes alive, roots included."""
-        return len(self._index) + len(self._roots)
+        return self._num_alive
 
     def is_full(self, node: int) -> bool:
         return int(self.num_tokens[node]) == self.tokens_per_block
@@ -98,7 +99,7 @@ class RadixTree:
         return iter(self.node_ids().tolist())
 
     def node_ids(self) -> np.ndarray:
-        return np.concatenate((self._index.ids(), np.array(list(self._roots.values()), dtype=np.int64)))
+        return np.flatnonzero(self.num_tokens[:self._next_id] != _FREE)
 
     def node_id_chunks(self, size: int) -> Iterator[np.ndarray]:
         """Every live node, a chunk of at most `size` ids at a time (int32)."""
@@ -117,9 +118,8 @@ class RadixTree:
         """What is wrong with the tree's own bookkeeping, in words (None: nothing): parents are
         live full blocks one level up, child counts equal the nodes naming each parent, sibling
         lists are linked both ways from their parent's first child, wide nodes list exactly their
-        children, the roots are the parentless nodes with their scopes' fingerprints, and the
-        fingerprint index holds exactly the live blocks (a sample of them found by their
-        fingerprints, recomputed from parent and tokens). A chunk at a time: millions of nodes in
+        children, the roots are the parentless nodes, and a block is the one child of its parent
+        holding its tokens (a sample of them looked up). A chunk at a time: millions of nodes in
         little memory."""
         alive = self.num_tokens[:self._next_id] != _FREE
         children = 0
@@ -136,14 +136,14 @@ class RadixTree:
         roots = set(np.flatnonzero(alive & (self.parent[:self._next_id] == NO_NODE)).tolist())
         if roots != set(self._roots.values()):
             return "the roots listed are not the parentless nodes"
-        if any(int(self.fingerprint[node]) != scope_fingerprint(scope) for scope, node in self._roots.items()):
-            return "a root's fingerprint is not its scope's"
+        if int(alive.sum()) != self._num_alive:
+            return "the count of live nodes is wrong"
         for node, by_token in self._heads.items():
             listed = [child for same in by_token.values() for child in same]
             if sorted(listed) != sorted(self.children(node)) or \
                     any(int(self.tokens[c, 0]) != t for t, same in by_token.items() for c in same):
                 return f"wide node {node} lists other children by first token than it has"
-        return self._index_problem(alive)
+        return self._lookup_problem(alive)
 
     def _links_problem(self, ids: np.ndarray, alive: np.ndarray) -> str | None:
         parents = self.parent[ids].astype(np.int64)
@@ -163,24 +163,12 @@ class RadixTree:
             return "a node's child count disagrees with the nodes naming it their parent"
         return None
 
-    def _index_problem(self, alive: np.ndarray) -> str | None:
-        found = np.zeros(self._next_id, dtype=bool)
-        for ids in self._index.id_chunks(_CHECK_CHUNK):
-            if (ids >= self._next_id).any() or found[ids].any():
-                return "the fingerprint index holds an id twice or one never handed out"
-            found[ids] = True
-        blocks = alive.copy()
-        blocks[list(self._roots.values())] = False
-        if not np.array_equal(found, blocks):
-            return "the fingerprint index holds other ids than the live blocks"
-        live = np.flatnonzero(blocks)
-        sample = live[::max(1, len(live) // _SAMPLED)]
-        recomputed = self.fingerprints.one_step(self.fingerprint[self.parent[sample]], self.tokens[sample],
-                                                self.num_tokens[sample])
-        if not np.array_equal(recomputed, self.fingerprint[sample]):
-            return "a block's fingerprint is not the one its parent and tokens give"
-        if not self._index.contains_many(sample).all():
-            return "a live block's fingerprint does not find it"
+    def _lookup_problem(self, alive: np.ndarray) -> str | None:
+        blocks = np.flatnonzero(alive & (self.parent[:self._next_id] != NO_NODE))
+        for node in blocks[::max(1, len(blocks) // _SAMPLED)].tolist():
+            width = int(self.num_tokens[node])
+            if self._child_holding(int(self.parent[node]), self.tokens[node, :width]) != node:
+                return f"node {node} is not the one child of its parent holding its tokens"
         return None
 
     # ---- roots and lookups -------------------------------------------------------------------
@@ -189,46 +177,60 @@ class RadixTree:
         if node is None:
             node = int(self._new_ids(1)[0])
             self._init_rows(np.array([node]), NO_NODE, 0, self.tokens_per_block)
-            self.fingerprint[node] = scope_fingerprint(scope)
             self._roots[scope] = node
         return node
 
     def find_root(self, scope: ReuseScope) -> int | None:
         return self._roots.get(scope)
 
-    def find_chain(self, parent: int, tokens: np.ndarray, fingerprints: np.ndarray) -> np.ndarray:
-        """Node ids of the longest run of consecutive full blocks below `parent` that the tree
-        holds: their `tokens` (uint32, a block each) and chained `fingerprints` (one each, as
-        `self.fingerprints.full_blocks` gives them after `parent`'s)."""
-        candidates = self._index.first_many(fingerprints)
-        absent = np.flatnonzero(candidates == EMPTY)
-        chain = candidates[:absent[0]] if len(absent) else candidates
+    def find_chain(self, parent: int, tokens: np.ndarray) -> np.ndarray:
+        """Node ids of the longest run of `tokens`' full blocks (uint32; a trailing partial block is
+        ignored) that the tree holds below `parent`, block 0 first."""
         tpb = self.tokens_per_block
-        same = (self.tokens[chain] == tokens[:len(chain) * tpb].reshape(-1, tpb)).all(axis=1)
-        same &= self.num_tokens[chain] == tpb
-        same &= self.parent[chain] == np.concatenate(([parent], chain[:-1]))
-        if same.all():
-            return chain
-        # A candidate that shares the block's fingerprint but is another block: the rest of the
-        # chain is walked block by block among every node with the fingerprint (rare).
-        first = int(np.flatnonzero(~same)[0])
-        found = chain[:first].tolist()
-        for k in range(first, len(chain)):
-            node = self._child_among(self._index.all_of(int(fingerprints[k])), found[-1] if found else parent,
-                                     tokens[k * tpb:(k + 1) * tpb])
+        count = len(tokens) // tpb
+        blocks = tokens[:count * tpb].reshape(count, tpb)
+        runs: list[np.ndarray] = []
+        at, below = 0, parent
+        while at < count:
+            node = self._child_holding(below, blocks[at])
             if node == NO_NODE:
                 break
-            found.append(node)
-        return np.array(found, dtype=np.int64)
+            length = 1 + self._run_after(node, blocks[at + 1:])
+            runs.append(np.arange(node, node + length, dtype=np.int64))
+            at += length
+            below = node + length - 1
+        return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
 
-    def _child_among(self, candidates: list[int], parent: int, tokens: Sequence[int] | np.ndarray) -> int:
-        """The candidate that is `parent`'s child holding exactly `tokens`; NO_NODE if none."""
+    def _run_after(self, node: int, blocks: np.ndarray) -> int:
+        """How many of `blocks` (rows of tokens, in order) are the nodes node+1, node+2, ...: each a
+        live full block that is the child of the one before and holds its row's tokens."""
+        tpb = self.tokens_per_block
+        limit = min(len(blocks), self._next_id - node - 1)
+        matched, window = 0, _FIRST_RUN
+        while matched < limit:
+            size = min(window, limit - matched)
+            first = node + 1 + matched
+            rows = slice(first, first + size)
+            same = self.parent[rows] == np.arange(first - 1, first + size - 1)
+            same &= self.num_tokens[rows] == tpb
+            same &= (self.tokens[rows] == blocks[matched:matched + size]).all(axis=1)
+            if not same.all():
+                return matched + int(np.argmin(same))
+            matched, window = matched + size, 2 * window
+        return matched
+
+    def _child_holding(self, parent: int, tokens: np.ndarray | Sequence[int]) -> int:
+        """The child of `parent` holding exactly `tokens` (1 .. tokens_per_block of them); NO_NODE
+        when none (there is at most one: a block is never added twice)."""
         width = len(tokens)
-        for node in candidates:
-            if int(self.parent[node]) == parent and int(self.num_tokens[node]) == width and \
-                    np.array_equal(self.tokens[node, :width], np.asarray(tokens, dtype=np.uint32)):
-                return node
-        return NO_NODE
+        heads = self._heads.get(parent)
+        candidates = heads.get(int(tokens[0]), []) if heads is not None else self.children(parent)
+        if not candidates:
+            return NO_NODE
+        ids = np.array(candidates, dtype=np.int64)
+        same = (self.num_tokens[ids] == width) & (self.tokens[ids, :width] == np.asarray(tokens)).all(axis=1)
+        hit = np.flatnonzero(same)
+        return int(ids[hit[0]]) if len(hit) else NO_NODE
 
     def best_partial(self, parent: int, chunk: Sequence[int]) -> tuple[int, int] | None:
         """The child sharing the longest token prefix with `chunk` (at most a block), if any: the
@@ -255,40 +257,36 @@ class RadixTree:
         when missing. Partial blocks become leaves."""
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
-        fingerprint = self.fingerprints.block(int(self.fingerprint[parent]), tokens)
-        node = self._child_among(self._index.all_of(fingerprint), parent, tokens)
+        values = np.asarray(tokens, dtype=np.uint32)
+        node = self._child_holding(parent, values)
         if node != NO_NODE:
             return node
         node = int(self._new_ids(1)[0])
-        self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(tokens))
-        self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
-        self.fingerprint[node] = fingerprint
-        self._index.add_many(np.array([node]))
+        self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(values))
+        self.tokens[node, :len(values)] = values
         self._link(parent, node)
         return node
 
-    def extend(self, parent: int, tokens: np.ndarray, fingerprints: np.ndarray) -> np.ndarray:
-        """`get_or_insert` of consecutive full blocks (their `tokens`, a uint32 array of at least
-        len(fingerprints) blocks, and their chained fingerprints after `parent`'s), each the child
-        of the one before: the chain's node ids. Past the first block the tree does not know,
-        every block is new (a new node has no children), so they are made at once: a prefill
-        commits thousands of blocks."""
-        count = len(fingerprints)
+    def extend(self, parent: int, tokens: np.ndarray) -> np.ndarray:
+        """`get_or_insert` of the consecutive full blocks of `tokens` (uint32; a trailing partial
+        block is ignored), each the child of the one before: the chain's node ids. Past the first
+        block the tree does not know, every block is new (a new node has no children), so they are
+        made at once, with consecutive ids: a prefill commits thousands of blocks."""
+        tpb = self.tokens_per_block
+        count = len(tokens) // tpb
         if not count:
             return np.zeros(0, dtype=np.int64)
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
         # Blocks chain: a first block unknown means all are (the usual prefill).
-        known = self.find_chain(parent, tokens, fingerprints[:1])
-        if len(known) and count > 1:
-            known = self.find_chain(parent, tokens, fingerprints)
+        known = self.find_chain(parent, tokens) if self._child_holding(parent, tokens[:tpb]) != NO_NODE \
+            else np.zeros(0, dtype=np.int64)
         first = len(known)
         if first == count:
             return known
         below = int(known[-1]) if first else parent
         num_reused = min(count - first, len(self._free_ids))
         new = self._new_ids(count - first)
-        tpb = self.tokens_per_block
         parents = np.concatenate(([below], new[:-1]))
         # Fresh ids are consecutive: rows written as slices, much cheaper than fancy indexing.
         consecutive = len(new) == 1 or not num_reused
@@ -296,11 +294,9 @@ class RadixTree:
         but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
         self._init_rows(rows, parents, int(self.depth[below]) + 1 + np.arange(len(new)), tpb)
         self.tokens[rows] = tokens[first * tpb:count * tpb].reshape(-1, tpb)
-        self.fingerprint[rows] = fingerprints[first:]
         # Each new block is the only child of the one before it.
         self._first_child[but_last] = new[1:]
         self.num_children[but_last] = 1
-        self._index.add_many(new)
         self._link(below, int(new[0]))
         return np.concatenate((known, new))
 
@@ -310,13 +306,14 @@ class RadixTree:
         del self._free_ids[len(self._free_ids) - len(reused):]
         fresh = np.arange(self._next_id, self._next_id + count - len(reused), dtype=np.int64)
         self._next_id += len(fresh)
+        self._num_alive += count
         if self._next_id > len(self.num_tokens):
             self._grow(self._next_id)
         return np.concatenate((np.array(reused, dtype=np.int64), fresh)) if reused else fresh
 
     def _grow(self, rows: int) -> None:
         for name in ("parent", "num_tokens", "depth", "num_users", "num_children", "_first_child", "_next_sibling",
-                     "_prev_sibling", "tokens", "pages", "fingerprint"):
+                     "_prev_sibling", "tokens", "pages"):
             grow_rows(getattr(self, name), rows)
 
     def _init_rows(self, ids: np.ndarray | slice, parent, depth, num_tokens: int) -> None:
@@ -388,8 +385,8 @@ class RadixTree:
             wide = np.fromiter(self._heads, dtype=np.int64, count=len(self._heads))
             for node in wide[np.isin(wide, gone)].tolist():
                 del self._heads[node]
-        self._index.remove_many(gone[parents != NO_NODE])
         self.num_tokens[gone] = _FREE
+        self._num_alive -= len(gone)
         self._free_ids.extend(gone.tolist())
 
     def _unlink(self, parent: int, child: int) -> None:
