@@ -139,7 +139,7 @@ class KvCache:
         """`get_page_indices` of every layer group, position = group id (an immutable snapshot)."""
         self._require_open("page_indices_by_group")
         if self._snapshot is None:
-            self._snapshot = GroupPages(self.get_page_indices(g) for g in sorted(self._pages))
+            self._snapshot = GroupPages(tuple(self._pages[g].tolist()) for g in sorted(self._pages))
         return self._snapshot
 
     def page_slots(self, layer_group_id: int) -> np.ndarray:
@@ -199,9 +199,10 @@ class KvCache:
         self._shared_partial.clear()
         tree = self._context.tree
         if self._nodes:
-            chained = np.array(self._nodes, dtype=np.int64)
-            tree.num_users[chained] -= 1   # a cache chains through a node once
-            tree.prune_many(chained)
+            tree.num_users[np.array(self._nodes, dtype=np.int64)] -= 1   # a cache chains through a node once
+            # Each node of the chain is the parent of the next: only the last may be a leaf, and
+            # pruning it prunes up the chain as far as nothing holds a node.
+            tree.prune(self._nodes[-1])
         self._nodes = []
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)

@@ -211,14 +211,11 @@ class PageTable:
         self._droppable[pool_group].add(_slots(kept))
 
     def attach(self, layer_group_id: LayerGroupId, slots: np.ndarray, nodes: np.ndarray, priority: Priority) -> None:
-        """Let the tree reference these pages (in use, held by no node, not scratch) as these
-        nodes' pages for their layer group, at `priority` once droppable."""
+        """Let the tree reference these pages as these nodes' pages for their layer group, at
+        `priority` once droppable. The caller picks pages in use, held by no node and not scratch,
+        for nodes holding no page of the group (`check_manager` finds a page that was not)."""
         cells = self._cells[self._pool_group_of[layer_group_id]]
         index = _slots(slots)
-        wrong = (cells.node[index] != NO_NODE) | cells.is_scratch[index]
-        if wrong.any():
-            raise LogicError(f"{self.page(self._pool_group_of[layer_group_id], int(index[wrong][0]))} "
-                             "cannot join the tree")
         cells.node[index] = nodes
         cells.priority[index] = priority
         self._tree.pages[_slots(nodes), layer_group_id] = index
