@@ -26,13 +26,14 @@ from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus, LayerGroupId, PageIndex,
 
 _BAD = int(BAD_PAGE_INDEX)
 _NO_PAGES = np.zeros(0, dtype=np.int64)
+_NO_NODES = np.zeros(0, dtype=np.int64)
 
 @dataclass
 class Match:
     """A prefix found in the tree: full blocks reused as they are, then maybe part of one more."""
 
-    nodes: list[int] = field(default_factory=list)
-    """Radix tree node ids, block 0 first."""
+    nodes: np.ndarray = field(default_factory=lambda: _NO_NODES)
+    """Radix tree node ids (int64), block 0 first."""
     partial: int | None = None
     num_partial_tokens: int = 0
 
@@ -83,7 +84,9 @@ class KvCache:
         self._committed = token_array(tokens[:reused])
         """Compact (4 bytes a token): a long prompt's cache holds its tokens once, as one buffer."""
         self._capacity = self._history = reused
-        self._nodes = list(match.nodes)
+        self._chain: list[np.ndarray] = [match.nodes]
+        """The nodes this cache chains through (each the parent of the next), a run per commit."""
+        self._num_nodes = len(match.nodes)
         self._pages: dict[LayerGroupId, np.ndarray] = {}
         """Slots (int64) per block ordinal, BAD_PAGE_INDEX where none."""
         self._pool_group = {g.layer_group_id: self._table.pool_group_of(g.layer_group_id) for g in self._groups}
@@ -198,12 +201,12 @@ class KvCache:
         self._scratch_idle = {g: [] for g in self._scratch_idle}
         self._shared_partial.clear()
         tree = self._context.tree
-        if self._nodes:
-            tree.num_users[np.array(self._nodes, dtype=np.int64)] -= 1   # a cache chains through a node once
+        if self._num_nodes:
+            tree.num_users[np.concatenate(self._chain)] -= 1   # a cache chains through a node once
             # Each node of the chain is the parent of the next: only the last may be a leaf, and
             # pruning it prunes up the chain as far as nothing holds a node.
-            tree.prune(self._nodes[-1])
-        self._nodes = []
+            tree.prune(self._last_node())
+        self._chain, self._num_nodes = [], 0
         self._status = KvCacheStatus.CLOSED
         self._context.on_close(self)
 
@@ -391,16 +394,20 @@ class KvCache:
         self._committed.extend(token_array(tokens))
         self._history = max(self._history, self.num_committed_tokens)
         tpb = self.tokens_per_block
-        first, end = len(self._nodes), self.num_committed_tokens // tpb
+        first, end = self._num_nodes, self.num_committed_tokens // tpb
         if first >= end:
             return
         tree = self._context.tree
-        parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
+        parent = self._last_node() if self._num_nodes else tree.root(self.reuse_scope)
         chain = tree.extend(parent, np.array(self._committed[first * tpb:end * tpb], dtype=np.uint32))
         for gid, pages in self._pages.items():
             self._attach_pages(gid, pages[first:end], chain)
         tree.num_users[chain] += 1
-        self._nodes.extend(chain.tolist())
+        self._chain.append(chain)
+        self._num_nodes += len(chain)
+
+    def _last_node(self) -> int:
+        return int(next(run[-1] for run in reversed(self._chain) if len(run)))
 
     def _attach_pages(self, gid: LayerGroupId, slots: np.ndarray, nodes: np.ndarray) -> None:
         """Let the tree hold these pages of consecutive blocks as the nodes' pages of layer group
@@ -416,9 +423,9 @@ class KvCache:
         """A trailing partial block joins the tree as a leaf (pruned at once when it holds nothing)."""
         tpb = self.tokens_per_block
         num_full = self.num_committed_tokens // tpb
-        if self.num_committed_tokens % tpb and len(self._nodes) == num_full:
+        if self.num_committed_tokens % tpb and self._num_nodes == num_full:
             tree = self._context.tree
-            parent = self._nodes[-1] if self._nodes else tree.root(self.reuse_scope)
+            parent = self._last_node() if self._num_nodes else tree.root(self.reuse_scope)
             tokens = self._committed[num_full * tpb:]
             node = tree.get_or_insert(parent, tokens)
             for gid, pages in self._pages.items():
@@ -430,13 +437,13 @@ class KvCache:
     def _adopt_match(self, match: Match, reused: int) -> None:
         tpb = self.tokens_per_block
         tree = self._context.tree
-        blocks = list(match.nodes) + ([match.partial] if match.partial is not None else [])
-        if match.nodes:
-            tree.num_users[np.array(match.nodes, dtype=np.int64)] += 1
+        blocks = match.nodes if match.partial is None else np.append(match.nodes, match.partial)
+        if len(match.nodes):
+            tree.num_users[match.nodes] += 1
         for group in self._groups:
             gid = group.layer_group_id
             stale = group.stale_range(reused, tpb)
-            pages = tree.pages[blocks, gid].astype(np.int64) if blocks else _NO_PAGES.copy()
+            pages = tree.pages[blocks, gid].astype(np.int64)
             pages[stale.start:stale.stop] = _BAD
             self._table.acquire_tree_pages(gid, pages[pages != _BAD] if stale else pages)
             self._pages[gid] = pages

@@ -117,8 +117,8 @@ class KvCacheManager:
         root = self.tree.find_root(scope)
         if root is None:
             return Match()
-        path = self.tree.find_chain(root, uint32_tokens(tokens)).tolist()
-        node = path[-1] if path else root
+        path = self.tree.find_chain(root, uint32_tokens(tokens))
+        node = int(path[-1]) if len(path) else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
         partial = self.tree.best_partial(node, rest) if len(rest) else None
         if partial and self._usable(Match(path, partial[0], partial[1])):
@@ -128,8 +128,8 @@ class KvCacheManager:
         return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
     def _usable(self, match: Match) -> bool:
-        blocks = match.nodes + ([match.partial] if match.partial is not None else [])
-        if not blocks:
+        blocks = match.nodes if match.partial is None else np.append(match.nodes, match.partial)
+        if not len(blocks):
             return True
         length = match.num_tokens(self.tokens_per_block)
         for group in self.layer_groups:

@@ -11,6 +11,7 @@ when the later one's id (hence both) matches.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -43,7 +44,7 @@ def synthesize_tokens(hash_ids: Sequence[int], input_length: int, block_size: in
     np.right_shift(z, _27, out=scratch)
     z ^= scratch
     z *= _MIX2
-    np.right_shift(z, _31, out=scratch)
-    z ^= scratch
-    z >>= _32
-    return z.astype(np.uint32)
+    # The last step's high half, (z ^ (z >> 31)) >> 32, is high ^ (high >> 31) with high = z >> 32:
+    # worked on the 4-byte high halves in place of the 8-byte words.
+    high = z.view(np.uint32)[1::2] if sys.byteorder == "little" else (z >> _32).astype(np.uint32)
+    return high ^ (high >> np.uint32(31))
