@@ -40,7 +40,7 @@ _FREE = 0
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
 _CHECK_CHUNK = 1 << 19
-_SAMPLED = 1 << 12
+_SAMPLED = 1 << 10
 """Live blocks `structure_problem` looks up among their parents' children (evenly spaced; all of
 them in a small tree)."""
 _FIRST_RUN = 64
