@@ -6,11 +6,12 @@ of its own (`replay_child`, run under each tree's PYTHONPATH), the two trees alt
         [--tokens-per-block 32] [--num-slots 4000000] [--connector none] [--capacity C]
         [--core N] [--no-cli] [--output DIR]
 
-A row per (fraction, tree): seconds, tokens/s, µs per block, peak RSS, and whether its counts are
-the baseline's (they must be: exit 1 when any differs). Each tree also replays the same slice the
+A row per (fraction, tree): wall and CPU seconds, tokens/s, µs per block, peak RSS, and whether its
+counts are the baseline's (they must be: exit 1 when any differs). CPU seconds (user and system)
+are what the replay cost itself, which a busy machine's other work on the same core does not add to. Each tree also replays the same slice the
 way a user does, `python -m kvtool trace run SLICE --prefill-only --fidelity blocks ...` (imports,
-the size check, the progress bar, the report and all): its wall seconds and peak RSS are the
-row's `cli_seconds` and `cli_peak_rss_mb` (`--no-cli` skips it). `--core` pins every replay to that core
+the size check, the progress bar, the report and all): its wall and CPU seconds and peak RSS are
+the row's `cli_seconds`, `cli_cpu_seconds` and `cli_peak_rss_mb` (`--no-cli` skips it). `--core` pins every replay to that core
 (taskset), and the load average is sampled each second through the run and recorded, so a row
 measured on a shared machine says how shared it was. With --output: results.csv, results.json
 and meta.json (machine, both commits, command, load).
@@ -105,7 +106,8 @@ def cli_under(tree: Path, head: Path, args: argparse.Namespace) -> dict:
             output.seek(0)
             raise SystemExit(f"trace run under {tree} failed (exit {process.returncode}):\n"
                              f"{output.read().decode(errors='replace')[-2000:]}")
-    return {"cli_seconds": round(seconds, 3), "cli_peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    return {"cli_seconds": round(seconds, 3), "cli_cpu_seconds": round(usage.ru_utime + usage.ru_stime, 3),
+            "cli_peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, row in measured.items():
                 rows.append({"fraction": fraction, "requests": count, "tree": name,
                              "commit": git_commit(trees[name]), "seconds": row["seconds"],
+                             "cpu_seconds": row["cpu_seconds"],
                              "tokens_per_second": row["tokens_per_second"], "us_per_block": row["us_per_block"],
                              "peak_rss_mb": row["peak_rss_mb"], "cli_seconds": row.get("cli_seconds"),
-                             "cli_peak_rss_mb": row.get("cli_peak_rss_mb"), "hit_rate": row["counts"]["hit_rate"],
+                             "cli_cpu_seconds": row.get("cli_cpu_seconds"), "cli_peak_rss_mb": row.get("cli_peak_rss_mb"),
+                             "hit_rate": row["counts"]["hit_rate"],
                              "counts_match": row["counts"] == measured["baseline"]["counts"],
                              "speedup": round(measured["baseline"]["seconds"] / row["seconds"], 3)})
                 print(json.dumps(rows[-1]), flush=True)
