@@ -71,7 +71,9 @@ class SlotAllocator:
             slots = self._take_lazily(count)
         else:
             slots = np.array([self._take() for _ in range(count)], dtype=np.int64)
-        self._owned_bytes()[slots] = 1
+        low, high = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
+        # Distinct slots filling a range (fresh ones do) are written as a slice, far cheaper.
+        self._owned_bytes()[slice(low, high + 1) if high - low == len(slots) - 1 else slots] = 1
         return slots
 
     def _take_lazily(self, count: int) -> np.ndarray:
