@@ -349,6 +349,8 @@ class RadixTree:
     # ---- pruning -----------------------------------------------------------------------------
     def prune(self, node: int) -> None:
         """Remove `node` and then its ancestors while each holds nothing and nobody chains through it."""
+        if self.num_children[node] or self.num_users[node] or int(self.pages[node].max()) != NO_SLOT:
+            return   # the usual case (it holds a page), told without the arrays of prune_many
         self.prune_many(np.array([node], dtype=np.int64))
 
     def prune_many(self, nodes: np.ndarray) -> None:
