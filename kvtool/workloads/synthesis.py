@@ -24,7 +24,7 @@ _STEPS: dict[int, np.ndarray] = {}
 """(offset + 1) * golden for each offset in a block, by block size."""
 
 
-def synthesize_tokens(hash_ids: Sequence[int], input_length: int, block_size: int) -> np.ndarray:
+def synthesize_tokens(hash_ids: Sequence[int] | np.ndarray, input_length: int, block_size: int) -> np.ndarray:
     """The `input_length` tokens (uint32) of a prompt whose i-th block of `block_size` tokens has id
     `hash_ids[i]`; the last block may be partial (its tokens are the first ones of the full block).
     Needs `len(hash_ids) == ceil(input_length / block_size)`.
