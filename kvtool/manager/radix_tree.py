@@ -176,7 +176,7 @@ class RadixTree:
         node = self._roots.get(scope)
         if node is None:
             node = int(self._new_ids(1)[0])
-            self._init_rows(np.array([node]), NO_NODE, 0, self.tokens_per_block)
+            self._init_rows(node, NO_NODE, 0, self.tokens_per_block)
             self._roots[scope] = node
         return node
 
@@ -262,7 +262,7 @@ class RadixTree:
         if node != NO_NODE:
             return node
         node = int(self._new_ids(1)[0])
-        self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(values))
+        self._init_rows(node, parent, int(self.depth[parent]) + 1, len(values))
         self.tokens[node, :len(values)] = values
         self._link(parent, node)
         return node
@@ -316,7 +316,7 @@ class RadixTree:
                      "_prev_sibling", "tokens", "pages"):
             grow_rows(getattr(self, name), rows)
 
-    def _init_rows(self, ids: np.ndarray | slice, parent, depth, num_tokens: int) -> None:
+    def _init_rows(self, ids: np.ndarray | slice | int, parent, depth, num_tokens: int) -> None:
         """A new node's row (rows are zero until first used, and cleared when pruned)."""
         self.parent[ids] = parent
         self.depth[ids] = depth
