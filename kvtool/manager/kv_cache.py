@@ -9,6 +9,7 @@ groups); the pages' counts and tree links are the page table's cells.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -17,7 +18,7 @@ import numpy as np
 from kvtool.blocks import ceil_div
 from kvtool.errors import LogicError
 from kvtool.group_pages import GroupPages
-from kvtool.manager.block_keys import ReuseScope, token_array
+from kvtool.manager.block_keys import ReuseScope, token_array, uint32_tokens
 from kvtool.manager.layer_groups import LayerGroupSpec
 from kvtool.manager.page_cells import NO_NODE, PageCells
 from kvtool.manager.pages import PageTable
@@ -391,7 +392,8 @@ class KvCache:
         self._require_active("commit")
         if self.num_committed_tokens + len(tokens) > self._capacity:
             raise LogicError(f"cache {self.id}: committing {len(tokens)} tokens past capacity {self._capacity}")
-        self._committed.extend(token_array(tokens))
+        self._committed.extend(tokens if type(tokens) is array and tokens.typecode == self._committed.typecode
+                               else token_array(tokens))
         self._history = max(self._history, self.num_committed_tokens)
         tpb = self.tokens_per_block
         first, end = self._num_nodes, self.num_committed_tokens // tpb
@@ -399,7 +401,8 @@ class KvCache:
             return
         tree = self._context.tree
         parent = self._last_node() if self._num_nodes else tree.root(self.reuse_scope)
-        chain = tree.extend(parent, np.array(self._committed[first * tpb:end * tpb], dtype=np.uint32))
+        # A view of the committed tokens, let go before they next grow (an exported buffer cannot).
+        chain = tree.extend(parent, uint32_tokens(self._committed)[first * tpb:end * tpb])
         for gid, pages in self._pages.items():
             self._attach_pages(gid, pages[first:end], chain)
         tree.num_users[chain] += 1
