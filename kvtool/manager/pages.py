@@ -47,15 +47,6 @@ def _slots(slots) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
 
 
-def _as_range(slots: np.ndarray) -> np.ndarray | slice:
-    """Distinct slots as the slice they fill when they are all of one range (fresh slots are):
-    a constant written to a slice costs far less than to a list of slots."""
-    if len(slots) < 2:
-        return slots
-    low, high = int(slots.min()), int(slots.max())
-    return slice(low, high + 1) if high - low == len(slots) - 1 else slots
-
-
 class PageTable:
     """Allocation, reference counts and eviction for every pool group.
 
@@ -145,8 +136,8 @@ class PageTable:
         shortfall = count - allocator.num_free
         if shortfall > 0:
             self._evict(pool_group, shortfall)
-        slots = allocator.allocate_many(count)
-        self._cells[pool_group].hand_out(_as_range(slots), layer_group_id, active)
+        slots, run = allocator.allocate_run(count)
+        self._cells[pool_group].hand_out(slots if run is None else run, layer_group_id, active)
         return slots
 
     # ---- users -------------------------------------------------------------------------------

@@ -65,16 +65,24 @@ class SlotAllocator:
 
     def allocate_many(self, count: int) -> np.ndarray:
         """The next `count` slots (int64), as `count` calls of `allocate` would hand them out."""
+        return self.allocate_run(count)[0]
+
+    def allocate_run(self, count: int) -> tuple[np.ndarray, slice | None]:
+        """`allocate_many`, and the slice the slots fill when they are consecutive and ascending
+        (slots never used before are): a constant written to a slice costs far less than to a
+        list of slots."""
         if count > self.num_free:
             raise OutOfPagesError(f"{count} slots asked, {self.num_free} free" if count > 1 else "no free slot")
+        run = None
         if self._lazy and not self._first:
+            first_fresh = self._next_fresh
             slots = self._take_lazily(count)
+            if count and self._next_fresh - first_fresh == count:   # all never used: one range
+                run = slice(first_fresh, self._next_fresh)
         else:
             slots = np.array([self._take() for _ in range(count)], dtype=np.int64)
-        low, high = (int(slots.min()), int(slots.max())) if len(slots) else (0, -1)
-        # Distinct slots filling a range (fresh ones do) are written as a slice, far cheaper.
-        self._owned_bytes()[slice(low, high + 1) if high - low == len(slots) - 1 else slots] = 1
-        return slots
+        self._owned_bytes()[slots if run is None else run] = 1
+        return slots, run
 
     def _take_lazily(self, count: int) -> np.ndarray:
         fresh = min(count, self.num_slots - self._next_fresh)
