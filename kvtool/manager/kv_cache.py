@@ -403,8 +403,14 @@ class KvCache:
         parent = self._last_node() if self._num_nodes else tree.root(self.reuse_scope)
         # A view of the committed tokens, let go before they next grow (an exported buffer cannot).
         chain = tree.extend(parent, uint32_tokens(self._committed)[first * tpb:end * tpb])
-        for gid, pages in self._pages.items():
-            self._attach_pages(gid, pages[first:end], chain)
+        for group in self._groups:
+            pages = self._pages[group.layer_group_id][first:end]
+            if group.window_size is None and (tree.pages[chain, group.layer_group_id] == NO_SLOT).all():
+                # Full attention, nodes without a page: each of these blocks has a page of its own,
+                # in no node yet (a shared partial page was copied when the cache first grew).
+                self._table.attach(group.layer_group_id, pages, chain, self.priority)
+            else:
+                self._attach_pages(group.layer_group_id, pages, chain)
         tree.num_users[chain] += 1
         self._chain.append(chain)
         self._num_nodes += len(chain)
