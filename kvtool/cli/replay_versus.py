@@ -71,6 +71,15 @@ class LoadSampler:
                 "samples": len(s), "cores": os.cpu_count() or 0}
 
 
+def cpu_model() -> str | None:
+    """This machine's CPU as the kernel names it (`model name` in /proc/cpuinfo), if it says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def replay_under(tree: Path, head: Path, args: argparse.Namespace) -> dict:
     """One replay of `head` by the kvtool of `tree`, in a fresh process: replay_child's row."""
     command = [sys.executable, "-P", "-c", _RUN_CHILD, str(CHILD), str(head), str(args.tokens_per_block),
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         write_file(folder / "results.csv", pd.DataFrame(rows).to_csv(index=False))
         write_meta(folder, "replay-versus", trace=str(args.trace), baseline=str(args.baseline),
                    baseline_commit=git_commit(trees["baseline"]), pinned_core=args.core,
-                   load_average=load.summary())
+                   cpu_model=cpu_model(), load_average=load.summary())
     print(json.dumps({"load_average": load.summary()}), flush=True)
     return 0 if all(r["counts_match"] for r in rows) else 1
 
