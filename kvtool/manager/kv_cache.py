@@ -82,7 +82,9 @@ class KvCache:
         self._scratch_reuse = context.swa_scratch_reuse
         self._status = KvCacheStatus.SUSPENDED
         reused = match.num_tokens(self.tokens_per_block)
-        self._committed = token_array(tokens[:reused])
+        prefix = tokens[:reused]   # an array's slice is a copy of its own, which the cache may keep
+        self._committed = prefix if type(prefix) is array and prefix.itemsize == 4 and prefix.typecode in "IL" \
+            else token_array(prefix)
         """Compact (4 bytes a token): a long prompt's cache holds its tokens once, as one buffer."""
         self._capacity = self._history = reused
         self._chain: list[np.ndarray] = [match.nodes]
