@@ -15,8 +15,8 @@ token as well.
 The tree of a long trace holds millions of blocks, so a node is a row of numpy arrays, not an
 object: its tokens in one uint32 row, its parent, its children as a doubly linked list (newest
 first), counts and page slots as int32 cells: about 160 bytes a block of 32 tokens. Whole prompts
-are looked up, added and pruned with array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
-pages' slots), so rows never used cost no memory, and only grow past it.
+are looked up, added and pruned with array operations. The arrays are zeroed lazily up to the
+expected number of nodes (the pages' slots), so rows never used cost no memory, and only grow past it.
 Node ids are reused once pruned; a caller holds an id only while the node is alive (a cache
 chaining through a node keeps it alive).
 """
