@@ -1,11 +1,10 @@
-"""The array-backed tree's parts against plain Python models: the key index against a dict, the
-droppable pages' eviction order against OrderedDicts per priority, and the tree's partial
-matches (wide nodes listed by first token included) against a brute-force scan of the children
-in insertion order."""
+"""The array-backed tree's parts against plain Python models: the droppable pages' eviction order
+against OrderedDicts per priority, the tree's partial matches (wide nodes listed by first token
+included) against a brute-force scan of the children in insertion order, its blocks against a
+dict keyed by (parent, tokens), and chains grown from recycled ids."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -14,58 +13,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.errors import OutOfPagesError
-from kvtool.manager.block_keys import ReuseScope, block_key
+from kvtool.manager.block_keys import ReuseScope
 from kvtool.manager.droppable import DroppablePages
-from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
+from kvtool.manager.page_cells import PageCells
 from kvtool.manager.radix_tree import RadixTree
-
-KEYS = [hashlib.sha256(str(i).encode()).digest() for i in range(400)]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "find"]), st.lists(st.integers(0, 399), max_size=40)),
-                max_size=30))
-def test_the_key_index_finds_what_a_dict_would(operations):
-    index, model, next_id = KeyIndex(16), {}, 0
-    for op, picks in operations:
-        picks = list(dict.fromkeys(picks))
-        if op == "add":
-            new = [k for k in picks if k not in model]
-            ids = np.arange(next_id, next_id + len(new))
-            index.add_many(ids, keys_array([KEYS[k] for k in new]))
-            model.update(zip(new, ids.tolist()))
-            next_id += len(new)
-        elif op == "remove":
-            gone = [k for k in picks if k in model]
-            index.remove_many(np.array([model.pop(k) for k in gone], dtype=np.int64))
-        found = index.find_many(keys_array([KEYS[k] for k in picks])).tolist()
-        assert found == [model.get(k, EMPTY) for k in picks]
-        assert len(index) == len(model)
-        assert sorted(index.ids().tolist()) == sorted(model.values())
-
-
-def test_a_key_removed_is_not_found_and_its_cell_is_reused():
-    index = KeyIndex(16)
-    index.add_many(np.arange(3), keys_array(KEYS[:3]))
-    index.remove_many(np.array([1]))
-    assert index.find_many(keys_array(KEYS[:3])).tolist() == [0, EMPTY, 2]
-    index.add_many(np.array([1]), keys_array([KEYS[7]]))
-    assert index.find(KEYS[7]) == 1 and index.find(KEYS[1]) == EMPTY
-
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["release", "take", "evict"]), st.integers(0, 15), st.integers(0, 2)),
                 max_size=60))
 def test_droppable_pages_are_evicted_lowest_priority_then_oldest_first(operations):
-    droppable, model = DroppablePages(16), {}
+    cells = PageCells(16)
+    droppable, model = DroppablePages(cells), {}
     for op, slot, priority in operations:
         listed = any(slot in bucket for bucket in model.values())
         if op == "release" and not listed:
-            droppable.add([slot], [100 + slot], [0], [priority])
+            cells.node[slot], cells.priority[slot] = 100 + slot, priority
+            droppable.add(np.array([slot]))
             model.setdefault(priority, OrderedDict())[slot] = None
         elif op == "take" and listed:
-            priority = next(p for p, b in model.items() if slot in b)
-            assert droppable.take_many(np.array([slot])) == [(100 + slot, priority)]
+            droppable.take_many(np.array([slot]))
             next(b for b in model.values() if slot in b).pop(slot)
         elif op == "evict":
             order = [s for p in sorted(model) for s in model[p]]
@@ -73,7 +39,8 @@ def test_droppable_pages_are_evicted_lowest_priority_then_oldest_first(operation
                 with pytest.raises(OutOfPagesError):
                     droppable.evict(slot)
                 continue
-            assert droppable.evict(slot).slots.tolist() == order[:slot]
+            evicted = droppable.evict(slot)
+            assert evicted.slots.tolist() == order[:slot] and evicted.nodes.tolist() == [100 + s for s in order[:slot]]
             for s in order[:slot]:
                 next(b for b in model.values() if s in b).pop(s)
         assert droppable.in_eviction_order().tolist() == [s for p in sorted(model) for s in model[p]]
@@ -96,7 +63,7 @@ def test_a_partial_match_is_the_first_inserted_longest_common_prefix(blocks, pru
     root = tree.root(ReuseScope())
     children = {}
     for tokens in blocks:
-        node = tree.get_or_insert(root, tokens, block_key(tree.key(root), tokens))
+        node = tree.get_or_insert(root, tokens)
         children.setdefault(node, tokens)
     for k in pruned:
         node = list(children)[k % len(children)] if children else None
@@ -130,11 +97,7 @@ def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
         base = chains[branch % len(chains)] if chains else []
         parent = base[len(base) // 2] if base and tree.is_alive(base[len(base) // 2]) else root
         tokens = np.arange(serial * 100, serial * 100 + length * tpb, dtype=np.uint32)
-        keys, previous = [], tree.key(parent)
-        for b in range(length):
-            previous = block_key(previous, tokens[b * tpb:(b + 1) * tpb].tolist())
-            keys.append(previous)
-        chain = tree.extend(parent, tokens, keys).tolist()
+        chain = tree.extend(parent, tokens).tolist()
         for b, node in enumerate(chain):
             model[node] = (chain[b - 1] if b else parent, tuple(tokens[b * tpb:(b + 1) * tpb].tolist()))
         if prune:
@@ -147,3 +110,47 @@ def test_chains_added_and_pruned_keep_their_parents_tokens_and_keys(operations):
     for node, (parent, tokens) in model.items():
         assert tree.is_alive(node) and int(tree.parent[node]) == parent and tree.block_tokens(node) == tokens
     assert len(tree) == len(model) + 1   # and the root
+
+
+chain_step = st.tuples(st.integers(0, 30), st.lists(st.integers(0, 1), min_size=2, max_size=10), st.booleans())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(chain_step, min_size=1, max_size=25))
+def test_the_tree_holds_what_a_dict_of_parent_and_tokens_holds(steps):
+    """Chains of two-token blocks over {0, 1} (equal blocks under many parents, wide nodes) grow
+    from random full blocks, a partial leaf after some, and are pruned at once or kept: ids are
+    recycled, so chains are seldom consecutive. `find_chain` finds exactly what walking a dict of
+    (parent, tokens) -> node finds, and `extend` and `get_or_insert` add only what it lacks."""
+    tpb = 2
+    tree = RadixTree(tpb, expected_nodes=4)
+    root = tree.root(ReuseScope())
+    tree.num_users[root] += 1
+    model: dict[tuple[int, tuple[int, ...]], int] = {}
+    for pick, tokens, prune in steps:
+        full = [root] + [n for (_, t), n in model.items() if len(t) == tpb]
+        parent = full[pick % len(full)]
+        blocks = np.array(tokens[:len(tokens) - len(tokens) % tpb], dtype=np.uint32)
+        expected, at = [], parent
+        for k in range(len(blocks) // tpb):
+            at = model.get((at, tuple(blocks[k * tpb:(k + 1) * tpb].tolist())), -1)
+            if at == -1:
+                break
+            expected.append(at)
+        assert tree.find_chain(parent, blocks).tolist() == expected
+        chain = tree.extend(parent, blocks).tolist()
+        assert chain[:len(expected)] == expected and len(set(chain)) == len(chain)
+        for k, node in enumerate(chain):
+            model[(chain[k - 1] if k else parent, tuple(blocks[k * tpb:(k + 1) * tpb].tolist()))] = node
+        if len(tokens) % tpb:
+            leaf_parent, leaf = chain[-1] if chain else parent, tuple(tokens[-(len(tokens) % tpb):])
+            node = tree.get_or_insert(leaf_parent, leaf)
+            assert model.setdefault((leaf_parent, leaf), node) == node
+            chain = chain + [node]
+        if prune:
+            tree.prune_many(np.array(chain, dtype=np.int64))
+            model = {key: node for key, node in model.items() if tree.is_alive(node)}
+        else:
+            tree.num_users[chain] += 1
+        assert tree.structure_problem() is None
+    assert len(tree) == len(model) + 1 and sorted(tree.node_ids().tolist()) == sorted([root, *model.values()])

@@ -137,17 +137,17 @@ def test_out_of_pages_when_nothing_is_evictable(tiny):
 
 def test_page_status_follows_its_users(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
-    page = cache.pages(0)[0]
-    assert page.status is PageStatus.LOCKED
+    slot = int(cache.page_slots(0)[0])
+    assert tiny.page_table.status(0, slot) is PageStatus.LOCKED
     cache.suspend()
-    assert page.status is PageStatus.HELD
+    assert tiny.page_table.status(0, slot) is PageStatus.HELD
     cache.resume()
     hold = tiny.hold_pages(cache)
     cache.close()
-    assert page.status is PageStatus.HELD and tiny.num_free_slots(0) == 6
+    assert tiny.page_table.status(0, slot) is PageStatus.HELD and tiny.num_free_slots(0) == 6
     check_manager(tiny)
     hold.release()
-    assert page.status is PageStatus.DROPPABLE
+    assert tiny.page_table.status(0, slot) is PageStatus.DROPPABLE
     check_manager(tiny)
 
 
@@ -162,7 +162,7 @@ def test_vswa_pages_stale_blocks_are_bad_and_scratch_is_reused(vswa):
     # blocks 0,1 stale at 16; block 4 will be stale at 30 and reuses scratch slot 1
     assert cache.get_page_indices(0) == [B, B, 2, 3, 1, 4, 5, 6]
     assert cache.get_page_indices(1) == list(range(8))
-    assert sorted(p.slot for p in cache.scratch_pages()) == [0]
+    assert cache.scratch_slots(0) == [0]
     check_manager(vswa)
     cache.commit(tokens[16:])
     cache.close()
@@ -178,7 +178,7 @@ def test_vswa_without_scratch_reuse_gives_every_block_a_page(vswa):
     assert cache.resize(16, scratch_reuse=False)
     cache.commit(tokens[:16])
     assert cache.resize(30, 16)
-    assert cache.get_page_indices(0) == [B, B, 2, 3, 4, 5, 6, 7] and cache.scratch_pages() == []
+    assert cache.get_page_indices(0) == [B, B, 2, 3, 4, 5, 6, 7] and cache.scratch_slots(0) == []
 
 
 def test_vswa_match_needs_only_the_window(vswa):
@@ -226,14 +226,14 @@ def test_close_is_final(tiny):
 
 def test_integrity_check_finds_a_slot_owned_twice(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
-    cache.pages(0)[1].slot = cache.pages(0)[0].slot
+    cache._pages[0][1] = cache._pages[0][0]
     with pytest.raises(LogicError):
         check_manager(tiny)
 
 
 def test_integrity_check_finds_a_leaked_count(tiny):
     cache = run_prompt(tiny, "a", list(range(8)))
-    cache.pages(0)[0].num_active += 1
+    tiny.page_table.cells(0).num_active[cache.page_slots(0)[0]] += 1
     with pytest.raises(LogicError, match="counts"):
         check_manager(tiny)
 

@@ -1,6 +1,7 @@
 """The replay benchmark script: rows per leading fraction, and its run folder."""
 
 import json
+from pathlib import Path
 
 from helpers.traces import random_mooncake_trace
 from kvtool.cli.replay_speed import main
@@ -48,3 +49,21 @@ def test_the_largest_replay_is_cut_into_segments_of_equal_prompt_tokens(tmp_path
     assert all(s["us_per_block"] > 0 and 0 <= s["hit_rate"] <= 1 for s in segments)
     assert (tmp_path / "out" / "segments.csv").read_text().splitlines()[0] == \
         "segment,prompt_tokens,us_per_block,hit_rate"
+
+
+def test_versus_compares_two_trees_and_times_the_command_line(tmp_path):
+    """This tree against itself on 20 requests: counts equal, a library replay and a `kvtool trace
+    run` timed for each tree, the machine's CPU and load in meta.json."""
+    from kvtool.cli import replay_versus
+
+    root = Path(__file__).resolve().parents[1]
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join((root / "workloads" / "mooncake_conversation_head200.jsonl").read_text()
+                            .splitlines(keepends=True)[:20]))
+    assert replay_versus.main([str(head), "--baseline", str(root), "--fractions", "1",
+                               "--output", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert [r["tree"] for r in rows] == ["this", "baseline"] and all(r["counts_match"] for r in rows)
+    assert all(r["cli_seconds"] > 0 and r["cli_cpu_seconds"] > 0 and r["cli_peak_rss_mb"] > 0 for r in rows)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert "load_average" in meta and "cpu_model" in meta

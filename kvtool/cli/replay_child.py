@@ -1,5 +1,5 @@
 """One timed block-fidelity replay, prefill only, in a process of its own: one JSON line on stdout
-with its seconds, tokens/s, µs per block, peak resident memory and the counts it decided.
+with its wall and CPU seconds, tokens/s, µs per block, peak resident memory and the counts it decided.
 
     python -m kvtool.cli.replay_child TRACE TOKENS_PER_BLOCK NUM_SLOTS CONNECTOR [CAPACITY]
 
@@ -39,17 +39,24 @@ def replay(trace: Path, tokens_per_block: int, num_slots: int, connector: str, c
                             num_slots=num_slots, connector=connector,
                             connector_opt=(f"capacity={capacity}",) if capacity else ())
     built = build_replay(options)
-    started = time.perf_counter()
+    cpu_before, started = _cpu_seconds(), time.perf_counter()
     result = run_trace(built.workload.requests(), built.config, built.connector, built.options,
                        keep_iterations=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu_before
     summary = result.summary.as_dict()
     blocks = summary["prompt_tokens"] / tokens_per_block
-    return {"seconds": round(seconds, 3), "tokens_per_second": round(summary["prompt_tokens"] / seconds),
+    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
+            "tokens_per_second": round(summary["prompt_tokens"] / seconds),
             "us_per_block": round(1e6 * seconds / blocks, 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "kvtool": str(Path(kvtool.__file__).parent),
             "counts": {key: summary[key] for key in COUNTS}}
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, user and system: what a replay cost, whatever else shared the core."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str]) -> int:

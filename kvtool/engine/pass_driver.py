@@ -148,6 +148,10 @@ class PassDriver:
                 return False
         if not plan.forwards:
             return True
+        if not self.workers:   # no connector: every hook would answer at once; only the forward runs
+            for layer_id in self.layer_ids:
+                self._forward_layer(layer_id, items)
+            return True
         for layer_id in self.layer_ids:
             if not self._each("wait_for_layer_load", layer_id, self.stream):
                 return False

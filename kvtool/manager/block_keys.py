@@ -12,6 +12,8 @@ import sys
 from array import array
 from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
+
 
 class ReuseScope(NamedTuple):
     lora_id: int | None = None
@@ -45,9 +47,19 @@ def token_array(tokens: Sequence[int]) -> array:
         raise ValueError("token ids must lie in [0, 2**32)") from None
 
 
-def token_array_from_native(buffer: bytes) -> array:
+def uint32_tokens(tokens: Sequence[int]) -> np.ndarray:
+    """The tokens as a uint32 array (a view of an `array` of 4-byte ints, no copy: do not let it
+    outlive a change to that array); ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32:
+        return tokens
+    if isinstance(tokens, array) and tokens.itemsize == 4 and tokens.typecode in "IL":
+        return np.frombuffer(tokens, dtype=np.uint32)
+    return np.frombuffer(token_array(tokens), dtype=np.uint32)
+
+
+def token_array_from_native(buffer: bytes | memoryview) -> array:
     """`token_array` of tokens already packed as native-order 4-byte unsigned ints (a numpy
-    uint32 array's bytes), without a Python int per token."""
+    uint32 array's bytes, or a byte view of it), without a Python int per token."""
     tokens = array(_UINT32)
     tokens.frombytes(buffer)
     return tokens

@@ -1,11 +1,11 @@
 """Droppable pages of one pool group: slots only the radix tree references, kept for reuse and
 evicted lowest priority first, least recently released first.
 
-Such a page has no `Page` object (a trace leaves millions of them): its node, layer group and
-priority are cells of arrays indexed by slot (zeroed lazily: slots never used cost nothing), and
-the eviction order is one FIFO of slots per priority. A page taken back into use (`take_many`) stays in its FIFO but is skipped when reached: each
-slot's generation counts its releases, and a FIFO entry is live only while it names the slot's
-current generation and the slot is still droppable.
+Its node, layer group and priority are the pool group's `PageCells` (shared with the page table:
+a slot is in use or droppable, never both); here are only whether it is droppable and the eviction
+order, one FIFO of slots per priority. A page taken back into use (`take_many`) stays in its FIFO
+but is skipped when reached: each slot's generation counts its releases, and a FIFO entry is live
+only while it names the slot's current generation and the slot is still droppable.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool.errors import OutOfPagesError
-from kvtool.manager.growable import grow_rows
-from kvtool.types import Priority
+from kvtool.manager.growable import grow_rows, lazy_zeros
+from kvtool.manager.page_cells import PageCells
 
 
 _CHECK_CHUNK = 1 << 20
@@ -60,45 +60,42 @@ class Evicted:
 
 
 class DroppablePages:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.node = np.zeros(num_slots, dtype=np.int32)
-        self.layer_group = np.zeros(num_slots, dtype=np.int8)   # a model has few layer groups
-        self.priority = np.zeros(num_slots, dtype=np.int32)
-        self.is_droppable = np.zeros(num_slots, dtype=bool)
-        self._generation = np.zeros(num_slots, dtype=np.uint32)
-        self._fifos: dict[Priority, _Fifo] = {}
+    """The droppable slots of one pool group, in eviction order; their other cells are `cells`'."""
+
+    def __init__(self, cells: PageCells) -> None:
+        self.num_slots = cells.num_slots
+        self.cells = cells
+        self.is_droppable = lazy_zeros(cells.num_slots, np.bool_)
+        self._generation = lazy_zeros(cells.num_slots, np.uint32)
+        self._fifos: dict[int, _Fifo] = {}
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def add(self, slots: list[int], nodes: list[int], layer_groups: list[int], priorities: list[Priority]) -> None:
-        """Make these slots droppable, released in this order (so evicted in it, per priority)."""
-        if not slots:
+    def add(self, slots: np.ndarray) -> None:
+        """Make these distinct slots droppable, released in this order (so evicted in it, per
+        priority: their `cells.priority`)."""
+        if not len(slots):
             return
-        index = np.array(slots, dtype=np.int64)
-        self.node[index] = nodes
-        self.layer_group[index] = layer_groups
+        index = np.asarray(slots, dtype=np.int64)
         self.is_droppable[index] = True
         self._generation[index] += np.uint32(1)
-        self._count += len(slots)
-        distinct = dict.fromkeys(priorities)
-        by_priority = np.array(priorities) if len(distinct) > 1 else None
-        for priority in distinct:
-            mine = index if by_priority is None else index[by_priority == priority]
-            self.priority[mine] = priority
+        self._count += len(index)
+        priorities = self.cells.priority[index]
+        mixed = bool((priorities != priorities[0]).any())
+        for priority in (np.unique(priorities).tolist() if mixed else [int(priorities[0])]):
+            mine = index[priorities == priority] if mixed else index
             fifo = self._fifos.get(priority)
             if fifo is None:
                 fifo = self._fifos[priority] = _Fifo(np.zeros(1024, dtype=np.int32), np.zeros(1024, dtype=np.uint32))
             fifo.push(mine, self._generation[mine])
         self._drop_stale_entries()
 
-    def take_many(self, slots: np.ndarray) -> list[tuple[int, Priority]]:
-        """`take` of each droppable slot: (node, priority) each (their layer group is the caller's)."""
+    def take_many(self, slots: np.ndarray) -> None:
+        """These droppable slots (distinct) taken back into use: no longer droppable; their cells stay."""
         self.is_droppable[slots] = False
         self._count -= len(slots)
-        return list(zip(self.node[slots].tolist(), self.priority[slots].tolist()))
 
     def evict(self, count: int) -> Evicted:
         """The `count` first pages in eviction order, no longer droppable; OutOfPagesError (nothing
@@ -126,7 +123,7 @@ class DroppablePages:
         slots = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         self.is_droppable[slots] = False
         self._count -= len(slots)
-        return Evicted(slots, self.node[slots].astype(np.int64), self.layer_group[slots].astype(np.int64))
+        return Evicted(slots, self.cells.node[slots].astype(np.int64), self.cells.layer_group[slots].astype(np.int64))
 
     def in_eviction_order(self) -> np.ndarray:
         """Every droppable slot, first to be evicted first."""
@@ -147,7 +144,7 @@ class DroppablePages:
                 window = slice(start, min(start + _CHECK_CHUNK, fifo.tail))
                 slots = fifo.slots[window]
                 slots = slots[self._live(slots, fifo.generations[window])]
-                if seen[slots].any() or (self.priority[slots] != priority).any():
+                if seen[slots].any() or (self.cells.priority[slots] != priority).any():
                     return False
                 seen[slots] = True
                 if int(seen[slots].sum()) != len(slots):

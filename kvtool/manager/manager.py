@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvtool.errors import UnsupportedTierError
-from kvtool.manager.block_keys import ReuseScope, chain_keys, root_key, tokens_bytes
+from kvtool.manager.block_keys import ReuseScope, uint32_tokens
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.kv_cache import CacheContext, KvCache, Match
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.manager.pages import Page, PageTable
 from kvtool.manager.pool_groups import plan_pool_groups, slots_for_budget
-from kvtool.manager.key_index import keys_array
 from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
-from kvtool.types import DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
+from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
 
 
 POISON_BYTE = 0xA5
@@ -117,39 +117,19 @@ class KvCacheManager:
         root = self.tree.find_root(scope)
         if root is None:
             return Match()
-        path, keys = self._full_blocks_found(tokens, scope)
-        node = path[-1] if path else root
+        path = self.tree.find_chain(root, uint32_tokens(tokens))
+        node = int(path[-1]) if len(path) else root
         rest = tokens[len(path) * tpb:(len(path) + 1) * tpb]
-        partial = self.tree.best_partial(node, rest) if rest else None
+        partial = self.tree.best_partial(node, rest) if len(rest) else None
         if partial and self._usable(Match(path, partial[0], partial[1])):
-            return Match(path, partial[0], partial[1], keys)
+            return Match(path, partial[0], partial[1])
         # Shorter matches are built only as they are tried: with full attention the first one is
         # usable, and building every prefix of a long path up front costs O(blocks^2).
-        return next(m for m in (Match(path[:k], keys=keys) for k in range(len(path), -1, -1)) if self._usable(m))
-
-    def _full_blocks_found(self, tokens: Sequence[int], scope: ReuseScope) -> tuple[list[int], list[bytes]]:
-        """Node ids of the longest run of `tokens`' full blocks in the tree, and the keys hashed to
-        find them. Blocks are hashed a window at a time, windows doubling: a prompt that misses
-        early hashes little more."""
-        tpb = self.tokens_per_block
-        num_full = len(tokens) // tpb
-        previous, start, window = root_key(scope), 0, _FIRST_MATCH_WINDOW
-        path: list[int] = []
-        hashed: list[bytes] = []
-        while start < num_full:
-            stop = min(num_full, start + window)
-            keys = chain_keys(previous, tokens_bytes(tokens[start * tpb:stop * tpb]), tpb)
-            hashed += keys
-            found = self.tree.find_chain(keys_array(keys))
-            path.extend(found.tolist())
-            if len(found) < len(keys):
-                break
-            previous, start, window = keys[-1], stop, 2 * window
-        return path, hashed
+        return next(m for m in (Match(path[:k]) for k in range(len(path), -1, -1)) if self._usable(m))
 
     def _usable(self, match: Match) -> bool:
-        blocks = match.nodes + ([match.partial] if match.partial is not None else [])
-        if not blocks:
+        blocks = match.nodes if match.partial is None else np.append(match.nodes, match.partial)
+        if not len(blocks):
             return True
         length = match.num_tokens(self.tokens_per_block)
         for group in self.layer_groups:
@@ -161,9 +141,14 @@ class KvCacheManager:
         return True
 
     def hold_pages(self, cache: KvCache) -> "PageHold":
-        """Keep every page `cache` uses alive (HELD) after it closes, until the hold is released."""
-        hold = PageHold(self, [p for g in self.layer_groups for p in cache.pages(g.layer_group_id)
-                               if p is not None])
+        """Keep every page of `cache`'s page lists alive (HELD) after it closes, until the hold is
+        released."""
+        slots: dict[PoolGroupIndex, list[np.ndarray]] = {}
+        for group in self.layer_groups:
+            pages = cache.page_slots(group.layer_group_id)
+            slots.setdefault(self.page_table.pool_group_of(group.layer_group_id), []).append(
+                pages[pages != BAD_PAGE_INDEX])
+        hold = PageHold(self, {pg: np.concatenate(parts) for pg, parts in slots.items()})
         self._holds[id(hold)] = hold
         return hold
 
@@ -228,22 +213,20 @@ class KvCacheManager:
         self._holds.pop(id(hold), None)
 
 
-_FIRST_MATCH_WINDOW = 16
-"""Blocks hashed before the first lookup of a match."""
-
-
 class PageHold:
-    """Pages kept alive past their cache's close (an asynchronous save in flight)."""
+    """Pages kept alive past their cache's close (an asynchronous save in flight): one held user
+    of each."""
 
-    def __init__(self, manager: KvCacheManager, pages: list[Page]) -> None:
+    def __init__(self, manager: KvCacheManager, slots: dict[PoolGroupIndex, np.ndarray]) -> None:
         self._manager = manager
-        self.pages = pages
-        for page in pages:
-            manager.page_table.acquire(page, active=False)
+        self.slots = slots
+        """Slots per pool group, in the order they are released."""
+        for pool_group, held in slots.items():
+            manager.page_table.acquire(pool_group, held, active=False)
 
     def release(self) -> None:
         """Let the pages go; idempotent."""
-        for page in self.pages:
-            self._manager.page_table.release(page, active=False)
-        self.pages = []
+        for pool_group, held in self.slots.items():
+            self._manager.page_table.release(pool_group, held, active=False)
+        self.slots = {}
         self._manager._forget_hold(self)

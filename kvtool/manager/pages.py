@@ -5,66 +5,62 @@ LOCKED (an active cache uses it), HELD (only suspended caches or an async-save h
 DROPPABLE (only the tree). A page nobody references is freed at once. Droppable pages are
 evicted LRU within priority buckets, lowest priority first (`DroppablePages`).
 
-A page in use is a `Page` object, one per slot, shared by its users; a droppable page is no
-object, only cells of `DroppablePages` (a trace caches millions). Taken back into use (a prefix
-reused from the tree), it gets a new `Page` object.
+Pages are named by slot: everything about them is a cell of their pool group's `PageCells`, and
+callers pass arrays of slots (a prefill allocates, and a close releases, thousands at once). A
+`Page` is only a description by value, for the page callbacks and for inspection.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
-
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
 from kvtool.errors import LogicError, OutOfPagesError
 from kvtool.manager.droppable import DroppablePages
+from kvtool.manager.page_cells import NO_NODE, PageCells
 from kvtool.manager.storage import SlotAllocator
-from kvtool.types import DEFAULT_PRIORITY, LayerGroupId, PageIndex, PageStatus, PoolGroupIndex, Priority
+from kvtool.types import LayerGroupId, PageIndex, PageStatus, PoolGroupIndex, Priority
 
 if TYPE_CHECKING:
     from kvtool.manager.radix_tree import RadixTree
 
 
-class Page:
-    __slots__ = ("layer_group_id", "pool_group_index", "slot", "num_active", "num_held", "node",
-                 "priority", "is_scratch")
+class Page(NamedTuple):
+    """One page described by value (a snapshot of its cells: it does not follow later changes)."""
 
-    def __init__(self, layer_group_id: LayerGroupId, pool_group_index: PoolGroupIndex, slot: PageIndex,
-                 is_scratch: bool) -> None:
-        self.layer_group_id = layer_group_id
-        self.pool_group_index = pool_group_index
-        self.slot = slot
-        self.num_active = 0
-        self.num_held = 0
-        self.node: int | None = None
-        """The radix tree node holding this page, if any."""
-        self.priority: Priority = DEFAULT_PRIORITY
-        self.is_scratch = is_scratch
-
-    @property
-    def status(self) -> PageStatus:
-        if self.num_active:
-            return PageStatus.LOCKED
-        if self.num_held:
-            return PageStatus.HELD
-        return PageStatus.DROPPABLE
+    layer_group_id: LayerGroupId
+    pool_group_index: PoolGroupIndex
+    slot: PageIndex
+    node: int
+    """The radix tree node holding the page; NO_NODE when none."""
+    priority: Priority
+    status: PageStatus | None
+    """None: the slot is free."""
 
     def __repr__(self) -> str:
-        return f"Page(group={self.layer_group_id}, slot={self.slot}, {self.status.value})"
+        status = self.status.value if self.status is not None else "free"
+        return f"Page(group={self.layer_group_id}, slot={self.slot}, {status})"
+
+
+def _slots(slots) -> np.ndarray:
+    return np.asarray(slots, dtype=np.int64)
 
 
 class PageTable:
-    """Allocation, reference counts and eviction for every pool group."""
+    """Allocation, reference counts and eviction for every pool group.
+
+    Slots passed in one call are distinct (a cache or hold references a page once): their counts
+    change with one array operation each.
+    """
 
     def __init__(self, allocators: list[SlotAllocator], pool_group_of: dict[LayerGroupId, PoolGroupIndex],
                  tree: RadixTree) -> None:
         self.allocators = allocators
         self._pool_group_of = pool_group_of
         self._tree = tree
-        self._pages: list[dict[PageIndex, Page]] = [{} for _ in allocators]
-        """Pages in use, by slot, per pool group."""
-        self._droppable = [DroppablePages(a.num_slots) for a in allocators]
+        self._cells = [PageCells(a.num_slots) for a in allocators]
+        self._droppable = [DroppablePages(cells) for cells in self._cells]
         self.num_evictions = 0
         self.on_allocate: Callable[[Page], None] | None = None
         self.on_free: Callable[[Page], None] | None = None
@@ -75,8 +71,12 @@ class PageTable:
         """False: a page only the tree still references is evicted (freed, poisoned) the moment its
         last user lets it go, not kept for reuse (kvtool validate where nothing reuses it)."""
 
+    # ---- reading -----------------------------------------------------------------------------
     def pool_group_of(self, layer_group_id: LayerGroupId) -> PoolGroupIndex:
         return self._pool_group_of[layer_group_id]
+
+    def cells(self, pool_group: PoolGroupIndex) -> PageCells:
+        return self._cells[pool_group]
 
     def num_droppable(self, pool_group: PoolGroupIndex) -> int:
         return len(self._droppable[pool_group])
@@ -85,162 +85,154 @@ class PageTable:
         """Slots an allocation could get now: free ones plus evictable ones."""
         return self.allocators[pool_group].num_free + self.num_droppable(pool_group)
 
-    def allocate(self, layer_group_id: LayerGroupId, active: bool, is_scratch: bool = False) -> Page:
+    def droppable(self, pool_group: PoolGroupIndex) -> DroppablePages:
+        return self._droppable[pool_group]
+
+    def status(self, pool_group: PoolGroupIndex, slot: int) -> PageStatus | None:
+        """The page's status; None when the slot is free."""
+        cells = self._cells[pool_group]
+        if cells.num_active[slot]:
+            return PageStatus.LOCKED
+        if cells.num_held[slot]:
+            return PageStatus.HELD
+        if self._droppable[pool_group].is_droppable[slot]:
+            return PageStatus.DROPPABLE
+        return None
+
+    def page(self, pool_group: PoolGroupIndex, slot: int) -> Page:
+        cells = self._cells[pool_group]
+        return Page(LayerGroupId(int(cells.layer_group[slot])), pool_group, PageIndex(int(slot)),
+                    int(cells.node[slot]), Priority(int(cells.priority[slot])), self.status(pool_group, slot))
+
+    def pages_in_use(self, pool_group: PoolGroupIndex) -> np.ndarray:
+        """Slots of the pages some cache or hold uses, ascending."""
+        return np.flatnonzero(self._cells[pool_group].in_use_mask())
+
+    def droppable_pages(self, pool_group: PoolGroupIndex) -> list[Page]:
+        """Droppable pages in eviction order (lowest priority first, least recently released first)."""
+        return [self.page(pool_group, slot) for slot in self._droppable[pool_group].in_eviction_order().tolist()]
+
+    # ---- allocating --------------------------------------------------------------------------
+    def allocate(self, layer_group_id: LayerGroupId, active: bool, is_scratch: bool = False) -> int:
         """A new page used once (active or held); evicts a droppable page when no slot is free."""
         pool_group = self._pool_group_of[layer_group_id]
         allocator = self.allocators[pool_group]
         if allocator.num_free == 0:
             self._evict_one(pool_group)
-        page = Page(layer_group_id, pool_group, allocator.allocate(), is_scratch)
-        self._pages[pool_group][page.slot] = page
+        slot = allocator.allocate()
+        self._cells[pool_group].hand_out(slot, layer_group_id, active, is_scratch)
         if self.on_allocate is not None:
-            self.on_allocate(page)
-        self._add_user(page, active)
-        return page
+            self.on_allocate(self.page(pool_group, slot))
+        return slot
 
-    def allocate_many(self, layer_group_id: LayerGroupId, count: int, active: bool) -> list[Page]:
-        """`count` new pages, exactly what `count` calls of `allocate` would give (the same slots,
-        the same evictions in the same order), at a fraction of the cost: a long prefill
-        allocates thousands of pages in one resize. With a page callback set it is those calls."""
-        if self.on_allocate is not None or self.on_free is not None or self.on_evict is not None:
-            return [self.allocate(layer_group_id, active) for _ in range(count)]
+    def allocate_many(self, layer_group_id: LayerGroupId, count: int, active: bool) -> np.ndarray:
+        """`count` new pages (their slots), exactly what `count` calls of `allocate` would give
+        (the same slots, the same evictions in the same order). With a page callback set it is
+        those calls."""
+        if self._has_callbacks():
+            return _slots([self.allocate(layer_group_id, active) for _ in range(count)])
         pool_group = self._pool_group_of[layer_group_id]
         allocator = self.allocators[pool_group]
         shortfall = count - allocator.num_free
         if shortfall > 0:
             self._evict(pool_group, shortfall)
-        table = self._pages[pool_group]
-        pages = []
-        for slot in allocator.allocate_many(count):
-            page = Page(layer_group_id, pool_group, slot, False)
-            if active:
-                page.num_active = 1
-            else:
-                page.num_held = 1
-            table[slot] = page
-            pages.append(page)
-        return pages
+        slots, run = allocator.allocate_run(count)
+        self._cells[pool_group].hand_out(slots if run is None else run, layer_group_id, active)
+        return slots
 
-    def acquire_tree_pages(self, layer_group_id: LayerGroupId, slots: list[int]) -> list[Page]:
-        """The pages in these slots (distinct) that the tree holds for `layer_group_id`, each with
-        one more held user: their objects when in use, else new ones, taken out of the droppable
-        set at once (a reused prefix's thousands of pages)."""
+    # ---- users -------------------------------------------------------------------------------
+    def acquire_tree_pages(self, layer_group_id: LayerGroupId, slots: np.ndarray) -> None:
+        """One more held user of each of these pages the tree holds for `layer_group_id` (in use,
+        or droppable and so taken back into use): a reused prefix's thousands at once."""
         pool_group = self._pool_group_of[layer_group_id]
-        table, droppable = self._pages[pool_group], self._droppable[pool_group]
-        index = np.array(slots, dtype=np.int64)
-        taken = droppable.is_droppable[index]
-        revived = iter(droppable.take_many(index[taken]))
-        pages = []
-        for slot, was_droppable in zip(slots, taken.tolist()):
-            if was_droppable:
-                node, priority = next(revived)
-                page = table[PageIndex(slot)] = Page(layer_group_id, pool_group, PageIndex(slot), False)
-                page.node, page.priority = node, priority
-            else:
-                page = table[PageIndex(slot)]
-            page.num_held += 1
-            pages.append(page)
-        return pages
-
-    def acquire(self, page: Page, active: bool) -> None:
-        """One more user of a page in use (a reuse from the tree, or a hold)."""
-        self._add_user(page, active)
-
-    def release(self, page: Page, active: bool) -> None:
-        """One user fewer; a page left with no user is freed, or becomes droppable when in the tree."""
-        self.release_many((page,), active)
-
-    def release_many(self, pages: Iterable[Page], active: bool) -> None:
-        """`release` of each page, in order (one call for a closing cache's thousands)."""
-        kept: list[Page] = []
-        for page in pages:
-            if active:
-                if page.num_active <= 0:
-                    raise LogicError(f"{page} released while not active")
-                page.num_active -= 1
-            else:
-                if page.num_held <= 0:
-                    raise LogicError(f"{page} released while not held")
-                page.num_held -= 1
-            if page.num_active or page.num_held:
-                continue
-            if page.node is None:
-                self._free(page)
-            elif not self.keep_reusable:
-                self._drop(page)
-            else:
-                kept.append(page)
-        if kept:
-            self._make_droppable(kept)
-
-    def _make_droppable(self, pages: list[Page]) -> None:
-        by_pool_group: dict[PoolGroupIndex, tuple[list, list, list, list]] = {}
-        for page in pages:
-            pool_group = page.pool_group_index
-            columns = by_pool_group.get(pool_group)
-            if columns is None:
-                columns = by_pool_group[pool_group] = ([], [], [], [])
-            del self._pages[pool_group][page.slot]
-            columns[0].append(page.slot)
-            columns[1].append(page.node)
-            columns[2].append(page.layer_group_id)
-            columns[3].append(page.priority)
-        for pool_group, (slots, nodes, groups, priorities) in by_pool_group.items():
-            self._droppable[pool_group].add(slots, nodes, groups, priorities)
-
-    def set_active(self, page: Page, active: bool) -> None:
-        """Move one user between suspended (HELD) and active (LOCKED)."""
-        if active:
-            if page.num_held <= 0:
-                raise LogicError(f"{page} resumed while not held")
-            page.num_held -= 1
-            page.num_active += 1
-        else:
-            if page.num_active <= 0:
-                raise LogicError(f"{page} suspended while not active")
-            page.num_active -= 1
-            page.num_held += 1
-
-    def attach(self, page: Page, node: int) -> None:
-        """Let the tree reference `page` as `node`'s page for its layer group."""
-        if page.node is not None or page.is_scratch:
-            raise LogicError(f"{page} cannot join the tree")
-        page.node = node
-        self._tree.pages[node, page.layer_group_id] = page.slot
-
-    def pages_of(self, pool_group: PoolGroupIndex) -> dict[PageIndex, Page]:
-        """Pages in use, by slot (droppable ones are `droppable_pages`)."""
-        return self._pages[pool_group]
-
-    def droppable(self, pool_group: PoolGroupIndex) -> DroppablePages:
-        return self._droppable[pool_group]
-
-    def droppable_pages(self, pool_group: PoolGroupIndex) -> list[Page]:
-        """Droppable pages in eviction order (lowest priority first, least recently released
-        first), as new objects describing them."""
+        index = _slots(slots)
         droppable = self._droppable[pool_group]
-        pages = []
-        for slot in droppable.in_eviction_order().tolist():
-            page = Page(LayerGroupId(int(droppable.layer_group[slot])), pool_group, PageIndex(slot), False)
-            page.node, page.priority = int(droppable.node[slot]), Priority(int(droppable.priority[slot]))
-            pages.append(page)
-        return pages
+        taken = droppable.is_droppable[index]
+        if taken.any():
+            droppable.take_many(index[taken])
+        self._cells[pool_group].num_held[index] += 1
 
-    def _add_user(self, page: Page, active: bool) -> None:
-        if active:
-            page.num_active += 1
-        else:
-            page.num_held += 1
+    def acquire(self, pool_group: PoolGroupIndex, slots: np.ndarray, active: bool) -> None:
+        """One more user of each of these pages in use (a hold)."""
+        index = _slots(slots)
+        cells = self._cells[pool_group]
+        if len(index) and (cells.num_users(index) <= 0).any():
+            raise LogicError(f"{self.page(pool_group, int(index[cells.num_users(index) <= 0][0]))} "
+                             "acquired while not in use")
+        (cells.num_active if active else cells.num_held)[index] += 1
 
+    def set_active(self, pool_group: PoolGroupIndex, slots: np.ndarray, active: bool) -> None:
+        """Move one user of each page between suspended (HELD) and active (LOCKED)."""
+        index = _slots(slots)
+        cells = self._cells[pool_group]
+        source, target = (cells.num_held, cells.num_active) if active else (cells.num_active, cells.num_held)
+        short = source[index] <= 0
+        if short.any():
+            what = "resumed while not held" if active else "suspended while not active"
+            raise LogicError(f"{self.page(pool_group, int(index[short][0]))} {what}")
+        source[index] -= 1
+        target[index] += 1
+
+    def release(self, pool_group: PoolGroupIndex, slots: np.ndarray, active: bool) -> None:
+        """One user fewer of each page, in order; a page left with no user is freed, or becomes
+        droppable when in the tree (released later, evicted later). LogicError, with nothing
+        changed, when a page has no such user."""
+        index = _slots(slots)
+        if not len(index):
+            return
+        cells = self._cells[pool_group]
+        counts = cells.num_active if active else cells.num_held
+        short = counts[index] <= 0
+        if short.any():
+            what = "released while not active" if active else "released while not held"
+            raise LogicError(f"{self.page(pool_group, int(index[short][0]))} {what}")
+        counts[index] -= 1
+        unused = index[cells.num_users(index) == 0]
+        if not len(unused):
+            return
+        if self._has_callbacks() or not self.keep_reusable:
+            self._let_go_one_by_one(pool_group, unused)
+            return
+        in_tree = cells.node[unused] != NO_NODE
+        self.allocators[pool_group].free_many(unused[~in_tree])
+        self._droppable[pool_group].add(unused[in_tree])
+
+    def _let_go_one_by_one(self, pool_group: PoolGroupIndex, unused: np.ndarray) -> None:
+        """Pages nobody uses any more, in order: freed, dropped from the tree, or made droppable."""
+        cells = self._cells[pool_group]
+        kept = []
+        for slot in unused.tolist():
+            if cells.node[slot] == NO_NODE:
+                self._free(pool_group, slot)
+            elif not self.keep_reusable:
+                self._drop(pool_group, slot)
+            else:
+                kept.append(slot)
+        self._droppable[pool_group].add(_slots(kept))
+
+    def attach(self, layer_group_id: LayerGroupId, slots: np.ndarray, nodes: np.ndarray, priority: Priority) -> None:
+        """Let the tree reference these pages as these nodes' pages for their layer group, at
+        `priority` once droppable. The caller picks pages in use, held by no node and not scratch,
+        for nodes holding no page of the group (`check_manager` finds a page that was not)."""
+        cells = self._cells[self._pool_group_of[layer_group_id]]
+        index = _slots(slots)
+        cells.node[index] = nodes
+        cells.priority[index] = priority
+        self._tree.pages[_slots(nodes), layer_group_id] = index
+
+    # ---- eviction ----------------------------------------------------------------------------
     def evict_all(self, pool_group: PoolGroupIndex) -> int:
         """Evict every droppable page of `pool_group` (in eviction order); returns how many."""
         count = self.num_droppable(pool_group)
-        if self.on_evict is None and self.on_free is None:
+        if not self._has_callbacks():
             self._evict(pool_group, count)
             return count
         for _ in range(count):
             self._evict_one(pool_group)
         return count
+
+    def _has_callbacks(self) -> bool:
+        return self.on_allocate is not None or self.on_free is not None or self.on_evict is not None
 
     def _evict(self, pool_group: PoolGroupIndex, count: int) -> None:
         """`_evict_one` `count` times, without the page callbacks (none is set)."""
@@ -248,6 +240,7 @@ class PageTable:
         short = count > len(droppable)
         evicted = droppable.evict(min(count, len(droppable)))   # as one at a time would: all, then the error
         self._tree.pages[evicted.nodes, evicted.layer_groups] = -1
+        self._cells[pool_group].node[evicted.slots] = NO_NODE
         self.allocators[pool_group].free_many(evicted.slots)
         self._tree.prune_many(evicted.nodes)
         self.num_evictions += len(evicted.slots)
@@ -258,28 +251,23 @@ class PageTable:
         droppable = self._droppable[pool_group]
         if not len(droppable):
             raise OutOfPagesError(f"pool group {pool_group}: no free and no evictable slot")
-        evicted = droppable.evict(1)
-        slot, node, group = int(evicted.slots[0]), int(evicted.nodes[0]), int(evicted.layer_groups[0])
-        page = Page(LayerGroupId(group), pool_group, PageIndex(slot), False)
-        page.node, page.priority = node, Priority(int(droppable.priority[slot]))
-        self._pages[pool_group][page.slot] = page   # _drop frees it as a page in use
-        self._drop(page)
+        self._drop(pool_group, int(droppable.evict(1).slots[0]))
 
-    def _drop(self, page: Page) -> None:
-        """Evict `page` (in use by nobody, not droppable) from the tree."""
-        node = page.node
-        assert node is not None
-        self._tree.pages[node, page.layer_group_id] = -1
-        page.node = None
+    def _drop(self, pool_group: PoolGroupIndex, slot: int) -> None:
+        """Evict the page in `slot` (in use by nobody, not droppable) from the tree."""
+        cells = self._cells[pool_group]
+        node, layer_group = int(cells.node[slot]), int(cells.layer_group[slot])
+        page = self.page(pool_group, slot)
+        self._tree.pages[node, layer_group] = -1
+        cells.node[slot] = NO_NODE
         ordinal = self._tree.block_ordinal(node)
-        self._free(page)
+        self._free(pool_group, slot)
         self._tree.prune(node)
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(page, ordinal)
+            self.on_evict(page._replace(status=None), ordinal)
 
-    def _free(self, page: Page) -> None:
+    def _free(self, pool_group: PoolGroupIndex, slot: int) -> None:
         if self.on_free is not None:
-            self.on_free(page)
-        del self._pages[page.pool_group_index][page.slot]
-        self.allocators[page.pool_group_index].free(page.slot)
+            self.on_free(self.page(pool_group, slot))
+        self.allocators[pool_group].free(PageIndex(slot))

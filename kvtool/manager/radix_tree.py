@@ -1,15 +1,22 @@
 """The radix tree of committed blocks, one root per reuse scope, as arrays indexed by node id.
 
-A node is one block: its chained key, its tokens, and at most one page (slot) per layer group.
-Full blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf.
-A node stays while it holds a page, has children, or some cache chains through it (its users).
+A node is one block: its tokens, its parent, and at most one page (slot) per layer group. Full
+blocks are interior nodes; a partial block (fewer tokens than a block) may only be a leaf. A node
+stays while it holds a page, has children, or some cache chains through it (its users).
+
+A block is its parent's one child holding exactly its tokens: a prompt is matched by walking
+down from its scope's root, comparing tokens, so a match is exact (no hash stands for the tokens).
+Blocks committed together get consecutive ids, each the only child of the one before; a walk
+that found block i at node n checks whether n+1, n+2, ... hold the next blocks with one array
+comparison, so a prefix of thousands of blocks costs a lookup among a node's children per run
+of blocks committed together, not one per block. A node with many children lists them by first
+token as well.
 
 The tree of a long trace holds millions of blocks, so a node is a row of numpy arrays, not an
-object: its key in the `KeyIndex` (32 bytes and a table cell), its tokens in one uint32 row, its
-parent, its children as a doubly linked list (newest first), counts and page slots as int32
-cells: about 190 bytes a block of 32 tokens. Whole prompts are looked up, added and pruned with
-array operations. The arrays are zeroed on allocation up to the expected number of nodes (the
-pages' slots), so rows never used cost no memory, and only grow past it.
+object: its tokens in one uint32 row, its parent, its children as a doubly linked list (newest
+first), counts and page slots as int32 cells: about 160 bytes a block of 32 tokens. Whole prompts
+are looked up, added and pruned with array operations. The arrays are zeroed lazily up to the
+expected number of nodes (the pages' slots), so rows never used cost no memory, and only grow past it.
 Node ids are reused once pruned; a caller holds an id only while the node is alive (a cache
 chaining through a node keeps it alive).
 """
@@ -21,9 +28,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvtool.errors import LogicError
-from kvtool.manager.block_keys import ReuseScope, root_key, unpack_tokens
-from kvtool.manager.growable import grow_rows
-from kvtool.manager.key_index import EMPTY, KeyIndex, keys_array
+from kvtool.manager.block_keys import ReuseScope, unpack_tokens
+from kvtool.manager.growable import grow_rows, lazy_zeros
 
 NO_NODE = -1
 NO_SLOT = -1
@@ -34,28 +40,31 @@ _FREE = 0
 WIDE_NODE = 8
 """Children a node has before they are also listed by their first token."""
 _CHECK_CHUNK = 1 << 19
-_KEYS_SAMPLED = 1 << 16
-"""Live nodes `structure_problem` looks up by key (evenly spaced; all of them in a small tree)."""
+_SAMPLED = 1 << 10
+"""Live blocks `structure_problem` looks up among their parents' children (evenly spaced; all of
+them in a small tree)."""
+_FIRST_RUN = 64
+"""Blocks checked at once after a block found among its parent's children (doubling while all match)."""
 
 
 class RadixTree:
     def __init__(self, tokens_per_block: int, num_layer_groups: int = 1, expected_nodes: int = 1024) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_layer_groups = num_layer_groups
-        self._index = KeyIndex(expected_nodes)
-        self._roots: dict[bytes, int] = {}
         rows = max(expected_nodes, 16)
-        self.parent = np.zeros(rows, dtype=np.int32)
-        self.num_tokens = np.zeros(rows, dtype=np.int16)   # at most MAX_TOKENS_PER_BLOCK
-        self.depth = np.zeros(rows, dtype=np.int32)
+        self._roots: dict[ReuseScope, int] = {}
+        self._num_alive = 0
+        self.parent = lazy_zeros(rows, np.int32)
+        self.num_tokens = lazy_zeros(rows, np.int16)   # at most MAX_TOKENS_PER_BLOCK
+        self.depth = lazy_zeros(rows, np.int32)
         """Blocks from the root (a root is 0): an evicted page's block ordinal, without a walk up."""
-        self.num_users = np.zeros(rows, dtype=np.int32)
-        self.num_children = np.zeros(rows, dtype=np.int32)
-        self._first_child = np.zeros(rows, dtype=np.int32)
-        self._next_sibling = np.zeros(rows, dtype=np.int32)
-        self._prev_sibling = np.zeros(rows, dtype=np.int32)
-        self.tokens = np.zeros((rows, tokens_per_block), dtype=np.uint32)
-        self.pages = np.zeros((rows, num_layer_groups), dtype=np.int32)
+        self.num_users = lazy_zeros(rows, np.int32)
+        self.num_children = lazy_zeros(rows, np.int32)
+        self._first_child = lazy_zeros(rows, np.int32)
+        self._next_sibling = lazy_zeros(rows, np.int32)
+        self._prev_sibling = lazy_zeros(rows, np.int32)
+        self.tokens = lazy_zeros((rows, tokens_per_block), np.uint32)
+        self.pages = lazy_zeros((rows, num_layer_groups), np.int32)
         """Slot of each node's page per layer group (NO_SLOT: none); the page table writes it."""
         self._heads: dict[int, dict[int, list[int]]] = {}
         """Children of a node with more than WIDE_NODE, by first token, in insertion order."""
@@ -65,10 +74,7 @@ class RadixTree:
     # ---- reading -----------------------------------------------------------------------------
     def __len__(self) -> int:
         """Nodes alive, roots included."""
-        return len(self._index)
-
-    def key(self, node: int) -> bytes:
-        return self._index.key(node)
+        return self._num_alive
 
     def is_full(self, node: int) -> bool:
         return int(self.num_tokens[node]) == self.tokens_per_block
@@ -93,7 +99,7 @@ class RadixTree:
         return iter(self.node_ids().tolist())
 
     def node_ids(self) -> np.ndarray:
-        return self._index.ids()
+        return np.flatnonzero(self.num_tokens[:self._next_id] != _FREE)
 
     def node_id_chunks(self, size: int) -> Iterator[np.ndarray]:
         """Every live node, a chunk of at most `size` ids at a time (int32)."""
@@ -112,8 +118,9 @@ class RadixTree:
         """What is wrong with the tree's own bookkeeping, in words (None: nothing): parents are
         live full blocks one level up, child counts equal the nodes naming each parent, sibling
         lists are linked both ways from their parent's first child, wide nodes list exactly their
-        children, the roots are the parentless nodes, and the key index holds exactly the live
-        nodes (a sample of them found by key). A chunk at a time: millions of nodes in little memory."""
+        children, the roots are the parentless nodes, and a block is the one child of its parent
+        holding its tokens (a sample of them looked up). A chunk at a time: millions of nodes in
+        little memory."""
         alive = self.num_tokens[:self._next_id] != _FREE
         children = 0
         for start in range(0, self._next_id, _CHECK_CHUNK):
@@ -129,12 +136,14 @@ class RadixTree:
         roots = set(np.flatnonzero(alive & (self.parent[:self._next_id] == NO_NODE)).tolist())
         if roots != set(self._roots.values()):
             return "the roots listed are not the parentless nodes"
+        if int(alive.sum()) != self._num_alive:
+            return "the count of live nodes is wrong"
         for node, by_token in self._heads.items():
             listed = [child for same in by_token.values() for child in same]
             if sorted(listed) != sorted(self.children(node)) or \
                     any(int(self.tokens[c, 0]) != t for t, same in by_token.items() for c in same):
                 return f"wide node {node} lists other children by first token than it has"
-        return self._index_problem(alive)
+        return self._lookup_problem(alive)
 
     def _links_problem(self, ids: np.ndarray, alive: np.ndarray) -> str | None:
         parents = self.parent[ids].astype(np.int64)
@@ -154,42 +163,74 @@ class RadixTree:
             return "a node's child count disagrees with the nodes naming it their parent"
         return None
 
-    def _index_problem(self, alive: np.ndarray) -> str | None:
-        found = np.zeros(self._next_id, dtype=bool)
-        for ids in self._index.id_chunks(_CHECK_CHUNK):
-            if (ids >= self._next_id).any() or found[ids].any():
-                return "the key index holds an id twice or one never handed out"
-            found[ids] = True
-        if not np.array_equal(found, alive):
-            return "the key index holds other ids than the live nodes"
-        live = np.flatnonzero(alive)
-        sample = live[::max(1, len(live) // _KEYS_SAMPLED)]
-        if not np.array_equal(self._index.find_many(self._index.keys_of(sample)), sample):
-            return "a live node's key does not find it"
+    def _lookup_problem(self, alive: np.ndarray) -> str | None:
+        blocks = np.flatnonzero(alive & (self.parent[:self._next_id] != NO_NODE))
+        for node in blocks[::max(1, len(blocks) // _SAMPLED)].tolist():
+            width = int(self.num_tokens[node])
+            if self._child_holding(int(self.parent[node]), self.tokens[node, :width]) != node:
+                return f"node {node} is not the one child of its parent holding its tokens"
         return None
 
     # ---- roots and lookups -------------------------------------------------------------------
     def root(self, scope: ReuseScope) -> int:
-        key = root_key(scope)
-        node = self._roots.get(key)
+        node = self._roots.get(scope)
         if node is None:
             node = int(self._new_ids(1)[0])
-            self._init_rows(np.array([node]), NO_NODE, 0, self.tokens_per_block)
-            self._index.add_many(np.array([node]), keys_array([key]))
-            self._roots[key] = node
+            self._init_rows(node, NO_NODE, 0, self.tokens_per_block)
+            self._roots[scope] = node
         return node
 
     def find_root(self, scope: ReuseScope) -> int | None:
-        return self._roots.get(root_key(scope))
+        return self._roots.get(scope)
 
-    def find_chain(self, keys: np.ndarray) -> np.ndarray:
-        """Node ids of the longest run of `keys` ((n, 4) keys of consecutive full blocks, the first a
-        child of some node) present in the tree; a chained key present means its parent is too."""
-        found = self._index.find_many(keys)
-        missing = np.flatnonzero(found == EMPTY)
-        chain = found if not len(missing) else found[:missing[0]]
-        full = self.num_tokens[chain] == self.tokens_per_block
-        return chain if full.all() else chain[:np.flatnonzero(~full)[0]]
+    def find_chain(self, parent: int, tokens: np.ndarray) -> np.ndarray:
+        """Node ids of the longest run of `tokens`' full blocks (uint32; a trailing partial block is
+        ignored) that the tree holds below `parent`, block 0 first."""
+        tpb = self.tokens_per_block
+        count = len(tokens) // tpb
+        blocks = tokens[:count * tpb].reshape(count, tpb)
+        runs: list[np.ndarray] = []
+        at, below = 0, parent
+        while at < count:
+            node = self._child_holding(below, blocks[at])
+            if node == NO_NODE:
+                break
+            length = 1 + self._run_after(node, blocks[at + 1:])
+            runs.append(np.arange(node, node + length, dtype=np.int64))
+            at += length
+            below = node + length - 1
+        return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
+
+    def _run_after(self, node: int, blocks: np.ndarray) -> int:
+        """How many of `blocks` (rows of tokens, in order) are the nodes node+1, node+2, ...: each a
+        live full block that is the child of the one before and holds its row's tokens."""
+        tpb = self.tokens_per_block
+        limit = min(len(blocks), self._next_id - node - 1)
+        matched, window = 0, _FIRST_RUN
+        while matched < limit:
+            size = min(window, limit - matched)
+            first = node + 1 + matched
+            rows = slice(first, first + size)
+            same = self.parent[rows] == np.arange(first - 1, first + size - 1)
+            same &= self.num_tokens[rows] == tpb
+            same &= (self.tokens[rows] == blocks[matched:matched + size]).all(axis=1)
+            if not same.all():
+                return matched + int(np.argmin(same))
+            matched, window = matched + size, 2 * window
+        return matched
+
+    def _child_holding(self, parent: int, tokens: np.ndarray | Sequence[int]) -> int:
+        """The child of `parent` holding exactly `tokens` (1 .. tokens_per_block of them); NO_NODE
+        when none (there is at most one: a block is never added twice)."""
+        width = len(tokens)
+        heads = self._heads.get(parent)
+        candidates = heads.get(int(tokens[0]), []) if heads is not None else self.children(parent)
+        if not candidates:
+            return NO_NODE
+        ids = np.array(candidates, dtype=np.int64)
+        same = (self.num_tokens[ids] == width) & (self.tokens[ids, :width] == np.asarray(tokens)).all(axis=1)
+        hit = np.flatnonzero(same)
+        return int(ids[hit[0]]) if len(hit) else NO_NODE
 
     def best_partial(self, parent: int, chunk: Sequence[int]) -> tuple[int, int] | None:
         """The child sharing the longest token prefix with `chunk` (at most a block), if any: the
@@ -211,57 +252,53 @@ class RadixTree:
         return (int(ids[best]), int(common[best])) if common[best] else None
 
     # ---- growing -----------------------------------------------------------------------------
-    def get_or_insert(self, parent: int, tokens: Sequence[int], key: bytes) -> int:
-        """The child of `parent` keyed `key` (a block of `tokens`), inserted when missing. Partial
-        blocks become leaves."""
+    def get_or_insert(self, parent: int, tokens: Sequence[int]) -> int:
+        """The child of `parent` holding exactly `tokens` (1 .. tokens_per_block of them), inserted
+        when missing. Partial blocks become leaves."""
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
-        node = self._index.find(key)
-        if node != EMPTY:
+        values = np.asarray(tokens, dtype=np.uint32)
+        node = self._child_holding(parent, values)
+        if node != NO_NODE:
             return node
         node = int(self._new_ids(1)[0])
-        self._init_rows(np.array([node]), parent, int(self.depth[parent]) + 1, len(tokens))
-        self.tokens[node, :len(tokens)] = np.asarray(tokens, dtype=np.uint32)
-        self._index.add_many(np.array([node]), keys_array([key]))
+        self._init_rows(node, parent, int(self.depth[parent]) + 1, len(values))
+        self.tokens[node, :len(values)] = values
         self._link(parent, node)
         return node
 
-    def extend(self, parent: int, tokens: np.ndarray, keys: list[bytes]) -> np.ndarray:
-        """`get_or_insert` of consecutive full blocks (their `tokens`, a uint32 array of at least
-        len(keys) blocks; one key each), each the child of the one before: the chain's node ids.
-        Past the first block the tree does not know, every block is new (a new node has no
-        children), so they are made at once: a prefill commits thousands of blocks."""
-        if not keys:
+    def extend(self, parent: int, tokens: np.ndarray) -> np.ndarray:
+        """`get_or_insert` of the consecutive full blocks of `tokens` (uint32; a trailing partial
+        block is ignored), each the child of the one before: the chain's node ids. Past the first
+        block the tree does not know, every block is new (a new node has no children), so they are
+        made at once, with consecutive ids: a prefill commits thousands of blocks."""
+        tpb = self.tokens_per_block
+        count = len(tokens) // tpb
+        if not count:
             return np.zeros(0, dtype=np.int64)
         if not self.is_full(parent):
             raise LogicError("a partial block cannot have children")
-        packed = keys_array(keys)
         # Blocks chain: a first block unknown means all are (the usual prefill).
-        known = self._index.find_many(packed[:1])
-        if known[0] != EMPTY and len(keys) > 1:
-            known = self._index.find_many(packed)
-        elif len(keys) > 1:
-            known = np.full(len(keys), EMPTY, dtype=np.int64)
-        missing = np.flatnonzero(known == EMPTY)
-        if not len(missing):
+        known = self.find_chain(parent, tokens) if self._child_holding(parent, tokens[:tpb]) != NO_NODE \
+            else np.zeros(0, dtype=np.int64)
+        first = len(known)
+        if first == count:
             return known
-        first = int(missing[0])
-        below = int(known[first - 1]) if first else parent
-        new = self._new_ids(len(keys) - first)
-        tpb = self.tokens_per_block
+        below = int(known[-1]) if first else parent
+        num_reused = min(count - first, len(self._free_ids))
+        new = self._new_ids(count - first)
         parents = np.concatenate(([below], new[:-1]))
         # Fresh ids are consecutive: rows written as slices, much cheaper than fancy indexing.
-        consecutive = len(new) == 1 or bool((np.diff(new) == 1).all())
+        consecutive = len(new) == 1 or not num_reused
         rows = slice(int(new[0]), int(new[-1]) + 1) if consecutive else new
         but_last = slice(int(new[0]), int(new[-1])) if consecutive else new[:-1]
         self._init_rows(rows, parents, int(self.depth[below]) + 1 + np.arange(len(new)), tpb)
-        self.tokens[rows] = tokens[first * tpb:len(keys) * tpb].reshape(-1, tpb)
+        self.tokens[rows] = tokens[first * tpb:count * tpb].reshape(-1, tpb)
         # Each new block is the only child of the one before it.
         self._first_child[but_last] = new[1:]
         self.num_children[but_last] = 1
-        self._index.add_many(new, packed[first:])
         self._link(below, int(new[0]))
-        return np.concatenate((known[:first], new))
+        return np.concatenate((known, new))
 
     def _new_ids(self, count: int) -> np.ndarray:
         """`count` unused ids (int64): pruned ones first, then fresh ones (consecutive)."""
@@ -269,6 +306,7 @@ class RadixTree:
         del self._free_ids[len(self._free_ids) - len(reused):]
         fresh = np.arange(self._next_id, self._next_id + count - len(reused), dtype=np.int64)
         self._next_id += len(fresh)
+        self._num_alive += count
         if self._next_id > len(self.num_tokens):
             self._grow(self._next_id)
         return np.concatenate((np.array(reused, dtype=np.int64), fresh)) if reused else fresh
@@ -278,7 +316,7 @@ class RadixTree:
                      "_prev_sibling", "tokens", "pages"):
             grow_rows(getattr(self, name), rows)
 
-    def _init_rows(self, ids: np.ndarray | slice, parent, depth, num_tokens: int) -> None:
+    def _init_rows(self, ids: np.ndarray | slice | int, parent, depth, num_tokens: int) -> None:
         """A new node's row (rows are zero until first used, and cleared when pruned)."""
         self.parent[ids] = parent
         self.depth[ids] = depth
@@ -311,6 +349,8 @@ class RadixTree:
     # ---- pruning -----------------------------------------------------------------------------
     def prune(self, node: int) -> None:
         """Remove `node` and then its ancestors while each holds nothing and nobody chains through it."""
+        if self.num_children[node] or self.num_users[node] or int(self.pages[node].max()) != NO_SLOT:
+            return   # the usual case (it holds a page), told without the arrays of prune_many
         self.prune_many(np.array([node], dtype=np.int64))
 
     def prune_many(self, nodes: np.ndarray) -> None:
@@ -340,14 +380,15 @@ class RadixTree:
         staying = (parents != NO_NODE) & (self.num_tokens[np.maximum(parents, 0)] != _FREE)
         for node, parent in zip(gone[staying].tolist(), parents[staying].tolist()):
             self._unlink(parent, node)
-        for node in gone[parents == NO_NODE].tolist():
-            self._roots.pop(self._index.key(node), None)
+        roots = set(gone[parents == NO_NODE].tolist())
+        if roots:
+            self._roots = {scope: node for scope, node in self._roots.items() if node not in roots}
         if self._heads:
             wide = np.fromiter(self._heads, dtype=np.int64, count=len(self._heads))
             for node in wide[np.isin(wide, gone)].tolist():
                 del self._heads[node]
-        self._index.remove_many(gone)
         self.num_tokens[gone] = _FREE
+        self._num_alive -= len(gone)
         self._free_ids.extend(gone.tolist())
 
     def _unlink(self, parent: int, child: int) -> None:

@@ -57,25 +57,41 @@ class SlotAllocator:
         return self.num_slots - self._next_fresh + len(self._freed)
 
     def allocate(self) -> PageIndex:
-        return self.allocate_many(1)[0]
+        if not self.num_free:
+            raise OutOfPagesError("no free slot")
+        slot = self._take_lazily(1)[0] if self._lazy and not self._first else self._take()
+        self._owned[slot] = 1
+        return PageIndex(int(slot))
 
-    def allocate_many(self, count: int) -> list[PageIndex]:
-        """The next `count` slots, as `count` calls of `allocate` would hand them out."""
+    def allocate_many(self, count: int) -> np.ndarray:
+        """The next `count` slots (int64), as `count` calls of `allocate` would hand them out."""
+        return self.allocate_run(count)[0]
+
+    def allocate_run(self, count: int) -> tuple[np.ndarray, slice | None]:
+        """`allocate_many`, and the slice the slots fill when they are consecutive and ascending
+        (slots never used before are): a constant written to a slice costs far less than to a
+        list of slots."""
         if count > self.num_free:
             raise OutOfPagesError(f"{count} slots asked, {self.num_free} free" if count > 1 else "no free slot")
-        slots = self._take_lazily(count) if self._lazy and not self._first else [self._take() for _ in range(count)]
-        owned = self._owned
-        for slot in slots:
-            owned[slot] = 1
-        return slots
+        run = None
+        if self._lazy and not self._first:
+            first_fresh = self._next_fresh
+            slots = self._take_lazily(count)
+            if count and self._next_fresh - first_fresh == count:   # all never used: one range
+                run = slice(first_fresh, self._next_fresh)
+        else:
+            slots = np.array([self._take() for _ in range(count)], dtype=np.int64)
+        self._owned_bytes()[slots if run is None else run] = 1
+        return slots, run
 
-    def _take_lazily(self, count: int) -> list[PageIndex]:
+    def _take_lazily(self, count: int) -> np.ndarray:
         fresh = min(count, self.num_slots - self._next_fresh)
-        slots: list[PageIndex] = list(range(self._next_fresh, self._next_fresh + fresh))  # type: ignore[arg-type]
+        slots = np.arange(self._next_fresh, self._next_fresh + fresh, dtype=np.int64)
         self._next_fresh += fresh
+        if fresh == count:
+            return slots
         popleft = self._freed.popleft
-        slots += [popleft() for _ in range(count - fresh)]
-        return slots
+        return np.concatenate((slots, np.array([popleft() for _ in range(count - fresh)], dtype=np.int64)))
 
     def _take(self) -> PageIndex:
         if self._first:
@@ -98,7 +114,7 @@ class SlotAllocator:
         if slots.min() < 0 or slots.max() >= self.num_slots or not owned[slots].all() or \
                 len(np.unique(slots)) != len(slots):
             raise LogicError("a slot freed but not owned")
-        np.frombuffer(self._owned, dtype=np.uint8)[slots] = 0
+        self._owned_bytes()[slots] = 0
         self._freed.extend(slots.tolist())
 
     def hand_out_last_first(self, count: int) -> None:
@@ -119,6 +135,10 @@ class SlotAllocator:
     def owned_mask(self) -> np.ndarray:
         """A read-only boolean per slot: owned."""
         return np.frombuffer(self._owned, dtype=np.bool_)
+
+    def _owned_bytes(self) -> np.ndarray:
+        """The ownership bytes themselves, one uint8 a slot (this allocator's own use)."""
+        return np.frombuffer(self._owned, dtype=np.uint8)
 
     def free_slot_parts(self) -> tuple[range, np.ndarray]:
         """The free list as the never-used slots (a range, at its head in FIFO order) and the rest."""

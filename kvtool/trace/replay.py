@@ -159,15 +159,18 @@ GC_EVERY_ITERATIONS = 4096
 
 @contextlib.contextmanager
 def _collect_every(iterations: int):
-    """Python's automatic collector off, a full collection every `iterations` iterations instead.
-    A replay allocates millions of long-lived nodes and pages; the automatic collector rescans
-    them again and again (a third of a block-fidelity replay's time), while the manager breaks its
-    own reference cycles when it frees them."""
+    """Python's automatic collector off, a full collection every `iterations` iterations instead,
+    over what the replay allocated only: the objects that exist when it starts (the imported
+    modules, torch's hundreds of thousands among them) are frozen out of every collection until
+    it ends. The automatic collector would rescan long-lived objects again and again, while the
+    manager breaks its own reference cycles when it frees them."""
     was_enabled = gc.isenabled()
     gc.disable()
+    gc.freeze()
     try:
         yield lambda iteration: gc.collect() if iteration % iterations == 0 else None
     finally:
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
 

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvtool.blocks import ceil_div
 from kvtool.connector.request import Request
 from kvtool.errors import InputError
@@ -52,9 +54,7 @@ def parse_record(raw: dict[str, Any], index: int, fmt: TraceFormat, block_size: 
         raise InputError(f"missing field {missing[0]!r}")
     input_length = _count(raw, "input_length", 1)
     output_length = _count(raw, "output_length", 0)
-    hash_ids = raw["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h < 2**63 for h in hash_ids):
-        raise InputError("hash_ids must be a list of integers in [0, 2**63)")
+    hash_ids = _block_ids(raw["hash_ids"])
     if len(hash_ids) != ceil_div(input_length, size):
         raise InputError(f"{len(hash_ids)} hash_ids for input_length {input_length}: "
                          f"{fmt.name} blocks of {size} tokens need {ceil_div(input_length, size)}")
@@ -66,8 +66,21 @@ def parse_record(raw: dict[str, Any], index: int, fmt: TraceFormat, block_size: 
             raise InputError(f"{key} must be an integer, got {raw[key]!r}")
     if "type" in raw and not isinstance(raw["type"], str):
         raise InputError(f"type must be a string, got {raw['type']!r}")
-    tokens = token_array_from_native(synthesize_tokens(hash_ids, input_length, size).tobytes())
+    tokens = token_array_from_native(synthesize_tokens(hash_ids, input_length, size).data.cast("B"))
     return Request(index, tokens, 0 if prefill_only else output_length, arrival=float(stamp) * fmt.seconds_per_tick)
+
+
+def _block_ids(hash_ids: Any) -> np.ndarray:
+    """The ids as int64; InputError unless a list of ints (not bools) in [0, 2**63)."""
+    if not isinstance(hash_ids, list) or not set(map(type, hash_ids)) <= {int}:
+        raise InputError("hash_ids must be a list of integers in [0, 2**63)")
+    try:
+        ids = np.array(hash_ids, dtype=np.int64)
+    except OverflowError:
+        raise InputError("hash_ids must be a list of integers in [0, 2**63)") from None
+    if len(ids) and int(ids.min()) < 0:
+        raise InputError("hash_ids must be a list of integers in [0, 2**63)")
+    return ids
 
 
 def _is_int(value: Any) -> bool:

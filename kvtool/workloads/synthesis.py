@@ -11,6 +11,7 @@ when the later one's id (hence both) matches.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -18,22 +19,32 @@ import numpy as np
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_30, _27, _31, _32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_STEPS: dict[int, np.ndarray] = {}
+"""(offset + 1) * golden for each offset in a block, by block size."""
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x * _GOLDEN + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        return z ^ (z >> np.uint64(31))
-
-
-def synthesize_tokens(hash_ids: Sequence[int], input_length: int, block_size: int) -> np.ndarray:
+def synthesize_tokens(hash_ids: Sequence[int] | np.ndarray, input_length: int, block_size: int) -> np.ndarray:
     """The `input_length` tokens (uint32) of a prompt whose i-th block of `block_size` tokens has id
     `hash_ids[i]`; the last block may be partial (its tokens are the first ones of the full block).
-    Needs `len(hash_ids) == ceil(input_length / block_size)`."""
-    ids = np.asarray(hash_ids, dtype=np.uint64)
-    offsets = np.arange(block_size, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        seeds = (ids[:, None] * np.uint64(block_size) + offsets[None, :]).reshape(-1)[:input_length]
-    return (_splitmix64(seeds) >> np.uint64(32)).astype(np.uint32)
+    Needs `len(hash_ids) == ceil(input_length / block_size)`.
+
+    Token (i, k) is the high half of splitmix64(hash_ids[i] * block_size + k). Its first step,
+    z = x * golden + golden, is written base(id) + (k + 1) * golden so a block is one broadcast
+    add; the rest works in place (array arithmetic on uint64 wraps silently)."""
+    steps = _STEPS.get(block_size)
+    if steps is None:
+        steps = _STEPS[block_size] = np.arange(1, block_size + 1, dtype=np.uint64) * _GOLDEN
+    base = np.asarray(hash_ids, dtype=np.uint64) * np.uint64(block_size)
+    base *= _GOLDEN
+    z = (base[:, None] + steps[None, :]).reshape(-1)[:input_length]
+    scratch = z >> _30
+    z ^= scratch
+    z *= _MIX1
+    np.right_shift(z, _27, out=scratch)
+    z ^= scratch
+    z *= _MIX2
+    # The last step's high half, (z ^ (z >> 31)) >> 32, is high ^ (high >> 31) with high = z >> 32:
+    # worked on the 4-byte high halves in place of the 8-byte words.
+    high = z.view(np.uint32)[1::2] if sys.byteorder == "little" else (z >> _32).astype(np.uint32)
+    return high ^ (high >> np.uint32(31))
