@@ -99,3 +99,23 @@ def test_every_import_points_down_the_layers():
     upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                     if layer_of(b) > layer_of(a) and layer_of(a) >= 0)
     assert upward == []
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The first component of every module `path` imports (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_package_ships_no_study_tool_and_imports_no_test():
+    """Studies of kvtool itself live in benchmarks/ (argparse scripts run from the repository root);
+    the installed package reaches neither them nor tests/, and has one CLI framework (typer)."""
+    offenders = {str(path.relative_to(PACKAGE_ROOT.parent)): sorted(found)
+                 for path in PACKAGE_ROOT.rglob("*.py")
+                 if (found := top_level_imports(path) & {"tests", "benchmarks", "argparse"})}
+    assert offenders == {}

@@ -235,8 +235,8 @@ def test_a_follower_hands_its_worker_a_stream_and_reports_a_raising_get_finished
 
 
 def test_the_rank_overhead_bench_still_drives_the_followers():
-    """`python -m kvtool.bench.rank_overhead` builds orders by hand: it broke once when PassOrder changed."""
-    from kvtool.bench.rank_overhead import empty_round_trip_us
+    """`python -m benchmarks.rank_overhead` builds orders by hand: it broke once when PassOrder changed."""
+    from benchmarks.rank_overhead import empty_round_trip_us
     assert empty_round_trip_us(2, repeats=3) > 0
 
 

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from helpers.traces import random_mooncake_trace
-from kvtool.cli.replay_speed import main
+from benchmarks.replay_speed import main
 
 
 def test_it_replays_each_fraction_and_the_shipped_workload(tmp_path, capsys):
@@ -54,7 +54,7 @@ def test_the_largest_replay_is_cut_into_segments_of_equal_prompt_tokens(tmp_path
 def test_versus_compares_two_trees_and_times_the_command_line(tmp_path):
     """This tree against itself on 20 requests: counts equal, a library replay and a `kvtool trace
     run` timed for each tree, the machine's CPU and load in meta.json."""
-    from kvtool.cli import replay_versus
+    from benchmarks import replay_versus
 
     root = Path(__file__).resolve().parents[1]
     head = tmp_path / "head.jsonl"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.cli.replay_child import replay
+from benchmarks.replay_child import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "tests" / "data" / "trace_counts_a6e596d.json").read_text())

@@ -86,7 +86,7 @@ def test_a_save_that_only_spins_python_reads_below_one_that_keeps_the_gpu_busy(t
     with scratch_working_folder():
         problems = run_compute_suite(targets, "tiny", [16], QUICK, "cuda", rows)      # one block size: two rows
     readings = json.dumps([r.as_dict() for r in rows], indent=1)
-    print(readings)          # .ci/gpu-session keeps it (-rP): the readings, passed or not
+    print(readings)          # gpu-sessions/gpu-session keeps it (-rP): the readings, passed or not
     assert problems == [] and [r.verified for r in rows] == [True, True], readings
     spinning, hogging = rows
     # products beside the busy save take about twice as long: fewer fit its spans

@@ -85,7 +85,7 @@ WHOLE_KIT = ("host", "host-async", "host-layerwise", "disk")
 JOBS = os.environ.get("KVTOOL_WHOLE_KIT_JOBS", "4")
 """Scenarios at once per validation: the four validations keep 16 scenario processes running, one per
 core of the H200 machine (each lowers its --jobs to the CPUs it sees, but knows nothing of the others).
-The variable is for measuring another count on the GPU machine (`.ci/gpu-session tests-twice`)."""
+The variable is for measuring another count on the GPU machine (`gpu-sessions/gpu-session tests-twice`)."""
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ connector built and registered), `setup` again in the same process (what a scena
 is up), and one `cold-warm`. `--at-once N` starts N probes together from a fork server preloading
 torch and kvtool, as validate's scenario processes are. One JSON line per probe, then the medians.
 
-    python3 .ci/gpu-startup-probe.py --at-once 1
-    python3 .ci/gpu-startup-probe.py --at-once 16
+    python3 gpu-sessions/gpu-startup-probe.py --at-once 1
+    python3 gpu-sessions/gpu-startup-probe.py --at-once 16
 """
 
 from __future__ import annotations

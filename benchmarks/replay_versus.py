@@ -2,7 +2,7 @@
 the first 1 %, 10 % and 100 % of a trace, prefill only, blocks fidelity, each replay in a process
 of its own (`replay_child`, run under each tree's PYTHONPATH), the two trees alternating.
 
-    python -m kvtool.cli.replay_versus TRACE --baseline DIR [--fractions 0.01,0.1,1]
+    python -m benchmarks.replay_versus TRACE --baseline DIR [--fractions 0.01,0.1,1]
         [--tokens-per-block 32] [--num-slots 4000000] [--connector none] [--capacity C]
         [--core N] [--no-cli] [--output DIR]
 
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvtool.cli.replay_speed import head_of
+from benchmarks.replay_speed import head_of
 from kvtool.report.run_folder import (git_commit, prepare_run_folder, settled_run_folders, write_file, write_json,
                                       write_meta)
 
-THIS_TREE = Path(__file__).resolve().parents[2]
+THIS_TREE = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("replay_child.py")
 _RUN_CHILD = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 """Runs replay_child.py by path without putting its folder on sys.path (kvtool/cli/trace.py would

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds, on a machine with the package index, the kit that .ci/field-gpu.sh installs on the GPU
+# Builds, on a machine with the package index, the kit that field-kits/field-gpu.sh installs on the GPU
 # machine (which has no network, Python 3.12, CUDA 13, torch 2.11, and a 64 MiB carry limit).
 # The wheels as published do not fit: nixl-cu13 1.3.2 (cp312) alone is 66,330,361 B (63.3 MiB),
 # and KVBM's 14,891,253 B come on top. So the kit is their unpacked files, less what KVBM never
 # loads (nixl_ep_cu13: NIXL's expert-parallel kernels, one 39 MB library per torch version; UCX's
 # perf-test tools), packed with xz. It prints the kit's size; a kit over LIMIT_B is refused.
-#   bash .ci/field-kit.sh [kvbm|lmcache|lmcache-gpu|both]     # -> .field/kit-WHAT.tar.xz (.field is git-ignored)
+#   bash field-kits/field-kit.sh [kvbm|lmcache|lmcache-gpu|both]     # -> .field/kit-WHAT.tar.xz (.field is git-ignored)
 # `lmcache-gpu` is LMCache less what the GPU machine's image already holds (numba, llvmlite,
 # transformers, tokenizers, cuda-bindings, cupy, numpy, pyyaml, psutil, ...: KINDS.md's package list),
 # which is what lets it travel beside KVBM's kit in one call.

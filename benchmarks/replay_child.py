@@ -1,7 +1,7 @@
 """One timed block-fidelity replay, prefill only, in a process of its own: one JSON line on stdout
 with its wall and CPU seconds, tokens/s, µs per block, peak resident memory and the counts it decided.
 
-    python -m kvtool.cli.replay_child TRACE TOKENS_PER_BLOCK NUM_SLOTS CONNECTOR [CAPACITY]
+    python -m benchmarks.replay_child TRACE TOKENS_PER_BLOCK NUM_SLOTS CONNECTOR [CAPACITY]
 
 `replay_against` runs it under the source tree being measured (its PYTHONPATH), so it uses only
 what kvtool offered before this file existed (`build_replay`, `run_trace`, `TraceSummary`): the

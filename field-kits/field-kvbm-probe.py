@@ -1,6 +1,6 @@
 """KVBM 1.6.1's TensorRT-LLM leader and worker built by kvtool's engine on DEVICE pages (argv[1],
 default cuda), 32 tokens a block: how long construction and registration take, and, should either
-hang, where (every thread's stack after HANG_S seconds, then exit 1). Run by .ci/field-gpu.sh before
+hang, where (every thread's stack after HANG_S seconds, then exit 1). Run by field-kits/field-gpu.sh before
 the validate batches, whose preflight would hang the same way with no stack to show."""
 import faulthandler
 import sys

@@ -3,14 +3,14 @@
 # --compat trtllm` on GPU pages: the run a CPU-only machine cannot make (docs/field-connectors.md
 # says what stops it there).
 #
-# 1. Where the package index is reachable: bash .ci/field-kit.sh kvbm; bash .ci/field-kit.sh lmcache-gpu
+# 1. Where the package index is reachable: bash field-kits/field-kit.sh kvbm; bash field-kits/field-kit.sh lmcache-gpu
 #    -> .field/kit-kvbm.tar.xz, .field/kit-lmcache-gpu.tar.xz (LMCache less what the GPU image holds)
 # 2. Through the device tool, carrying both kits (and .whl, the device wheels), one call:
-#      export KVTOOL_COMMIT=<HEAD here>; bash .ci/field-gpu.sh
+#      export KVTOOL_COMMIT=<HEAD here>; bash field-kits/field-gpu.sh
 #    within DEADLINE_S (560 s) of its start; without LMCache's kit only KVBM runs. Results: $OUT/field-gpu.tgz (every run folder: results.json,
 #    results.csv, meta.json, tracebacks/; each step's log), and beside it steps.txt (one line a step:
 #    rc and seconds) and summary.csv (every verdict row, with the run it came from).
-# First a probe (.ci/field-kvbm-probe.py) builds KVBM alone and times it; should it hang, its stack is
+# First a probe (field-kits/field-kvbm-probe.py) builds KVBM alone and times it; should it hang, its stack is
 # logged and only one batch runs (60 s). The validate runs are batches of scenarios, each its own folder, so a batch cut by the deadline
 # loses only itself; each batch gets its own KVBM ZMQ ports, and inside a batch each scenario's
 # process starts once the one before it has ended (--no-overlap: KVBM's leader holds its ports until
@@ -55,7 +55,7 @@ if [ "$device" = cuda ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.
     pack; exit 2
 fi
 if [ ! -f "$kit" ]; then
-    note "field-gpu: no kit at $kit: build it with .ci/field-kit.sh kvbm and carry .field. Nothing run."
+    note "field-gpu: no kit at $kit: build it with field-kits/field-kit.sh kvbm and carry .field. Nothing run."
     pack; exit 2
 fi
 site=/tmp/field-gpu-kit && rm -rf "$site" && mkdir -p "$site" && tar -C "$site" -xJf "$kit" || { note "field-gpu: cannot unpack $kit"; pack; exit 2; }
@@ -72,7 +72,7 @@ print('gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else Non
 # tier must be configured"); the KV-event consolidator wants TensorRT-LLM's own event publisher.
 export DYN_KVBM_CPU_CACHE_GB=1 DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false RUST_BACKTRACE=1 NO_COLOR=1
 export DYN_KVBM_LEADER_ZMQ_PUB_PORT=56091 DYN_KVBM_LEADER_ZMQ_ACK_PORT=56092
-step kvbm-probe 60 python3 .ci/field-kvbm-probe.py "$device"   # construction + registration alone, timed
+step kvbm-probe 60 python3 field-kits/field-kvbm-probe.py "$device"   # construction + registration alone, timed
 hung=0; grep -q "^Timeout (" "$work/kvbm-probe.log" && hung=1   # faulthandler's stack dump: a hang
 
 kvbm=kvbm.trtllm_integration.connector:DynamoKVBMConnectorLeader:DynamoKVBMConnectorWorker

@@ -1,6 +1,6 @@
 """Kernel tuning sweep: SMs used and loads in flight per lane, against the same run's peak.
 
-    python -m kvtool.bench.tune [--batch-bytes 64MiB] [--repeats 10]
+    python -m benchmarks.tune [--batch-bytes 64MiB] [--repeats 10]
 
 Prints one row per (variant, direction, chunk size); the defaults of the `kernel` backend come from
 this sweep on the target GPU.

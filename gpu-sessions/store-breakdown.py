@@ -1,7 +1,7 @@
 """Where a store bench's time goes on GPU pages (issue 41): raw backend batches against the link, and
 the protocol bench with every phase of a pass clocked. Run on the GPU machine:
 
-    python3 .ci/store-breakdown.py OUT_DIR [--quick]
+    python3 gpu-sessions/store-breakdown.py OUT_DIR [--quick]
 
 Writes OUT_DIR/raw.jsonl (one backend batch: GB/s and ratio to a contiguous pinned copy of the same
 bytes, measured beside it), OUT_DIR/protocol.jsonl (one line per connector x workload x block size:

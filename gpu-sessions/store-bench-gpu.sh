@@ -17,14 +17,14 @@ step() {   # NAME SECONDS COMMAND...: run, its output in $out/NAME.log, its exit
     tail -n 1 "$out/$name.log" | sed "s/^/$name: /"
 }
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv >"$out/gpu.csv" 2>&1
-step raw 40 python3 .ci/store-breakdown.py "$out/breakdown" --part raw --backends "${BEFORE:-staged-runs},staged,batch" \
+step raw 40 python3 gpu-sessions/store-breakdown.py "$out/breakdown" --part raw --backends "${BEFORE:-staged-runs},staged,batch" \
     --raw-pages 2097152,4194304 --raw-counts 128
 step bench 160 python3 -m kvtool bench --suite store --device cuda --output "$out/bench"
 if [ -z "${SKIP_BEFORE:-}" ]; then
-    step breakdown-before 50 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol \
+    step breakdown-before 50 python3 gpu-sessions/store-breakdown.py "$out/breakdown" --part protocol \
         --backends "${BEFORE:-staged-runs}" --modes sync --workloads 8x16x8
 fi
-step breakdown-after 100 python3 .ci/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
+step breakdown-after 100 python3 gpu-sessions/store-breakdown.py "$out/breakdown" --part protocol --backends staged \
     --modes sync,async,layerwise --workloads 8x4x8,8x16x8 --profile
 step bench-async 70 python3 -m kvtool bench --suite store --device cuda --connector host --connector-opt mode=async \
     --with-compute --repeats 1 --output "$out/bench-async"

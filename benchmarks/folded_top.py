@@ -4,7 +4,7 @@
 This keeps the stacks of validate's scenario processes (children of a fork server: a
 `_serve_one` frame), and prints the innermost frames with the most samples, with their share.
 
-    python3 .ci/folded-top.py results/h100-gpu-kit-study/run-b-ca79431/kit.folded.gz [--top 12]
+    python3 benchmarks/folded_top.py results/h100-gpu-kit-study/run-b-ca79431/kit.folded.gz [--top 12]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The link study: every transfer path against the same run's physical limits, in one run.
 
-    python -m kvtool.cli.link_study --output results/NAME [--repeats 20] [--batch-bytes 64MiB]
+    python -m benchmarks.link_study --output results/NAME [--repeats 20] [--batch-bytes 64MiB]
 
 What it measures, for 16 KB (a layer's K and V of a 4-token llama-3.1-8b block) and 512 KB (the
 whole page) chunks:

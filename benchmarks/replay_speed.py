@@ -2,7 +2,7 @@
 grows: the first 1 %, 10 % and 100 % of a trace, prefill only, one connector-tier capacity, one
 core; and the shipped workload in bytes fidelity (the path `validate` uses).
 
-    python -m kvtool.cli.replay_speed TRACE [--fractions 0.01,0.1,1] [--repeats N] [--output DIR] [--profile]
+    python -m benchmarks.replay_speed TRACE [--fractions 0.01,0.1,1] [--repeats N] [--output DIR] [--profile]
 
 Prints one JSON row per replay (tokens/s, µs per block) and, with --output, writes
 results.json, results.csv, meta.json and (--profile) the top of a cProfile of the largest run.
@@ -35,7 +35,7 @@ from kvtool.engine.events import Finished
 from kvtool.trace.replay import run_trace
 from kvtool.report.run_folder import prepare_run_folder, settled_run_folders, write_file, write_json, write_meta
 
-SHIPPED = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
+SHIPPED = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
 
 
 class SegmentClock:

@@ -2,7 +2,7 @@
 order broadcast and the report gather) at N = 1 (a group of one), 2 and 4, against the same replay
 without a process group in the same run; and the shipped workload's wall time at N = 1 and 2.
 
-    python -m kvtool.bench.rank_overhead > rank_overhead.json
+    python -m benchmarks.rank_overhead > rank_overhead.json
 
 Every replay uses the host connector, tensor-parallel shards where the model allows, CPU pools.
 """
@@ -23,7 +23,7 @@ from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "workloads" / "shared_prefix.jsonl"
+WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
 
 
 def replay(num_ranks: int, processes: bool, tokens_per_block: int = 32) -> dict:
