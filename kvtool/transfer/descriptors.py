@@ -55,6 +55,21 @@ def op_descriptors(op: CopyOp) -> np.ndarray:
     return descs
 
 
+def shifted_descriptors(descs: np.ndarray, src_shift: int, dst_shift: int) -> np.ndarray:
+    """A copy of `descs` with every source address moved by `src_shift` bytes and every
+    destination by `dst_shift` (either may be negative)."""
+    out = descs.copy()
+    out["src"] = (out["src"].astype(np.int64) + src_shift).astype(np.uint64)
+    out["dst"] = (out["dst"].astype(np.int64) + dst_shift).astype(np.uint64)
+    return out
+
+
+def shifted_copy(copy: "PitchedCopy", src_shift: int, dst_shift: int) -> "PitchedCopy":
+    """`copy` with its source moved by `src_shift` bytes and its destination by `dst_shift`."""
+    return PitchedCopy(copy.dst + dst_shift, copy.dst_pitch, copy.src + src_shift, copy.src_pitch, copy.width,
+                       copy.rows)
+
+
 def split_by_alignment(descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(aligned to 16 bytes in src, dst and size; the rest)."""
     mask = np.uint64(VECTOR_BYTES - 1)
