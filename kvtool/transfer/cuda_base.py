@@ -96,11 +96,11 @@ class CudaBackendBase:
 
     def prepare_layers(self, layers: Sequence[Sequence[CopyOp]]) -> list:
         """One prepared batch per layer (never graphed); `build_layers` may share work between them."""
-        layers = [[op for op in ops if op.src_slots] for ops in layers]
-        for op in (op for ops in layers for op in ops):
+        kept = [[op for op in ops if op.src_slots] for ops in layers]
+        for op in (op for ops in kept for op in ops):
             _require_reachable(op)
         with rt.current():
-            return self.build_layers(layers)
+            return self.build_layers(kept)
 
     def build_layers(self, layers: list[list[CopyOp]]) -> list:
         """`build` per layer; a backend that can derive one layer's batch from another's overrides it."""
