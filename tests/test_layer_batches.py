@@ -136,3 +136,19 @@ def test_async_moves_each_pass_in_one_launch_per_direction():
     assert engine.integrity_errors == 0 and cold == warm
     launches = [e for p in passes(CountingWorker.log) for e in p]
     assert [(e[0], e[1]) for e in launches] == [("save", NUM_PROMPTS * BLOCKS), ("load", NUM_PROMPTS * BLOCKS)]
+
+
+def test_a_shifted_table_and_shifted_runs_equal_those_built_at_the_other_offsets():
+    """What staged's `build_layers` relies on: layer k's descriptors and copy-engine runs are layer
+    0's moved by layer k's offsets (built once, shifted 31 times on a 32-layer model)."""
+    import torch
+    from kvtool.transfer.api import CopyOp, PageSpace
+    from kvtool.transfer.descriptors import direct_copies, op_descriptors, shifted_copy, shifted_descriptors
+    pages = PageSpace.contiguous(torch.zeros(16 * 4096, dtype=torch.uint8), 4096)
+    store = PageSpace.contiguous(torch.zeros(16 * 4096, dtype=torch.uint8), 4096)
+    slots, rows = (3, 4, 5, 9, 1), (0, 1, 2, 3, 7)
+    first, other = (CopyOp(pages, store, slots, rows, 1024, offset, offset + 512) for offset in (0, 2048))
+    moved = shifted_descriptors(op_descriptors(first), 2048, 2048)
+    assert moved.tolist() == op_descriptors(other).tolist()
+    runs = direct_copies(first, 1)
+    assert [shifted_copy(r, 2048, 2048) for r in runs] == direct_copies(other, 1)
