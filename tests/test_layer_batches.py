@@ -152,3 +152,19 @@ def test_a_shifted_table_and_shifted_runs_equal_those_built_at_the_other_offsets
     assert moved.tolist() == op_descriptors(other).tolist()
     runs = direct_copies(first, 1)
     assert [shifted_copy(r, 2048, 2048) for r in runs] == direct_copies(other, 1)
+
+
+def test_a_synchronous_batch_on_a_gpu_is_a_head_then_the_rest():
+    from kvtool.connectors.host import head_and_rest
+    batch = list(range(128))
+    assert head_and_rest(batch, 8) == [batch[:16], batch[16:]]
+    assert head_and_rest(batch, 0) == [batch]
+    assert head_and_rest(batch[:5], 8) == [batch[:5]]        # too small to split: one launch
+
+
+def test_sync_head_must_be_a_whole_number():
+    engine_options = {"mode": "sync", "sync_head": "-1"}
+    with pytest.raises(Exception, match="sync_head"):
+        Engine(EngineConfig(KvCacheManagerConfig(load_model("tiny"), TPB, num_slots=16, device="cpu"),
+                            SchedulerConfig()),
+               ConnectorSpec("counting-host", HostConnectorScheduler, CountingWorker, __name__), engine_options)

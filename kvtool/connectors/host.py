@@ -34,6 +34,10 @@ from kvtool.transfer.api import PageSpace
 from kvtool.units import parse_size
 
 DEFAULT_CAPACITY = "256MiB"
+DEFAULT_SYNC_HEAD = "8"
+SYNC_HEAD_OPTION = ConnectorOption("sync_head", "synchronous copies on a GPU: launch the first 1/N of a pass's "
+                                   "batch before preparing the rest, so the link starts while the host works "
+                                   "(0: the batch in one launch)", DEFAULT_SYNC_HEAD, check=lambda v: _divisor(v))
 DEFAULT_EVICTION = "lru"
 EVICTION_OPTION = ConnectorOption("eviction", "which block goes when the tier is full: lru (least recently "
                                   "used) or lfu (least often used, ties least recent)", DEFAULT_EVICTION,
@@ -47,6 +51,20 @@ def entries_per_group(llm_args: LlmArgs) -> int:
     if capacity < per_block:
         raise InputError(f"host store capacity {capacity} bytes is below one block ({per_block} bytes)")
     return capacity // per_block
+
+
+def _divisor(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"sync_head must be 0 or more, got {value}")
+    return value
+
+
+def head_and_rest(transfers: Sequence[PageTransfer], divisor: int) -> list[Sequence[PageTransfer]]:
+    """`transfers` as the launches of a synchronous copy: the first 1/`divisor` (at least one) and
+    the rest, or all at once when `divisor` is 0 or the batch is too small to split."""
+    head = len(transfers) // divisor if divisor else 0
+    return [transfers[:head], transfers[head:]] if head else [transfers]
 
 
 def zeroed_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
@@ -63,7 +81,7 @@ def zeroed_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
 class HostConnectorScheduler(BlockStoreScheduler):
     kvtool_options = STORE_OPTIONS + (
         ConnectorOption("capacity", "host memory for stored blocks, e.g. 1GiB", DEFAULT_CAPACITY, check=parse_size),
-        EVICTION_OPTION,
+        EVICTION_OPTION, SYNC_HEAD_OPTION,
     )
 
     def __init__(self, llm_args: LlmArgs) -> None:
@@ -101,6 +119,7 @@ class HostConnectorWorker(BlockStoreWorker):
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
         self._side = SideStream(False)
+        self._sync_head = _divisor(llm_args.connector_options.get("sync_head", DEFAULT_SYNC_HEAD))
         self._layer_loads: LayerBatches | None = None
         self._layer_saves: tuple[StoreMetadata, LayerBatches] | None = None
         """This pass's save plan, with the metadata it was built for."""
@@ -128,8 +147,10 @@ class HostConnectorWorker(BlockStoreWorker):
         self._copy(transfers, to_store=True, layer_id=layer_id)
 
     def _copy(self, transfers: Sequence[PageTransfer], to_store: bool, layer_id: int | None) -> None:
-        slots = [t.location[1] for t in transfers]
-        self.backend.copy(self.page_ops(transfers, self.store, slots, to_store, layer_id))
+        """One launch (on a GPU: a head, then the rest prepared while the head crosses), landed on return."""
+        for part in head_and_rest(transfers, self._sync_head if self._side.stream is not None else 0):
+            slots = [t.location[1] for t in part]
+            self.backend.copy(self.page_ops(part, self.store, slots, to_store, layer_id))
         self.backend.synchronize()
 
     # ---- layerwise: one launch per layer and direction ------------------------------------------
