@@ -16,6 +16,7 @@ import torch
 
 from kvtool.errors import LogicError
 from kvtool.transfer.api import CopyOp, TransferBackend
+from kvtool.transfer.torch_backend import TorchBackend
 
 
 class SideStream:
@@ -32,11 +33,14 @@ class SideStream:
             self.stream.wait_stream(forward or torch.cuda.current_stream())
 
     def launch(self, backend: TransferBackend, prepared: object) -> None:
-        """`prepared` launched on the side stream (current, for a backend that runs on the current one)."""
+        """`prepared` launched on the side stream (made current for the torch backend, which runs
+        on the current stream; a CUDA backend orders its own streams against the one it is given)."""
         if self.stream is None:
             backend.launch(prepared, None)
-            return
-        with torch.cuda.stream(self.stream):
+        elif isinstance(backend, TorchBackend):
+            with torch.cuda.stream(self.stream):
+                backend.launch(prepared, self.stream)
+        else:
             backend.launch(prepared, self.stream)
 
     def mark(self) -> torch.cuda.Event | None:
@@ -67,18 +71,21 @@ class LayerBatches:
                 ) -> "LayerBatches":
         return LayerBatches(list(layer_ids), backend.prepare_layers(ops_by_layer))
 
-    def launch(self, layer_id: int, backend: TransferBackend, side: SideStream) -> None:
-        """Layer `layer_id`'s one batched launch (every request's pages); LogicError when it has
-        been launched already this pass or is no layer of the plan."""
+    def launch(self, layer_id: int, backend: TransferBackend, side: SideStream, mark: bool = False) -> None:
+        """Layer `layer_id`'s one batched launch (every request's pages), with an event behind it
+        when `mark` (what `wait` waits for); LogicError when it has been launched already this pass
+        or is no layer of the plan."""
         if layer_id in self.launched or layer_id not in self.layer_ids:
             raise LogicError(f"layer {layer_id} launched twice in a pass, or not a layer of the layout")
         side.launch(backend, self.prepared[self.layer_ids.index(layer_id)])
         self.launched.add(layer_id)
-        self.landed[layer_id] = side.mark()
+        if mark:
+            self.landed[layer_id] = side.mark()
 
     def launch_all(self, backend: TransferBackend, side: SideStream) -> None:
+        """Every layer in order, each marked (loads: the forward waits for its layer only)."""
         for layer_id in self.layer_ids:
-            self.launch(layer_id, backend, side)
+            self.launch(layer_id, backend, side, mark=True)
 
     def wait(self, layer_id: int, forward: torch.cuda.Stream | None) -> None:
         """`forward`'s later work after layer `layer_id`'s copies; returns once they have landed

@@ -195,7 +195,11 @@ class StagedBackend(CudaBackendBase):
         host, host_offset = (op.dst, op.dst_offset) if dst_host else (op.src, op.src_offset)
         staging = stagings[0]
         chunks: list[list[_Chunk]] = [[] for _ in shifts]
-        for first, count in pipeline_chunks(len(order), op.nbytes, self.first_chunk_bytes, self.chunk_bytes):
+        # a layer-by-layer pass pipelines its layers (one on the link while the next is gathered):
+        # each layer in one chunk (results/issue-56-link: 0.92-0.94 of the link against 0.88-0.92
+        # in growing chunks, shuffled pages, and a third of the host time)
+        max_chunk = 0 if len(shifts) > 1 else self.chunk_bytes
+        for first, count in pipeline_chunks(len(order), op.nbytes, self.first_chunk_bytes, max_chunk):
             rows = tuple(range(first, first + count))
             chunk_order = order[first:first + count]
             runs = [_host_run(host.address(int(host_slots[chunk_order[start]]), host_offset), host.stride,
