@@ -168,3 +168,15 @@ def test_sync_head_must_be_a_whole_number():
         Engine(EngineConfig(KvCacheManagerConfig(load_model("tiny"), TPB, num_slots=16, device="cpu"),
                             SchedulerConfig()),
                ConnectorSpec("counting-host", HostConnectorScheduler, CountingWorker, __name__), engine_options)
+
+
+def test_a_layer_launched_twice_in_a_pass_is_a_logic_error():
+    from kvtool.connectors.layer_copies import LayerBatches, SideStream
+    from kvtool.errors import LogicError
+    backend, side = TorchBackend(), SideStream(False)
+    batches = LayerBatches.prepare(backend, [0, 1], [[], []])
+    batches.launch(0, backend, side)
+    with pytest.raises(LogicError, match="layer 0"):
+        batches.launch(0, backend, side)
+    with pytest.raises(LogicError, match="layer 7"):
+        batches.launch(7, backend, side)
