@@ -180,3 +180,13 @@ def test_a_layer_launched_twice_in_a_pass_is_a_logic_error():
         batches.launch(0, backend, side)
     with pytest.raises(LogicError, match="layer 7"):
         batches.launch(7, backend, side)
+
+
+def test_stacked_shifts_equal_one_shifted_table_after_another():
+    import numpy as np
+    from kvtool.transfer.descriptors import DESC_DTYPE, shifted_descriptors, stacked_shifted_descriptors
+    descs = np.zeros(5, dtype=DESC_DTYPE)
+    descs["src"], descs["dst"], descs["nbytes"] = np.arange(5) * 4096 + 2**40, np.arange(5) * 512 + 2**41, 512
+    shifts = [(0, 0), (1024, 8192), (2048, -512)]
+    expected = np.concatenate([shifted_descriptors(descs, s, d) for s, d in shifts])
+    assert stacked_shifted_descriptors(descs, shifts).tolist() == expected.tolist()

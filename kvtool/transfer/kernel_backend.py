@@ -18,8 +18,8 @@ from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp
 from kvtool.transfer.cuda_base import CudaBackendBase, is_host
 from kvtool.errors import LogicError
-from kvtool.transfer.descriptors import (DEFAULT_UNROLL, VECTOR_BYTES, DescriptorTable, grid_blocks, shifted_descriptors,
-                                         tables_for)
+from kvtool.transfer.descriptors import (DEFAULT_UNROLL, VECTOR_BYTES, DescriptorTable, grid_blocks,
+                                         stacked_shifted_descriptors, tables_for)
 
 HOST_THREADS = 1024
 DEVICE_THREADS = 512
@@ -82,7 +82,7 @@ class KernelBackend(CudaBackendBase):
 
     def _upload_shifted(self, function, table: DescriptorTable, shifts: Sequence[tuple[int, int]], threads: int,
                         cap: int) -> list[Launch]:
-        stacked = np.concatenate([shifted_descriptors(table.descs, s, d) for s, d in shifts])
+        stacked = stacked_shifted_descriptors(table.descs, shifts)
         descs = torch.from_numpy(stacked.view(np.uint64).copy()).cuda()
         starts = torch.from_numpy(table.chunk_start.copy()).cuda()
         threads = min(threads, function.get_attribute(rt.cuda.function_attribute.MAX_THREADS_PER_BLOCK))
