@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 
 from kvtool.bench import compute, manager_suite, protocol_compute, protocol_suite
+from kvtool.bench.overlap import OVERLAPPING_MODES, connector_mode, overlap_rows
 from kvtool.bench.protocol_engine import scratch_working_folder
 from kvtool.bench.store_suite import run_store_suite
 from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
@@ -29,6 +30,7 @@ from kvtool.errors import InputError, KvToolError
 from kvtool.models import load_model
 from kvtool.report.bench_report import bench_notes, column_legend, default_output_dir, rows_tables, write_run
 from kvtool.report.fit_table import report_width
+from kvtool.report.overlap_plot import plot_overlap
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.transfer import available_backends
 from kvtool.transfer.registry import backend_names
@@ -100,6 +102,8 @@ def bench(
                                                "saving: transfer suite, GPU only, per backend against one contiguous "
                                                "copy; store suite, any connector through the engine, on a GPU or a "
                                                "CPU.")] = False,
+    plot: Annotated[bool, typer.Option("--plot", help="--suite store --with-compute: also write overlap.png, the "
+                                       "link share and the compute slowdown against block size.")] = False,
     device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
                                                   "on cuda every connector is driven through the engine and measured "
                                                   "against the PCIe link [default: cpu].")] = None,
@@ -115,6 +119,7 @@ def bench(
     Writes meta.json, results.csv, results.json and (transfer) a plot under --output."""
     suite = _chosen_suite(suite, {"--connector": connector is not None, "--compat": compat is not None,
                                   "--connector-opt": bool(connector_opt), "--device": device is not None,
+                                  "--plot": plot,
                                   "--runtime": runtime is not None},
                           {"--granularity": bool(granularity), "--direction": bool(direction),
                            "--backend": bool(backend)})
@@ -131,8 +136,11 @@ def bench(
         console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
         return
     if suite is Suite.store:
+        if plot and not with_compute:
+            raise InputError("--plot draws the link share beside the compute slowdown: add --with-compute")
         _store_suite(connector, connector_opt, compat, model, tokens_per_block, batch_bytes, repeats, quick, out_dir,
-                     format, pages_device(device, "cpu"), with_compute, runtime_name(runtime) if runtime else None)
+                     format, pages_device(device, "cpu"), with_compute, runtime_name(runtime) if runtime else None,
+                     plot)
         return
     cuda = torch.cuda.is_available()
     if with_compute and not cuda:
@@ -193,7 +201,7 @@ STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
                  tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
                  out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
-                 runtime: RuntimeName | None = None) -> None:
+                 runtime: RuntimeName | None = None, plot: bool = False) -> None:
     """The store suite: the built-in stores against raw loops of their store on a CPU, any other
     connector (or on cuda, or with --with-compute or --runtime) through the engine."""
     if len(model) > 1:
@@ -212,7 +220,7 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
             raise InputError("--batch-bytes sizes the built-in stores' batches on a CPU; a run through the engine "
                              "moves whole prompts")
         _protocol_suite(spec, options, name, tokens_per_block, repeats, quick, out_dir, format, device, with_compute,
-                        runtime or DEFAULT_RUNTIME)
+                        runtime or DEFAULT_RUNTIME, plot)
         return
     sizes = tuple(tokens_per_block) or ((32,) if quick else STORE_TOKENS_PER_BLOCK)
     batch = parse_size(batch_bytes) if batch_bytes else (16 << 20 if quick else 64 << 20)
@@ -230,7 +238,7 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
 
 def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
                     quick: bool, out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
-                    runtime: RuntimeName = DEFAULT_RUNTIME) -> None:
+                    runtime: RuntimeName = DEFAULT_RUNTIME, plot: bool = False) -> None:
     """`protocol_suite` on a connector the store suite does not know (or on GPU pages, or with
     products beside the saves), beside kvtool's reference connector; exit 1 naming the failed check."""
     sizes = list(tokens_per_block) or list(protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
@@ -252,7 +260,12 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
                 problems.append(f"with compute: {exc}")
             if compute_rows:
                 extra["compute"] = [r.as_dict() for r in compute_rows]
-    write_run(out_dir, rows, extra, "store")
+                modes = {protocol_suite.connector_label(spec.name): connector_mode(spec, options),
+                         protocol_suite.reference_label(reference): connector_mode(*reference)}
+                extra["overlap"] = [r.as_dict() for r in overlap_rows(rows, extra["compute"], modes)]
+    device_section = write_run(out_dir, rows, extra, "store")
+    if plot and extra.get("overlap"):
+        plot_overlap(extra["overlap"], out_dir / "overlap.png", device_section.get("name", device))
     _print(rows, format, f"kvtool bench --suite store · {rows[0]['connector']} · through the engine ({runtime}): "
                          f"{workload.prompts} prompts x {workload.blocks} blocks, cold then warm · GB/s against "
                          f"{'the PCIe link' if device == 'cuda' else 'a contiguous copy'} and kvtool's host connector")
@@ -261,6 +274,9 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
         nothing_dropped = {"products_dropped"} if not any(r["products_dropped"] for r in compute) else set()
         _print(compute, format, f"saves beside {compute[0]['products']}: each product's time alone, during the "
                                 "connector's saves, and beside the engine's own work", {"products"} | nothing_dropped)
+    if extra.get("overlap"):
+        _print(extra["overlap"], format, "link share and compute slowdown side by side (overlapping modes: "
+                                         + ", ".join(OVERLAPPING_MODES) + ")")
     Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if problems:
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)

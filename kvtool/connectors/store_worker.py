@@ -83,8 +83,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             self._wait_for_background_saves()
             self.load(meta.loads)
         self._prefix_loaded += meta.prefix_loads   # landed by the time the pass is over (layerwise: per layer)
-        self._submit(self._loading, self.load, meta.async_loads)
-        self._submit(self._prefix_loading, self.load, meta.async_prefix_loads)
+        self._submit(self._loading, False, meta.async_loads, stream)
+        self._submit(self._prefix_loading, False, meta.async_prefix_loads, stream)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
@@ -108,18 +108,27 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         meta = self.meta
         if meta.saves and self.mode is not StoreMode.LAYERWISE:
             self.save(meta.saves)
-        if meta.async_saves and stream is not None:
-            stream.synchronize()   # the background thread reads what this pass's kernels wrote
-        self._submit(self._saving, self.save, meta.async_saves)
+        self._submit(self._saving, True, meta.async_saves, stream)
 
-    def _submit(self, futures: dict[int, Future], copy: Callable[[Sequence[PageTransfer]], None],
-                by_request: dict[int, list[PageTransfer]]) -> None:
+    def _submit(self, futures: dict[int, Future], to_store: bool, by_request: dict[int, list[PageTransfer]],
+                stream: torch.cuda.Stream | None) -> None:
         """One background copy for every request of the pass (one batch per pass and direction,
         as the synchronous path): each request's future is that batch's, so it is reported once
         the whole batch has landed, and a failed batch fails each of its requests."""
         if by_request:
-            future = self._background().submit(copy, [t for transfers in by_request.values() for t in transfers])
+            future = self.start_background([t for transfers in by_request.values() for t in transfers], to_store,
+                                           stream)
             futures.update(dict.fromkeys(by_request, future))
+
+    def start_background(self, transfers: list[PageTransfer], to_store: bool,
+                         stream: torch.cuda.Stream | None) -> Future:
+        """Start one background batch (`save` when `to_store`, else `load`) after the work
+        `stream` holds; its future is done once the bytes have landed, and raises what the copy
+        raised. Here: on the store's one thread, in submission order (a save is read from the
+        pages once the forward stream is synchronised)."""
+        if to_store and stream is not None:
+            stream.synchronize()   # the background thread reads what this pass's kernels wrote
+        return self._background().submit(self.save if to_store else self.load, transfers)
 
     def get_finished(self, finished_gen_req_ids: list[int],
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -157,13 +166,23 @@ class BlockStoreWorker(KvCacheConnectorWorker):
     def page_ops(self, transfers: Sequence[PageTransfer], store: dict[int, PageSpace], store_slots: list[int],
                  to_store: bool, layer_id: int | None) -> list[CopyOp]:
         """One copy per (layer group, region): pages <-> `store[group]` rows `store_slots[i]`."""
-        ops = []
+        return self.layer_page_ops(transfers, store, store_slots, to_store, [layer_id])[0]
+
+    def layer_page_ops(self, transfers: Sequence[PageTransfer], store: dict[int, PageSpace],
+                       store_slots: list[int], to_store: bool, layer_ids: Sequence[int | None]) -> list[list[CopyOp]]:
+        """`page_ops` for each of `layer_ids` (None: whole pages), the transfers grouped once:
+        every request's pages of a group in one op per region, the same slot tuples in every layer."""
         by_group: dict[int, list[int]] = {}
         for i, transfer in enumerate(transfers):
             by_group.setdefault(transfer.layer_group_id, []).append(i)
-        for group_id, indices in by_group.items():
-            pages = tuple(transfers[i].page for i in indices)
-            rows = tuple(store_slots[i] for i in indices)
+        grouped = [(group_id, tuple(transfers[i].page for i in indices), tuple(store_slots[i] for i in indices))
+                   for group_id, indices in by_group.items()]
+        return [self._group_ops(grouped, store, to_store, layer_id) for layer_id in layer_ids]
+
+    def _group_ops(self, grouped: list[tuple[int, tuple[int, ...], tuple[int, ...]]], store: dict[int, PageSpace],
+                   to_store: bool, layer_id: int | None) -> list[CopyOp]:
+        ops = []
+        for group_id, pages, rows in grouped:
             entry_offset = 0
             for region in self.layout.group(group_id).regions:
                 chunk = _layer_chunk(region, layer_id)

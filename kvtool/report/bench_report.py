@@ -55,14 +55,16 @@ _SHORT = {"backend": "backend", "direction": "dir", "granularity": "gran", "mode
           "save_gbps": "save GB/s alone", "save_ratio_with_compute": "loaded/alone",
           # --suite store
           "block_bytes": "block", "raw_gbps": "raw GB/s", "vs_reference": "vs ref",
-          "connector_ms": "conn ms", "runtime_ms": "rt ms"}
+          "connector_ms": "conn ms", "runtime_ms": "rt ms",
+          # --suite store --with-compute: side by side
+          "save_link_share": "save/link", "load_link_share": "load/link", "compute_slowdown": "slowdown"}
 LEGEND = ("dir: save (GPU pages -> host store), load (host -> GPU pages), both (at once), gather (GPU pages -> "
           "contiguous GPU); gran: slot (whole pages) or layer (one layer's buffers); tpb: tokens per block; "
           "chunk: bytes per page copy; batch: bytes per timed batch; ratio: GB/s / peak GB/s, where the peak is "
           "one contiguous pinned copy of the same size in the same run; ±peak: (p90 - p10) / median of the "
           "peak's repeats; ok: every byte verified")
 _SIZES = {"chunk_bytes", "batch_bytes"}
-_TEXT = {"backend", "direction", "granularity", "model", "operation", "connector", "products", "variant"}
+_TEXT = {"backend", "direction", "granularity", "model", "operation", "connector", "products", "variant", "mode"}
 
 
 NAMING = ("connector", "backend", "operation", "variant", "direction", "tokens_per_block")
@@ -101,7 +103,11 @@ _MEANING = {"tokens_per_block": "tokens per block", "block_bytes": "bytes of one
             "connector_ms": "ms of the round inside the connector (every hook, scheduler and worker: yours to "
             "make faster)", "runtime_ms": "ms of the round in kvtool's runtime (scheduling, manager, the fake "
             "forward and its byte checks)", "p50_us": "median µs per request (per block for a store's own "
-            "paths)", "p99_us": "99th percentile µs", "direction": "save (pages -> store) or load (store -> pages)"}
+            "paths)", "p99_us": "99th percentile µs", "direction": "save (pages -> store) or load (store -> pages)",
+            "mode": "the connector's mode option (async and layerwise overlap the forward)",
+            "save_link_share": "save GB/s / raw GB/s (the store table's ratio)",
+            "load_link_share": "load GB/s / raw GB/s", "compute_slowdown": "the products inside the saves against "
+            "beside the engine alone, - 1 (the compute table's slowdown saving)"}
 
 
 def column_legend(keys: list[str]) -> str:

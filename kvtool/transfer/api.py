@@ -101,8 +101,37 @@ class TransferBackend(Protocol):
     def prepare(self, ops: Sequence[CopyOp]) -> object:
         """Host-side work (descriptor tables), so that `launch` can be timed or repeated alone."""
 
+    def prepare_layers(self, layers: Sequence[Sequence[CopyOp]]) -> list[object]:
+        """`[prepare(ops) for ops in layers]`: one prepared batch per layer of a layer-by-layer
+        pass. A backend may build it faster where every layer's ops are the first layer's at
+        other offsets inside the same slots (`same_but_offsets`): what each launches is the same.
+        Launch them in layer order (a layer's copies may rely on the layer before having been
+        launched just before them), each at most once after the layer before."""
+
     def launch(self, prepared: object, stream: torch.cuda.Stream | None = None) -> None: ...
 
     def synchronize(self, stream: torch.cuda.Stream | None = None) -> None: ...
 
     def join(self, stream: torch.cuda.Stream | None = None) -> None: ...
+
+
+def same_but_offsets(first: Sequence[CopyOp], other: Sequence[CopyOp]) -> bool:
+    """Whether `other` copies what `first` does (same spaces, slots and sizes, op by op) at other
+    offsets inside the slots: one layer's chunk of a batch of pages against another's."""
+    return len(first) == len(other) and all(
+        _same_space(a.src, b.src) and _same_space(a.dst, b.dst) and a.nbytes == b.nbytes
+        and a.src_slots == b.src_slots and a.dst_slots == b.dst_slots for a, b in zip(first, other))
+
+
+def _same_space(a: PageSpace, b: PageSpace) -> bool:
+    return a is b or (a.tensor is b.tensor and (a.stride, a.size, a.num_slots, a.offset)
+                      == (b.stride, b.size, b.num_slots, b.offset))
+
+
+def layer_shifts(layers: Sequence[Sequence[CopyOp]]) -> list[list[tuple[int, int]]] | None:
+    """Per layer, per op: (src, dst) byte shifts from the first layer's op, where every layer is
+    the first at other offsets (`same_but_offsets`); None otherwise."""
+    if not layers or not all(same_but_offsets(layers[0], ops) for ops in layers[1:]):
+        return None
+    return [[(b.src_offset - a.src_offset, b.dst_offset - a.dst_offset) for a, b in zip(layers[0], ops)]
+            for ops in layers]

@@ -94,6 +94,18 @@ class CudaBackendBase:
             torch.cuda.synchronize()    # capture must not see work of other streams still pending
             return rt.capture(int(self.stream.handle), lambda: self._enqueue_joined(built), built)
 
+    def prepare_layers(self, layers: Sequence[Sequence[CopyOp]]) -> list:
+        """One prepared batch per layer (never graphed); `build_layers` may share work between them."""
+        kept = [[op for op in ops if op.src_slots] for ops in layers]
+        for op in (op for ops in kept for op in ops):
+            _require_reachable(op)
+        with rt.current():
+            return self.build_layers(kept)
+
+    def build_layers(self, layers: list[list[CopyOp]]) -> list:
+        """`build` per layer; a backend that can derive one layer's batch from another's overrides it."""
+        return [self.build(ops) for ops in layers]
+
     def _enqueue_joined(self, built) -> None:
         """`enqueue`, then the backend's own stream waits for its others: a capture must end with
         every stream it forked joined back (CUDA_ERROR_STREAM_CAPTURE_UNJOINED otherwise)."""

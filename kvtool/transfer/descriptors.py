@@ -55,6 +55,32 @@ def op_descriptors(op: CopyOp) -> np.ndarray:
     return descs
 
 
+def shifted_descriptors(descs: np.ndarray, src_shift: int, dst_shift: int) -> np.ndarray:
+    """A copy of `descs` with every source address moved by `src_shift` bytes and every
+    destination by `dst_shift` (either may be negative)."""
+    out = descs.copy()
+    out["src"] = (out["src"].astype(np.int64) + src_shift).astype(np.uint64)
+    out["dst"] = (out["dst"].astype(np.int64) + dst_shift).astype(np.uint64)
+    return out
+
+
+def stacked_shifted_descriptors(descs: np.ndarray, shifts: Sequence[tuple[int, int]]) -> np.ndarray:
+    """`shifted_descriptors(descs, s, d)` for each (s, d) of `shifts`, back to back, in one array
+    operation (a layer-by-layer pass shifts one table 31 times)."""
+    moves = np.asarray(shifts, dtype=np.int64).reshape(-1, 2)
+    out = np.empty((len(moves), len(descs)), dtype=DESC_DTYPE)
+    out["src"] = (descs["src"].astype(np.int64)[None, :] + moves[:, :1]).astype(np.uint64)
+    out["dst"] = (descs["dst"].astype(np.int64)[None, :] + moves[:, 1:]).astype(np.uint64)
+    out["nbytes"] = descs["nbytes"][None, :]
+    return out.reshape(-1)
+
+
+def shifted_copy(copy: "PitchedCopy", src_shift: int, dst_shift: int) -> "PitchedCopy":
+    """`copy` with its source moved by `src_shift` bytes and its destination by `dst_shift`."""
+    return PitchedCopy(copy.dst + dst_shift, copy.dst_pitch, copy.src + src_shift, copy.src_pitch, copy.width,
+                       copy.rows)
+
+
 def split_by_alignment(descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(aligned to 16 bytes in src, dst and size; the rest)."""
     mask = np.uint64(VECTOR_BYTES - 1)

@@ -17,7 +17,9 @@ import torch
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp
 from kvtool.transfer.cuda_base import CudaBackendBase, is_host
-from kvtool.transfer.descriptors import DEFAULT_UNROLL, DescriptorTable, grid_blocks, tables_for
+from kvtool.errors import LogicError
+from kvtool.transfer.descriptors import (DEFAULT_UNROLL, VECTOR_BYTES, DescriptorTable, grid_blocks,
+                                         stacked_shifted_descriptors, tables_for)
 
 HOST_THREADS = 1024
 DEVICE_THREADS = 512
@@ -61,6 +63,33 @@ class KernelBackend(CudaBackendBase):
         vector, fallback = tables_for(ops, self.unroll)
         return [self._upload(fn, table, threads, cap) for fn, table in ((self._vector, vector), (self._bytes, fallback))
                 if len(table)]
+
+    def build_shifted(self, ops: Sequence[CopyOp], shifts: Sequence[tuple[int, int]]) -> list[list[Launch]]:
+        """`build(ops)` once per (src shift, dst shift) of `shifts`: the same copies moved by those
+        byte offsets, each table built once and uploaded once for all of them. Every shift must be
+        a multiple of 16 bytes (a descriptor then keeps its kernel); LogicError otherwise."""
+        if any(s % VECTOR_BYTES or d % VECTOR_BYTES for s, d in shifts):
+            raise LogicError("a shifted batch moves addresses by multiples of 16 bytes only")
+        host = any(is_host(op) for op in ops)
+        threads = self.host_threads if host else self.device_threads
+        cap = self.max_sms if host else (self.device_max_blocks or self.device_blocks_per_sm * rt.num_sms())
+        per_shift: list[list[Launch]] = [[] for _ in shifts]
+        for function, table in zip((self._vector, self._bytes), tables_for(ops, self.unroll)):
+            if len(table):
+                for launches, launch in zip(per_shift, self._upload_shifted(function, table, shifts, threads, cap)):
+                    launches.append(launch)
+        return per_shift
+
+    def _upload_shifted(self, function, table: DescriptorTable, shifts: Sequence[tuple[int, int]], threads: int,
+                        cap: int) -> list[Launch]:
+        stacked = stacked_shifted_descriptors(table.descs, shifts)
+        descs = torch.from_numpy(stacked.view(np.uint64).copy()).cuda()
+        starts = torch.from_numpy(table.chunk_start.copy()).cuda()
+        threads = min(threads, function.get_attribute(rt.cuda.function_attribute.MAX_THREADS_PER_BLOCK))
+        words = 3 * len(table)
+        return [Launch(function, descs[i * words:(i + 1) * words], starts, len(table), table.num_chunks,
+                       table.chunks_per_desc, grid_blocks(table.num_chunks, threads, cap), threads)
+                for i in range(len(shifts))]
 
     def _upload(self, function, table: DescriptorTable, threads: int, cap: int) -> Launch:
         descs = torch.from_numpy(table.descs.view(np.uint64).copy()).cuda()

@@ -25,6 +25,9 @@ class TorchBackend:
     def prepare(self, ops: Sequence[CopyOp]) -> list[CopyOp]:
         return [op for op in ops if op.src_slots]
 
+    def prepare_layers(self, layers: Sequence[Sequence[CopyOp]]) -> list[list[CopyOp]]:
+        return [self.prepare(ops) for ops in layers]
+
     def launch(self, prepared: list[CopyOp], stream: torch.cuda.Stream | None = None) -> None:
         for op in prepared:
             src_index = torch.tensor(op.src_slots, dtype=torch.long, device=op.src.device)

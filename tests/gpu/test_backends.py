@@ -216,3 +216,30 @@ def test_staged_moves_large_pages_straight_through_the_copy_engine(direction, sh
         graphed.launch(prepared)
         graphed.synchronize()
         assert torch.equal(op.dst.tensor.cpu(), expected), "graphed"
+
+
+@pytest.mark.parametrize("direction", ["save", "load", "gather"])
+@pytest.mark.parametrize("slot_order", ["consecutive", "shuffled"])
+def test_layers_prepared_together_move_each_layers_chunk_bit_for_bit(backend, direction, slot_order):
+    """`prepare_layers` (staged: one layer's plan built, the others shifted) launched in layer
+    order on one stream: every layer's chunk of every page lands, poisoned bytes elsewhere stay."""
+    layers, chunk, stride = 4, 16384, 65536
+    src, dst = endpoints(direction, stride)
+    gen = torch.Generator().manual_seed(3)
+    count = 48
+    src_slots = tuple(range(count)) if slot_order == "consecutive" else tuple(
+        torch.randperm(NUM_SLOTS, generator=gen)[:count].tolist())
+    dst_slots = tuple(range(8, 8 + count))
+    ops = [[CopyOp(src, dst, src_slots, dst_slots, chunk, layer * chunk, layer * chunk)] for layer in range(layers)]
+    expected = dst.tensor.clone().fill_(0xA5)
+    expected_space = PageSpace(expected.pin_memory() if dst.device.type == "cpu" else expected, stride, stride,
+                               NUM_SLOTS)
+    get_backend("torch").copy([CopyOp(src, expected_space, src_slots, dst_slots, chunk, layer * chunk, layer * chunk)
+                               for layer in range(layers)])
+    torch.cuda.synchronize()
+    dst.tensor.fill_(0xA5)
+    stream = torch.cuda.Stream()
+    for prepared in backend.prepare_layers(ops):
+        backend.launch(prepared, stream)
+    backend.synchronize(stream)
+    assert torch.equal(dst.tensor.cpu(), expected_space.tensor.cpu())
