@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
 from kvtool.manager.config import KvCacheManagerConfig

@@ -8,12 +8,13 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.fake_engine import FakeEngine
 from kvtool.engine.no_bytes import NoBytesModel
+from kvtool.engine.pass_types import KvBytesModel
 from kvtool.engine.token_model import ReferenceTokens
 from kvtool.errors import InputError
 from kvtool.manager.manager import KvCacheManager
 
 
-def bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads: int):
+def bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads: int) -> KvBytesModel:
     """What writes and checks the pages' bytes at `fidelity` (`require_fidelity` has passed)."""
     if fidelity == "blocks":
         return NoBytesModel(manager.layer_groups)

@@ -4,7 +4,7 @@ step with its drafts), the padding dummies, a received context, the idle pages t
 from __future__ import annotations
 
 from kvtool.engine.drafts import DraftModel
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import Phase, RequestState
 from kvtool.engine.scheduler import Batch
 from kvtool.manager.kv_cache import KvCache

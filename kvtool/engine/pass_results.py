@@ -5,7 +5,7 @@ reached its output length finished."""
 from __future__ import annotations
 
 from kvtool.engine.engine_config import EngineStats
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
@@ -16,7 +16,7 @@ class PassResults:
     `FinishedOrder` each request's length after its rejected drafts (`take_rewinds`: every rank's
     fake engine forgets their prefix hashes)."""
 
-    def __init__(self, fake, stats: EngineStats, lifecycle: Lifecycle) -> None:
+    def __init__(self, fake: KvBytesModel, stats: EngineStats, lifecycle: Lifecycle) -> None:
         self._fake = fake
         self._stats = stats
         self._lifecycle = lifecycle

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.fake_engine import IntegrityIssue, PassItem
+from kvtool.engine.pass_types import IntegrityIssue, PassItem
 from kvtool.engine.pass_driver import PassPlan
 from kvtool.engine.runtimes.names import Registration
 from kvtool.manager.config import KvCacheManagerConfig

@@ -14,7 +14,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.raised import describe_error, format_error, with_wrapped_location
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.events import EventLog
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
