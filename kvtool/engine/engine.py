@@ -42,6 +42,7 @@ from kvtool.manager.integrity import check_manager
 from kvtool.manager.manager import KvCacheManager
 from kvtool.manager.pool_groups import pages_per_pool_group
 from kvtool.models import heads_across_ranks
+from kvtool.types import Fidelity
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
@@ -61,7 +62,7 @@ class Engine:
             raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
         require_fidelity(config, connector)
         manager_config = rank_manager_config(config.manager, config.tp_size, 0)
-        if config.fidelity == "blocks":
+        if config.fidelity == Fidelity.BLOCKS:
             manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
         self.manager = KvCacheManager(manager_config)
         self.fake = bytes_model(config.fidelity, self.manager, config.seed, heads_across_ranks(manager_config.model))
