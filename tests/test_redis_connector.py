@@ -83,9 +83,8 @@ def test_cold_miss_then_warm_hit_is_bit_exact(server, reference, model, mode):
     else:
         assert hits == [0, 40, 40, 40]
     assert_served_right(engine, reference, model)
-    introspect = engine.connector.scheduler.kvtool_introspect()
-    assert introspect["staged_bytes"] == 0 and introspect["ask_errors"] == 0
-    assert introspect["tracked_request_ids"] == []
+    said = engine.connector.scheduler.kvtool_introspection()
+    assert said.staged_bytes == 0 and said.ask_errors == 0 and said.tracked_request_ids == ()
 
 
 def test_a_second_engine_is_served_what_the_first_saved(server, reference):
