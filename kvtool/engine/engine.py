@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Iterable
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
@@ -230,7 +231,7 @@ class Engine:
 
     def _guarded(self, hook: str, fn, *args):
         """Rank 0's hook guard: the runtime's (failures recorded), or a plain call without a connector."""
-        return self.connector.call(hook, fn, *args) if self.connector is not None else (True, fn(*args))
+        return self.connector.call(hook, fn, *args) if self.connector is not None else HookResult(True, fn(*args))
 
     def _run_pass(self, batch: Batch, items: list[PassItem]) -> None:
         """Steps 1-2 of `pass_driver` on every rank: metadata and `start_load_kv` when requests

@@ -24,13 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.rank_context import acting_as
 from kvtool.connector.raised import stops_kvtool
 from kvtool.engine.worker_setup import made_current
 from kvtool.errors import ConnectorError
 
-Call = Callable[..., tuple[bool, Any]]
+Call = Callable[..., HookResult]
 """`call(hook_label, fn, *args) -> (ok, result)`: runs a hook, records a failure, never raises."""
 
 
@@ -174,7 +175,7 @@ class PassDriver:
             return False
         return self._each("wait_for_save", self.stream)
 
-    def get_finished(self, saving: list[int], loading: list[int]) -> dict[int, tuple[bool, Any]]:
+    def get_finished(self, saving: list[int], loading: list[int]) -> dict[int, HookResult]:
         """Step 4: rank -> (ok, what its `get_finished(saving, loading)` returned)."""
         answers = {}
         for rank_worker in self.workers:
@@ -186,7 +187,7 @@ class PassDriver:
                     list(saving), list(loading))
         return answers
 
-    def get_finished_prefix_loads(self) -> dict[int, tuple[bool, Any]]:
+    def get_finished_prefix_loads(self) -> dict[int, HookResult]:
         """Prefix reservations: rank -> (ok, what its `get_finished_prefix_loads()` returned), after
         `get_finished`, every iteration."""
         answers = {}

@@ -10,8 +10,9 @@ it was sent and reports its sampling checksums and integrity issues; given a `Fi
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Callable
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.rank_context import acting_as
@@ -64,7 +65,7 @@ class RankPass:
         self.rank = rank
         self.fake = fake
         self.driver = driver
-        self.prefix_answers: dict[int, tuple[bool, Any]] = {}
+        self.prefix_answers: dict[int, HookResult] = {}
         """Rank -> (ok, ids) of the last `finish`'s `get_finished_prefix_loads` calls."""
         self._after_forward = after_forward
 
@@ -84,7 +85,7 @@ class RankPass:
         report.errors_by_request = Counter(self.fake.errors_by_request) - before
         return ok
 
-    def finish(self, order: FinishedOrder) -> dict[int, tuple[bool, Any]]:
+    def finish(self, order: FinishedOrder) -> dict[int, HookResult]:
         """`get_finished` on this rank's workers (rank -> (ok, answer)), then the fake engine's
         rewinds of rejected drafts and its forgetting of requests that are over. With
         `order.prefix_loads`, `get_finished_prefix_loads` follows (`prefix_answers` keeps them)."""
