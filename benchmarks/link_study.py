@@ -95,8 +95,8 @@ def _cases(batch: int) -> list[Case]:
 def _compute_rows(suite: TransferSuite, batch: int) -> list[dict]:
     rows = []
     for granularity in GRANULARITIES:
-        ws = suite._workspace(geometry(MODEL, TOKENS_PER_BLOCK, granularity), batch)
-        peak = suite._peak(ws, Direction.SAVE)
+        ws = suite.workspace(geometry(MODEL, TOKENS_PER_BLOCK, granularity), batch)
+        peak = suite.peak(ws, Direction.SAVE)
         floor = compute.measure(compute.FLOOR_VARIANT, MODEL, TOKENS_PER_BLOCK, granularity, batch, peak, rounds=5)
         rows.append(floor.as_dict())
         print(rows[-1], flush=True)

@@ -39,6 +39,28 @@ class TextEnum(str, enum.Enum):
         return format(str(self.value), spec)
 
 
+class Fidelity(TextEnum):
+    """How much of the KV a run really moves (`kvtool.engine.fidelity`)."""
+
+    BYTES = "bytes"
+    """Pools hold KV bytes the fake engine writes and verifies."""
+    BLOCKS = "blocks"
+    """Virtual pools: every page decision kept, nothing written or verified."""
+    TOKENS = "tokens"
+    """The tokens BYTES would generate, nothing written: a reference run's."""
+
+
+class Admission(TextEnum):
+    """Which requests a pass admits (TensorRT-LLM's capacity scheduler policies)."""
+
+    RESERVE = "reserve"
+    """GUARANTEED_NO_EVICT: only a request whose whole output fits beside the running ones'."""
+    GREEDY = "greedy"
+    """Whenever its first chunk gets pages."""
+    MAX_UTILIZATION = "max-utilization"
+    """Greedy, pausing the newest request when a running one cannot grow."""
+
+
 class Role(str, enum.Enum):
     """The part of a layer's KV a buffer holds. MLA models only have `key`."""
 

@@ -1,4 +1,5 @@
-"""The package's import graph: no module reaches itself again, by any import.
+"""The package's structure: no module reaches itself again by any import, imports point down the
+layers, and no module reads another's private names.
 
 Every import counts — module level, inside a function, and under `TYPE_CHECKING` — because a
 loop of any kind means two modules cannot be understood (or tested) one without the other.
@@ -119,3 +120,48 @@ def test_the_package_ships_no_study_tool_and_imports_no_test():
                  for path in PACKAGE_ROOT.rglob("*.py")
                  if (found := top_level_imports(path) & {"tests", "benchmarks", "argparse"})}
     assert offenders == {}
+
+
+# ---- private names stay in their module --------------------------------------------------------
+OUTSIDE_PRIVATE_NAMES = {"_exit", "_C", "_get_sm_carveout_experimental", "_replace"}
+"""Private names of the standard library and torch that kvtool uses on purpose (`os._exit` in a
+forked child, torch's SM carve-out switch, a NamedTuple's `_replace`)."""
+
+
+def private_names_defined(tree: ast.Module) -> set[str]:
+    """Underscore names a module defines: functions, classes, class attributes, `self._x = ...`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def foreign_private_reads(source: str) -> list[str]:
+    """`x._name` where `x` is not self/cls and no code of this module defines `_name`."""
+    tree = ast.parse(source)
+    own = private_names_defined(tree) | OUTSIDE_PRIVATE_NAMES
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            and node.attr not in own]
+
+
+def test_the_private_name_finder_sees_a_planted_reach():
+    planted = "def f(request):\n    return request._token_view()\n"
+    own = "class A:\n    def _x(self):\n        return 1\n\ndef g(a: A):\n    return a._x()\n"
+    assert foreign_private_reads(planted) == ["2: request._token_view"]
+    assert foreign_private_reads(own) == []
+
+
+def test_no_module_reads_another_modules_private_names():
+    package = Path(kvtool.__file__).parent
+    reaches = {str(path.relative_to(package)): found for path in sorted(package.rglob("*.py"))
+               if (found := foreign_private_reads(path.read_text()))}
+    assert reaches == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -67,7 +68,12 @@ def test_a_head_size_of_zero_is_an_input_error(tmp_path):
 def test_a_billion_layers_is_refused_quickly(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_hidden_layers": 10**9, "num_attention_heads": 8, "hidden_size": 1024}))
-    assert_clean(runner.invoke(app, ["inspect-layout", "--model", str(path), "--num-slots", "4"]))
+    started = time.perf_counter()
+    result = runner.invoke(app, ["inspect-layout", "--model", str(path), "--num-slots", "4"])
+    assert_clean(result)
+    assert result.exit_code == 2 and "num_hidden_layers = 1000000000 is beyond any real model" in result.stderr
+    # refused from the config alone: building a billion layers' layout would take minutes and gigabytes
+    assert time.perf_counter() - started < 10
 
 
 def test_a_deeply_nested_workload_line_is_an_input_error(tmp_path):

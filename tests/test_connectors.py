@@ -59,7 +59,7 @@ def test_cold_miss_then_warm_hit_is_bit_exact(connector, model, reference, tmp_p
     assert hits == [0, 40, 40, 40]          # request 0 misses and saves; the others load the shared 10 blocks
     assert engine.integrity_errors == 0 and tokens_of(engine) == reference[model]
     assert all(s.phase is Phase.DONE for s in engine.states.values())
-    assert engine.connector.scheduler.kvtool_introspect()["tracked_request_ids"] == []
+    assert engine.connector.scheduler.kvtool_introspection().tracked_request_ids == ()
 
 
 def test_host_async_loads_and_deferred_saves(reference):

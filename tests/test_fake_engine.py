@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, strategies as st
 import pytest
 
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.byte_origin import Coordinate, Origins
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, mix64, unmix64
 from kvtool.group_pages import GroupPages

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kvtool.connector.request import Request
 from kvtool.engine.events import Paused, SaveFinished
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.lifecycle import SaveHolds
 from kvtool.engine.pass_driver import PassDriver, PassPlan
 from kvtool.engine.rank_group import LocalRankGroup

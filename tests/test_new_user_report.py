@@ -15,10 +15,13 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.connector import KvCacheConnectorWorker
+from kvtool.connector.request import Request
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.worker_setup import forward_stream
 from kvtool.errors import InputError
 from kvtool.models import load_model
+from tests.helpers.engines import make_engine
+from tests.helpers.mock_connector import mock_connector
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parent.parent
@@ -263,11 +266,18 @@ def test_the_worker_hooks_stream_is_typed_as_a_cuda_stream_or_a_host_stream(hook
     assert hints["stream"] == torch.cuda.Stream | HostStream
 
 
-def test_the_worker_docstring_says_what_stream_a_cpu_and_a_gpu_give():
-    doc = " ".join(KvCacheConnectorWorker.__doc__.split())
-    assert "`stream`, in every hook that takes one, is never None: with the KV pages on a GPU it is the forward " \
-           "pass's `torch.cuda.Stream`" in doc
-    assert "with the pages in host memory (a CPU run) it is a `HostStream`" in doc
+def test_every_stream_taking_hook_of_a_cpu_run_gets_a_host_stream_never_none():
+    """What the worker's docstring promises, as a run delivers it: on host pages every hook that
+    takes a stream receives a HostStream (on GPU pages tests/gpu checks the torch.cuda.Stream)."""
+    from kvtool.connector import HostStream
+    mc = mock_connector(echo_finished=True)
+    engine = make_engine(mc.spec)
+    engine.add_request(Request(0, list(range(10)), max_new_tokens=2))
+    engine.run()
+    hooks = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
+    streams = {hook: [c.args[-1] for c in getattr(mc.worker, hook).call_args_list] for hook in hooks}
+    assert all(streams[hook] for hook in hooks), {hook: len(s) for hook, s in streams.items()}
+    assert {type(stream) for calls in streams.values() for stream in calls} == {HostStream}
 
 
 def test_a_cpu_run_hands_the_hooks_the_documented_host_stream():

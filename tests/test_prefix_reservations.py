@@ -32,7 +32,7 @@ from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, Finished, LoadFinished, PassDone, PrefixLoadRetired, ReservationReleased, \
     Reserved
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.runtimes import RuntimeName
 from kvtool.engine.runtimes.trtllm_v2 import FinalBatchAdmission, ReservingAdmission

@@ -17,7 +17,7 @@ from kvtool.connectors.metadata import StoreMetadata
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.pass_driver import PassPlan
 from kvtool.engine.ranks import FinishedOrder, PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig

@@ -83,9 +83,8 @@ def test_cold_miss_then_warm_hit_is_bit_exact(server, reference, model, mode):
     else:
         assert hits == [0, 40, 40, 40]
     assert_served_right(engine, reference, model)
-    introspect = engine.connector.scheduler.kvtool_introspect()
-    assert introspect["staged_bytes"] == 0 and introspect["ask_errors"] == 0
-    assert introspect["tracked_request_ids"] == []
+    said = engine.connector.scheduler.kvtool_introspection()
+    assert said.staged_bytes == 0 and said.ask_errors == 0 and said.tracked_request_ids == ()
 
 
 def test_a_second_engine_is_served_what_the_first_saved(server, reference):
@@ -173,11 +172,23 @@ def test_a_server_killed_and_restarted_empty_mid_run(server, reference):
 
 
 def test_connections_dropped_mid_run_reconnect(server, reference):
+    """Every connection of the connector is killed at every iteration: the client opens new ones and
+    every request is served as in an undisturbed run (same hits, no failed call)."""
+    undisturbed = run("redis", options=opts(server), reqs=requests(spacing=1.0))
+    server.client().flushall()
+    admin = server.client()
+    opened_before = admin.info("stats")["total_connections_received"]
+    kills: list[int] = []
+
     def drop_connections(engine):
-        server.client().client_kill_filter(_type="normal", skipme=True)
+        kills.append(admin.client_kill_filter(_type="normal", skipme=True))
 
     engine = run("redis", options=opts(server), reqs=requests(spacing=1.0), on_iteration=drop_connections)
-    assert [engine.states[i].num_external for i in range(4)][1:] != [0, 0, 0]
+    reopened = admin.info("stats")["total_connections_received"] - opened_before
+    assert sum(kills) >= 2 and reopened >= 2, (kills, reopened)
+    hits = [engine.states[i].num_external for i in range(4)]
+    assert hits == [undisturbed.states[i].num_external for i in range(4)] and hits[0] == 0 and min(hits[1:]) > 0
+    assert engine.connector.scheduler.store.num_errors == 0
     assert_served_right(engine, reference)
 
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fingerprint import expected_bytes
 from kvtool.errors import InputError
 from kvtool.manager import KvCacheManager, KvCacheManagerConfig, compute_layout

@@ -131,13 +131,11 @@ class Recorder:
         hook waits for before its clock starts (the runtime's work, not the connector's)."""
         if not isinstance(driver.stream, torch.cuda.Stream):
             return
-        inner = driver._forward_layer
 
-        def forward_layer(layer_id, items):
-            inner(layer_id, items)
+        def layer_done(layer_id: int) -> None:
             self._forward_done = torch.cuda.Event()
             self._forward_done.record(driver.stream)
-        driver._forward_layer = forward_layer
+        driver.observe_layers(layer_done)
 
     def connector_time(self) -> float:
         return self.connector_seconds - self.runtime_waits

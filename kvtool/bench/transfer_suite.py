@@ -75,7 +75,7 @@ class TransferSuite:
 
     def measure(self, case: Case) -> Row:
         g = geometry(case.model, case.tokens_per_block, case.granularity)
-        ws = self._workspace(g, case.batch_bytes)
+        ws = self.workspace(g, case.batch_bytes)
         directions = (Direction.SAVE, Direction.LOAD) if case.direction is Direction.BOTH else (case.direction,)
         runs = [self._runner(ws, d, case.backend, i) for i, d in enumerate(directions)]
         verified = True
@@ -105,7 +105,8 @@ class TransferSuite:
             self._backends[(name, lane)] = self._factories.get(name, lambda: get_backend(name))()
         return self._backends[(name, lane)]
 
-    def _workspace(self, g: Geometry, batch_bytes: int) -> Workspace:
+    def workspace(self, g: Geometry, batch_bytes: int) -> Workspace:
+        """The buffers for `g` and `batch_bytes` on the suite's device; one kept at a time."""
         key = (g, batch_bytes)
         if key not in self._workspaces:
             self._workspaces.clear()    # one at a time: they can be gigabytes
@@ -114,7 +115,8 @@ class TransferSuite:
             self._workspaces[key] = make_workspace(g, batch_bytes, self.device)
         return self._workspaces[key]
 
-    def _peak(self, ws: Workspace, direction: Direction) -> float:
+    def peak(self, ws: Workspace, direction: Direction) -> float:
+        """GB/s of the same-size contiguous copy one way: the link's reference for `ws`."""
         return self._peak_and_spread(ws, direction)[0]
 
     def _peak_and_spread(self, ws: Workspace, direction: Direction) -> tuple[float, float]:

@@ -309,8 +309,8 @@ def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) ->
     shapes = list(dict.fromkeys((c.model, c.tokens_per_block, c.granularity, c.batch_bytes) for c in cases))[:2]
     variants = [v for v in compute.VARIANTS if v.backend in backends]
     for model, tpb, gran, batch in shapes:
-        ws = transfer._workspace(geometry(model, tpb, gran), batch)
-        peak = transfer._peak(ws, Direction.SAVE)
+        ws = transfer.workspace(geometry(model, tpb, gran), batch)
+        peak = transfer.peak(ws, Direction.SAVE)
         console.print(f"with compute: {compute.FLOOR_VARIANT.label} {model}/{tpb} {gran}")
         floor = compute.measure(compute.FLOOR_VARIANT, model, tpb, gran, batch, peak)
         rows.append(floor.as_dict())

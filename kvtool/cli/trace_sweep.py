@@ -45,6 +45,7 @@ from kvtool.report.sweep_report import sweep_tables, write_sweep_folder
 from kvtool.trace.report import ttft_stats
 from kvtool.units import Capacity, format_gib, parse_capacity, parse_size
 from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
+from kvtool.types import Fidelity
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
 SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes", "host-reserve": "bytes"}
@@ -96,7 +97,7 @@ def trace_sweep(
                          "fidelity chooses: give WORKLOAD or --connector")
     fidelity = build_replay(replace(options, connector="none", connector_opt=())).config.fidelity \
         if connector is None else None
-    tier = connector or ("index" if fidelity == "blocks" else "host")
+    tier = connector or ("index" if fidelity == Fidelity.BLOCKS else "host")
     if connector_help:
         print_connector_help(load_connector(tier, options.compat))
         return
@@ -276,7 +277,7 @@ def _tokens(count: int) -> str:
     return f"{mantissa}e{int(exponent)}" if float(f"{count:.0e}") == count else str(count)
 
 
-def point_replay_options(options: ReplayOptions, fidelity: str, point: SweepPoint) -> ReplayOptions:
+def point_replay_options(options: ReplayOptions, fidelity: Fidelity, point: SweepPoint) -> ReplayOptions:
     """The replay of one point: `options.connector` holding `point.capacity_tokens` tokens (in its
     own unit, `SIZED_TIERS`), or as its own options size it (capacity None)."""
     at_size = replace(options, tokens_per_block=point.tokens_per_block, fidelity=fidelity)

@@ -1,14 +1,14 @@
 """What a connector's scheduler may say of itself, typed, and the one accessor kvtool reads it by.
 
-A scheduler is `Introspectable` when it has `kvtool_introspection() -> Introspection`. The older
-hook, `kvtool_introspect() -> dict` with the same keys (docs/connector-guide.md), is still read
-and converted; a scheduler with neither says nothing (`introspect` answers None).
+A scheduler is `Introspectable` when it has `kvtool_introspection() -> Introspection`; one without
+says nothing (`introspect` answers None). That is the one hook: the retired dict hook
+`kvtool_introspect()` is refused when a connector is loaded (`retired_hook_error`), never read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,8 @@ class Introspection:
     tier_hit_tokens: tuple[tuple[str, int], ...] | None = None
     """Tokens delivered from each tier, for a connector of several (name, tokens), fastest first."""
 
-    @classmethod
-    def from_mapping(cls, answer: Mapping[str, Any]) -> Introspection:
-        """The known keys of a `kvtool_introspect()` answer (others are ignored)."""
-        known = {f.name for f in fields(cls)}
-        values = {key: value for key, value in answer.items() if key in known}
-        if values.get("tracked_request_ids") is not None:
-            values["tracked_request_ids"] = tuple(values["tracked_request_ids"])
-        return cls(**values)
-
     def as_dict(self) -> dict[str, Any]:
-        """The `kvtool_introspect()` form: the fields said, ids as a list."""
+        """The fields said, ids as a list (a JSON object)."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         if "tracked_request_ids" in out:
             out["tracked_request_ids"] = list(out["tracked_request_ids"])
@@ -56,9 +47,15 @@ class Introspectable(Protocol):
 
 
 def introspect(scheduler: object) -> Introspection | None:
-    """What `scheduler` says of itself now: its `kvtool_introspection()`, else its dict hook
-    `kvtool_introspect()` converted; None when it has neither."""
-    if isinstance(scheduler, Introspectable):
-        return scheduler.kvtool_introspection()
-    legacy = getattr(scheduler, "kvtool_introspect", None)
-    return Introspection.from_mapping(legacy()) if callable(legacy) else None
+    """What `scheduler` says of itself now through `kvtool_introspection()`; None without it."""
+    return scheduler.kvtool_introspection() if isinstance(scheduler, Introspectable) else None
+
+
+def retired_hook_error(scheduler_class: type) -> str | None:
+    """What is wrong with a scheduler class that still has only the retired dict hook; None if nothing."""
+    if callable(getattr(scheduler_class, "kvtool_introspect", None)) and \
+            not callable(getattr(scheduler_class, "kvtool_introspection", None)):
+        return (f"{scheduler_class.__name__}.kvtool_introspect() (a dict) is no longer read: define "
+                "kvtool_introspection() returning kvtool.connector.introspection.Introspection, with the same "
+                "names as fields (docs/connector-guide.md, Options and introspection)")
+    return None

@@ -14,6 +14,7 @@ from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.compat import install_compat
+from kvtool.connector.introspection import retired_hook_error
 from kvtool.errors import InputError, did_you_mean
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ def _spec(target: str, module, shown: str, sched: str, worker: str, options: dic
         if not issubclass(cls, base) and not _looks_like(cls, base):
             raise InputError(f"connector {target!r}: {name} is not a {base.__name__}")
         classes.append(cls)
+    if (retired := retired_hook_error(classes[0])) is not None:
+        raise InputError(f"connector {target!r}: {retired}")
     return ConnectorSpec(target, classes[0], classes[1], module.__name__, options, compat)
 
 

@@ -2,7 +2,8 @@
 
 Read-only state is exposed as properties, never methods: a bound method read as an attribute is
 always truthy, which silently turns `if request.is_generation_only_request:` into a dead guard.
-The runtime changes a request only through the underscore methods.
+What changes as the request runs (its tokens, its context position, a pause) lives in a
+`RequestProgress` the runtime alone holds (`progress_of`); the request only reads it.
 """
 
 from __future__ import annotations
@@ -63,27 +64,70 @@ def max_kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max(max_new_tokens - 1, 0)
 
 
+class RequestProgress:
+    """The engine-owned record of a request's tokens and context phase. The runtime changes a
+    request only here; the `Request` a connector sees reads it and cannot change it."""
+
+    __slots__ = ("prompt", "generated", "max_new_tokens", "context_position", "context_len", "_tokens")
+
+    def __init__(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        self.prompt = prompt
+        self.generated: list[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.context_position = 0
+        self.context_len = len(prompt)
+        """Tokens the context phase computes: the prompt, or (after a pause) every token so far."""
+        self._tokens: list[int] | None = None
+        """Prompt then generated tokens, built at the first `token_view` and kept up to date."""
+
+    def set_context_position(self, position: int) -> None:
+        self.context_position = position
+
+    def append_token(self, token: int) -> None:
+        self.generated.append(int(token))
+        if self._tokens is not None:
+            self._tokens.append(self.generated[-1])
+
+    def token_view(self) -> Sequence[int]:
+        """`get_tokens()` without the copy: read it, never change it (it grows as tokens are
+        generated). A prefill-only request with a compact prompt (a trace's) is its prompt: it
+        never grows, and 4 bytes a token need no list of ints."""
+        if not self.max_new_tokens and type(self.prompt) is array and self.context_len == len(self.prompt):
+            return self.prompt
+        if self._tokens is None:
+            self._tokens = [*self.prompt, *self.generated]
+        return self._tokens
+
+    def prompt_view(self) -> Sequence[int]:
+        """`prompt_token_ids` without the copy."""
+        return self.prompt if self.context_len == len(self.prompt) else self.token_view()[:self.context_len]
+
+    def pause(self) -> None:
+        """Its allocation was taken back: it will run again from the start, its tokens so far
+        being the context to recompute (the generated ones stay generated)."""
+        self.context_len = len(self.prompt) + len(self.generated)
+        self.context_position = 0
+
+
+def progress_of(request: Request) -> RequestProgress:
+    """The runtime's handle on `request`'s progress (for the engine only: a connector reads the request)."""
+    return request._progress
+
+
 class Request:
     def __init__(self, request_id: int, prompt_token_ids: Sequence[int], max_new_tokens: int,
                  cache_salt: str | None = None, is_generation_only: bool = False, is_dummy: bool = False,
                  arrival: float = 0.0, retention: RetentionConfig | None = None) -> None:
         self._request_id = request_id
-        self._prompt: Sequence[int] = prompt_token_ids if _kept_as_given(prompt_token_ids) else \
-            tuple(map(int, prompt_token_ids))
-        """A tuple, or an `array` of 4-byte unsigned ints (a trace's prompts: 4 bytes a token), is kept
-        as it is (the caller vouches for plain ints and will not change it)."""
-        self._generated: list[int] = []
-        self._tokens: list[int] | None = None
-        """Prompt then generated tokens, built at the first `_token_view` and kept up to date."""
-        self._max_new_tokens = max_new_tokens
+        prompt = prompt_token_ids if _kept_as_given(prompt_token_ids) else tuple(map(int, prompt_token_ids))
+        # A tuple, or an `array` of 4-byte unsigned ints (a trace's prompts: 4 bytes a token), is kept
+        # as it is: the caller vouches for plain ints and will not change it.
+        self._progress = RequestProgress(prompt, max_new_tokens)
         self._cache_salt = cache_salt
         self._is_generation_only = is_generation_only
         self._is_dummy = is_dummy
         self._arrival = arrival
         self._retention = retention
-        self._context_position = 0
-        self._context_len = len(self._prompt)
-        """Tokens the context phase computes: the prompt, or (after a pause) every token so far."""
         self.py_draft_tokens: list[int] = []
         """The draft tokens of its current decode step (TensorRT-LLM's attribute; drafts are not
         part of `get_tokens` until accepted)."""
@@ -101,17 +145,17 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return list(self._token_view()[:self._context_len]) if self._context_len != len(self._prompt) else list(self._prompt)
+        return list(self._progress.prompt_view())
 
     @property
     def prompt_len(self) -> int:
         """The context phase's length: the prompt's, or after a pause every token so far (as
         TensorRT-LLM's `LlmRequest.pause` makes the tokens generated before it part of the prompt)."""
-        return self._context_len
+        return self._progress.context_len
 
     @property
     def original_prompt_len(self) -> int:
-        return len(self._prompt)
+        return len(self._progress.prompt)
 
     @property
     def cache_salt(self) -> str | None:
@@ -124,15 +168,15 @@ class Request:
 
     @property
     def max_new_tokens(self) -> int:
-        return self._max_new_tokens
+        return self._progress.max_new_tokens
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self._generated)
+        return len(self._progress.generated)
 
     @property
     def generated_token_ids(self) -> list[int]:
-        return list(self._generated)
+        return list(self._progress.generated)
 
     @property
     def is_generation_only_request(self) -> bool:
@@ -144,11 +188,11 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self._generated) >= self._max_new_tokens
+        return len(self._progress.generated) >= self._progress.max_new_tokens
 
     @property
     def context_current_position(self) -> int:
-        return self._context_position
+        return self._progress.context_position
 
     @property
     def arrival(self) -> float:
@@ -190,44 +234,17 @@ class Request:
         """Prompt then generated tokens (beam search is not modelled: beam must be 0)."""
         if beam != 0:
             raise ValueError("kvtool models beam width 1")
-        return list(self._prompt) + self._generated
+        return list(self._progress.prompt) + self._progress.generated
 
     def get_num_tokens(self, beam: int = 0) -> int:
-        return len(self._prompt) + len(self._generated)
-
-    def _set_context_position(self, position: int) -> None:
-        self._context_position = position
-
-    def _append_token(self, token: int) -> None:
-        self._generated.append(int(token))
-        if self._tokens is not None:
-            self._tokens.append(self._generated[-1])
-
-    def _token_view(self) -> Sequence[int]:
-        """The runtime's view of `get_tokens()` without the copy: read it, never change it (it
-        grows as tokens are generated). A prefill-only request with a compact prompt (a trace's)
-        is its prompt: it never grows, and 4 bytes a token need no list of ints."""
-        if not self._max_new_tokens and type(self._prompt) is array and self._context_len == len(self._prompt):
-            return self._prompt
-        if self._tokens is None:
-            self._tokens = [*self._prompt, *self._generated]
-        return self._tokens
-
-    def _prompt_view(self) -> Sequence[int]:
-        """`prompt_token_ids` without the copy, for the runtime."""
-        return self._prompt if self._context_len == len(self._prompt) else self._token_view()[:self._context_len]
-
-    def _pause(self) -> None:
-        """Its allocation was taken back: it will run again from the start, its tokens so far
-        being the context to recompute (the generated ones stay generated)."""
-        self._context_len = len(self._prompt) + len(self._generated)
-        self._context_position = 0
-        self.py_num_connector_matched_tokens = 0
+        return len(self._progress.prompt) + len(self._progress.generated)
 
     @property
     def last_token(self) -> int:
         """The newest token: the last generated one, else the prompt's last."""
-        return self._generated[-1] if self._generated else self._prompt[-1]
+        progress = self._progress
+        return progress.generated[-1] if progress.generated else progress.prompt[-1]
 
     def __repr__(self) -> str:
-        return f"Request({self._request_id}, prompt_len={len(self._prompt)}, generated={len(self._generated)})"
+        return (f"Request({self._request_id}, prompt_len={len(self._progress.prompt)}, "
+                f"generated={len(self._progress.generated)})")

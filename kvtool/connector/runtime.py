@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, ContextManager, Sequence
+from typing import Any, Callable, Collection, ContextManager, NamedTuple, Sequence
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.raised import describe_error, format_error, stops_kvtool
@@ -106,6 +106,17 @@ class _RankReports:
     reported: set[int] = field(default_factory=set)
 
 
+class HookResult(NamedTuple):
+    """What a guarded connector hook gave: `ok` False when it raised (the failure is recorded where
+    the guard runs), and then `value` is None."""
+
+    ok: bool
+    value: Any
+
+
+HOOK_FAILED = HookResult(False, None)
+
+
 class ConnectorRuntime:
     def __init__(self, scheduler: KvCacheConnectorScheduler, workers: Sequence[KvCacheConnectorWorker],
                  num_ranks: int | None = None, flat_hooks: bool = False, refuse_zero_async: bool = False,
@@ -142,16 +153,16 @@ class ConnectorRuntime:
         self._save_reports: dict[int, set[int]] = {}
 
     # ---- guarded calls -----------------------------------------------------------------------
-    def call(self, hook: str, fn: Callable[..., Any], *args: Any, request_id: int | None = None) -> tuple[bool, Any]:
-        """Run a connector hook; (False, None) and a recorded failure when it raises."""
+    def call(self, hook: str, fn: Callable[..., Any], *args: Any, request_id: int | None = None) -> HookResult:
+        """Run a connector hook; HOOK_FAILED and a recorded failure when it raises."""
         try:
             with self.around_hook():
-                return True, fn(*args)
+                return HookResult(True, fn(*args))
         except BaseException as exc:  # noqa: BLE001 - a connector must never end the runtime (sys.exit, native panics)
             if stops_kvtool(exc):
                 raise
             self.failures.append(HookFailure(hook, request_id, describe_error(exc), format_error(exc)))
-            return False, None
+            return HOOK_FAILED
 
     def violate(self, check: ViolationKind, request_id: int | None, detail: str) -> None:
         self.violations.append(ContractViolation(check, request_id, detail))
@@ -239,7 +250,7 @@ class ConnectorRuntime:
                           reservation_id, start, end, request_id=request.request_id)
         return ok
 
-    def collect_prefix_loads(self, tracked: set[int], answers: dict[int, tuple[bool, Any]],
+    def collect_prefix_loads(self, tracked: set[int], answers: dict[int, HookResult],
                              ignored: Collection[int] = ()) -> tuple[list[int], bool]:
         """Every rank's `get_finished_prefix_loads` answer (rank -> (ok, ids)): the ids of
         `tracked` loads every rank has now reported (each rank's reports count once), and whether
@@ -274,7 +285,7 @@ class ConnectorRuntime:
         self._new_loading.append(request_id)
         self.num_async_loads += 1
 
-    def build_meta(self, output: SchedulerOutput) -> tuple[bool, Any]:
+    def build_meta(self, output: SchedulerOutput) -> HookResult:
         return self.call("build_connector_meta", self.scheduler.build_connector_meta, output)
 
     def finish(self, request: Request, pages_by_group: GroupPages) -> tuple[bool, bool]:
@@ -297,7 +308,7 @@ class ConnectorRuntime:
         """The ids the coming `get_finished` calls hand every rank (saves, loads)."""
         return list(self._new_saving), list(self._new_loading)
 
-    def collect_finished(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], list[int], bool]:
+    def collect_finished(self, answers: dict[int, HookResult]) -> tuple[list[int], list[int], bool]:
         """Take every rank's `get_finished` answer (rank -> (hook ok, what it returned)) for the
         ids `ids_to_report` gave out; (ids saved on all ranks, ids loaded on all ranks, every
         call ok)."""

@@ -428,10 +428,6 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return Introspection(tracked_request_ids=tuple(sorted(self._trackers)),
                              saved_blocks=self.num_saved_blocks, loaded_blocks=self.num_loaded_blocks)
 
-    def kvtool_introspect(self) -> dict[str, Any]:
-        """The dict form of `kvtool_introspection` (the older hook, which `trace run` reads)."""
-        return self.kvtool_introspection().as_dict()
-
     def _tracker(self, request_id: int, cache_salt: str | None) -> _Tracker:
         if request_id not in self._trackers:
             self._trackers[request_id] = _Tracker(request_id, root_key(ReuseScope.from_cache_salt(cache_salt)))

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Iterable
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
@@ -20,7 +21,7 @@ from kvtool.engine.connector_attach import attach_connector
 from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
 from kvtool.engine.events import Arrived, EngineEvent, EventStream, Evicted, LoadFinished, PassDone
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fidelity import bytes_model, require_fidelity
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.pass_driver import PassDriver, PassPlan
@@ -42,6 +43,7 @@ from kvtool.manager.integrity import check_manager
 from kvtool.manager.manager import KvCacheManager
 from kvtool.manager.pool_groups import pages_per_pool_group
 from kvtool.models import heads_across_ranks
+from kvtool.types import Fidelity
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
@@ -61,7 +63,7 @@ class Engine:
             raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
         require_fidelity(config, connector)
         manager_config = rank_manager_config(config.manager, config.tp_size, 0)
-        if config.fidelity == "blocks":
+        if config.fidelity == Fidelity.BLOCKS:
             manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
         self.manager = KvCacheManager(manager_config)
         self.fake = bytes_model(config.fidelity, self.manager, config.seed, heads_across_ranks(manager_config.model))
@@ -229,7 +231,7 @@ class Engine:
 
     def _guarded(self, hook: str, fn, *args):
         """Rank 0's hook guard: the runtime's (failures recorded), or a plain call without a connector."""
-        return self.connector.call(hook, fn, *args) if self.connector is not None else (True, fn(*args))
+        return self.connector.call(hook, fn, *args) if self.connector is not None else HookResult(True, fn(*args))
 
     def _run_pass(self, batch: Batch, items: list[PassItem]) -> None:
         """Steps 1-2 of `pass_driver` on every rank: metadata and `start_load_kv` when requests

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
 from kvtool.manager.config import KvCacheManagerConfig
+from kvtool.types import Fidelity
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class EngineConfig:
     run every collective: the NCCL path on a machine with one GPU."""
     rank_timeout_s: float = 60.0
     """How long a collective waits for a rank before the run ends naming it."""
-    fidelity: str = "bytes"
+    fidelity: Fidelity = Fidelity.BYTES
     """`bytes`: pools hold KV bytes the fake engine writes and verifies; `blocks`: virtual pools,
     nothing written or verified (see `no_bytes`), for a connector that moves no bytes; `tokens`:
     the tokens `bytes` would generate, nothing written or verified (`token_model`), for a run

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from kvtool.engine.byte_origin import Coordinate, Origins, found_bytes
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
+from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
 from kvtool.types import BAD_PAGE_INDEX
@@ -31,48 +32,6 @@ HOST_COMPARE_BYTES = 1 << 20
 costs less than the compare's kernels and a synchronisation per buffer, and under validate's
 dozen processes sharing one GPU every synchronisation waits its turn. Larger reads (a real model
 in `bench`) are compared where they are."""
-
-
-@dataclass(frozen=True)
-class IntegrityIssue:
-    request_id: int
-    layer_group_id: int
-    block_ordinal: int
-    layer_id: int
-    role: str
-    position: int
-    head: int
-    expected: str
-    found: str
-    what: str = "mismatch"
-    rank: int = 0
-
-    def describe(self) -> str:
-        where = f"rank {self.rank}, " if self.rank else ""
-        return (f"{where}request {self.request_id}, layer group {self.layer_group_id}, block {self.block_ordinal}, "
-                f"layer {self.layer_id}, {self.role}, position {self.position}, head {self.head}: "
-                f"{self.what} (expected {self.expected}, found {self.found})")
-
-
-@dataclass
-class PassItem:
-    """One request's share of a forward pass: compute positions [start, end) of `tokens`."""
-
-    request_id: int
-    tokens: list[int]
-    pages: Mapping[int, Sequence[int]]
-    """Page indices per layer group (a `GroupPages` from the manager)."""
-    start: int
-    end: int
-    samples: bool
-    checksum: int = 0
-    sample_end: int | None = None
-    """The token sampled is the one after position `sample_end - 1` (default `end - 1`): a verify
-    pass of drafts samples after the last accepted one, attending to the positions before it."""
-
-    @property
-    def sampled_after(self) -> int:
-        return self.end if self.sample_end is None else self.sample_end
 
 
 @dataclass
@@ -159,7 +118,7 @@ class FakeEngine:
     def sample(self, item: PassItem) -> int:
         return sample_token(int(self._prefix_hashes(item).array()[item.sampled_after - 1]), item.checksum, VOCAB_SIZE)
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: Mapping[int, Sequence[int]],
+    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
                      history: int) -> None:
         """Check every position below `history` still backed by a page, in every layer."""
         item = PassItem(request_id, tokens, pages, history, history, samples=False)

@@ -8,27 +8,37 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.fake_engine import FakeEngine
 from kvtool.engine.no_bytes import NoBytesModel
+from kvtool.engine.pass_types import KvBytesModel
 from kvtool.engine.token_model import ReferenceTokens
 from kvtool.errors import InputError
 from kvtool.manager.manager import KvCacheManager
+from kvtool.types import Fidelity
 
 
-def bytes_model(fidelity: str, manager: KvCacheManager, seed: int, model_heads: int):
+def parse_fidelity(text: str) -> Fidelity:
+    """The fidelity a user named (InputError for any other text)."""
+    try:
+        return Fidelity(text)
+    except ValueError:
+        raise InputError(f"unknown fidelity {text!r}: bytes or blocks (tokens: reference runs only)") from None
+
+
+def bytes_model(fidelity: Fidelity, manager: KvCacheManager, seed: int, model_heads: int) -> KvBytesModel:
     """What writes and checks the pages' bytes at `fidelity` (`require_fidelity` has passed)."""
-    if fidelity == "blocks":
+    fidelity = Fidelity(fidelity)
+    if fidelity is Fidelity.BLOCKS:
         return NoBytesModel(manager.layer_groups)
-    model = ReferenceTokens if fidelity == "tokens" else FakeEngine
+    model = ReferenceTokens if fidelity is Fidelity.TOKENS else FakeEngine
     return model(manager.layout, manager.layer_groups, seed, model_heads=model_heads)
 
 
 def require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> None:
     """InputError for a fidelity this engine cannot run, or one the connector does not fit."""
-    if config.fidelity not in ("bytes", "blocks", "tokens"):
-        raise InputError(f"unknown fidelity {config.fidelity!r}: bytes or blocks (tokens: reference runs only)")
-    if config.fidelity == "tokens" and (connector is not None or config.num_ranks != 1):
+    parse_fidelity(config.fidelity)
+    if config.fidelity == Fidelity.TOKENS and (connector is not None or config.num_ranks != 1):
         raise InputError("token fidelity is for a reference run: one rank and no connector")
     moves_bytes = connector is None or getattr(connector.scheduler_class, "kvtool_moves_bytes", True)
-    if config.fidelity == "blocks":
+    if config.fidelity == Fidelity.BLOCKS:
         if config.num_ranks != 1 or config.process_group_of_one:
             raise InputError("block fidelity runs one rank: drop --num-ranks (or use --fidelity bytes)")
         if connector is not None and moves_bytes:

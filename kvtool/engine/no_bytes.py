@@ -10,9 +10,9 @@ prefix reuse, are the same).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Sequence
 
-from kvtool.engine.fake_engine import VOCAB_SIZE, IntegrityIssue, PassItem
+from kvtool.engine.fake_engine import VOCAB_SIZE
+from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
 from kvtool.manager.layer_groups import LayerGroupSpec
 
 
@@ -36,7 +36,7 @@ class NoBytesModel:
     def write_context(self, item: PassItem) -> None:
         """Nothing is written."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: Mapping[int, Sequence[int]],
+    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
                      history: int) -> None:
         """Nothing can be checked."""
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.rank_context import acting_as
 from kvtool.connector.raised import stops_kvtool
 from kvtool.engine.worker_setup import made_current
 from kvtool.errors import ConnectorError
 
-Call = Callable[..., tuple[bool, Any]]
+Call = Callable[..., HookResult]
 """`call(hook_label, fn, *args) -> (ok, result)`: runs a hook, records a failure, never raises."""
 
 
@@ -133,10 +134,21 @@ class PassDriver:
         self._on_hook = on_hook
         """Told the hook about to run (a follower publishes it, to name a hang)."""
         self.observer: HookObserver = UNOBSERVED
+        self._layer_done: Callable[[int], None] | None = None
 
     def observe(self, observer: HookObserver) -> None:
         """From now on `observer` is told around every guarded hook (replacing the one before)."""
         self.observer = observer
+
+    def observe_layers(self, layer_done: Callable[[int], None]) -> None:
+        """From now on `layer_done(layer_id)` is called right after each layer's forward is issued
+        (replacing the one before): on GPU pages, with that layer's work queued on `stream`."""
+        self._layer_done = layer_done
+
+    def _forward(self, layer_id: int, items: list) -> None:
+        self._forward_layer(layer_id, items)
+        if self._layer_done is not None:
+            self._layer_done(layer_id)
 
     def run_pass(self, plan: PassPlan, metadata: Any, items: list) -> bool:
         """Steps 1-2 of the module docstring; False at the first hook that raised (the rest of
@@ -150,20 +162,20 @@ class PassDriver:
             return True
         if not self.workers:   # no connector: every hook would answer at once; only the forward runs
             for layer_id in self.layer_ids:
-                self._forward_layer(layer_id, items)
+                self._forward(layer_id, items)
             return True
         for layer_id in self.layer_ids:
             if not self._each("wait_for_layer_load", layer_id, self.stream):
                 return False
             self._on_hook("forward")
-            self._forward_layer(layer_id, items)
+            self._forward(layer_id, items)
             if not self._each("save_kv_layer", layer_id, self.stream):
                 return False
         if not self._end_of_pass():
             return False
         return self._each("wait_for_save", self.stream)
 
-    def get_finished(self, saving: list[int], loading: list[int]) -> dict[int, tuple[bool, Any]]:
+    def get_finished(self, saving: list[int], loading: list[int]) -> dict[int, HookResult]:
         """Step 4: rank -> (ok, what its `get_finished(saving, loading)` returned)."""
         answers = {}
         for rank_worker in self.workers:
@@ -175,7 +187,7 @@ class PassDriver:
                     list(saving), list(loading))
         return answers
 
-    def get_finished_prefix_loads(self) -> dict[int, tuple[bool, Any]]:
+    def get_finished_prefix_loads(self) -> dict[int, HookResult]:
         """Prefix reservations: rank -> (ok, what its `get_finished_prefix_loads()` returned), after
         `get_finished`, every iteration."""
         answers = {}

@@ -4,7 +4,7 @@ step with its drafts), the padding dummies, a received context, the idle pages t
 from __future__ import annotations
 
 from kvtool.engine.drafts import DraftModel
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import Phase, RequestState
 from kvtool.engine.scheduler import Batch
 from kvtool.manager.kv_cache import KvCache
@@ -16,7 +16,7 @@ def batch_items(batch: Batch, drafts: DraftModel | None) -> list[PassItem]:
     items = []
     for state, n in batch.context:
         samples = state.position + n == state.prompt_len and state.request.max_new_tokens > 0
-        items.append(PassItem(state.request_id, state.request._token_view(), state.kv.page_indices_by_group(),
+        items.append(PassItem(state.request_id, state.tokens, state.kv.page_indices_by_group(),
                               state.position, state.position + n, samples))
     for state in batch.generation:
         items.append(generation_item(state, drafts))
@@ -30,12 +30,12 @@ def generation_item(state: RequestState, drafts: DraftModel | None) -> PassItem:
     pages = state.kv.page_indices_by_group()
     if not state.num_drafts:
         request.py_draft_tokens = []
-        return PassItem(state.request_id, request._token_view(), pages, length - 1, length, True)
+        return PassItem(state.request_id, state.tokens, pages, length - 1, length, True)
     assert drafts is not None     # a step has drafts only when the engine has a draft model
     proposed = drafts.propose(state.request_id, length, state.num_drafts)
     request.py_draft_tokens = proposed
     state.accepted_drafts = proposed[:drafts.accepted(state.request_id, length, state.num_drafts)]
-    return PassItem(state.request_id, request._token_view() + proposed, pages, length - 1, length + len(proposed),
+    return PassItem(state.request_id, state.tokens + proposed, pages, length - 1, length + len(proposed),
                     True, sample_end=length + len(state.accepted_drafts))
 
 

@@ -5,7 +5,7 @@ reached its output length finished."""
 from __future__ import annotations
 
 from kvtool.engine.engine_config import EngineStats
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
@@ -16,7 +16,7 @@ class PassResults:
     `FinishedOrder` each request's length after its rejected drafts (`take_rewinds`: every rank's
     fake engine forgets their prefix hashes)."""
 
-    def __init__(self, fake, stats: EngineStats, lifecycle: Lifecycle) -> None:
+    def __init__(self, fake: KvBytesModel, stats: EngineStats, lifecycle: Lifecycle) -> None:
         self._fake = fake
         self._stats = stats
         self._lifecycle = lifecycle
@@ -27,10 +27,10 @@ class PassResults:
         stats = self._stats
         for state, n in batch.context:
             item = by_id[state.request_id]
-            state.kv.commit(state.request._prompt_view()[state.kv.num_committed_tokens:item.end])
+            state.kv.commit(state.prompt_tokens[state.kv.num_committed_tokens:item.end])
             stats.recomputed_tokens += max(0, min(item.end, state.recompute_until) - state.position)
             state.position = item.end
-            state.request._set_context_position(item.end)
+            state.progress.set_context_position(item.end)
             stats.computed_tokens += n
             if item.end == state.prompt_len:
                 self._produce(state, item)
@@ -52,13 +52,13 @@ class PassResults:
         accepted, state.accepted_drafts = state.accepted_drafts, []
         state.kv.commit([state.request.last_token, *accepted])
         for token in accepted:
-            state.request._append_token(token)
+            state.progress.append_token(token)
         self._stats.computed_tokens += item.end - item.start
         self._stats.generated_tokens += len(accepted)
 
     def _produce(self, state: RequestState, item: PassItem) -> None:
         if state.request.max_new_tokens > 0:
-            state.request._append_token(self._fake.sample(item))
+            state.progress.append_token(self._fake.sample(item))
             self._stats.generated_tokens += 1
         if state.request.is_finished:
             self._lifecycle.finish(state)

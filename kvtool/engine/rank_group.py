@@ -12,12 +12,13 @@ tensor parallelism the checksums of their shards).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.connector.runtime import HookFailure
+from kvtool.connector.runtime import HookFailure, HookResult
 from kvtool.engine.engine_config import EngineConfig
-from kvtool.engine.fake_engine import CHECKSUM_MASK, PassItem
+from kvtool.engine.fake_engine import CHECKSUM_MASK
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup
 from kvtool.engine.rank_pass import RankPass
 from kvtool.engine.ranks import Followers
@@ -36,9 +37,9 @@ class PassOutcome:
 
 @dataclass
 class FinishedOutcome:
-    answers: dict[int, tuple[bool, Any]]
+    answers: dict[int, HookResult]
     """Rank -> (its get_finished ran without raising, what it returned)."""
-    prefix_loads: dict[int, tuple[bool, Any]] = field(default_factory=dict)
+    prefix_loads: dict[int, HookResult] = field(default_factory=dict)
     """Rank -> (its get_finished_prefix_loads ran without raising, what it returned): asked only
     with `FinishedOrder.prefix_loads`."""
     failures: list[HookFailure] = field(default_factory=list)

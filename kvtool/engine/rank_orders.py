@@ -8,8 +8,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.fake_engine import IntegrityIssue, PassItem
+from kvtool.engine.pass_types import IntegrityIssue, PassItem
 from kvtool.engine.pass_driver import PassPlan
 from kvtool.engine.runtimes.names import Registration
 from kvtool.manager.config import KvCacheManagerConfig
@@ -85,9 +86,9 @@ class RankReport:
     """(hook, error) for each hook that raised."""
     tracebacks: list[str] = field(default_factory=list)
     """The whole traceback of each of `failures`, in the same order."""
-    finished: tuple[bool, Any] = (False, None)
-    """(get_finished ran without raising, what it returned); (False, None) for a pass order."""
-    prefix_loads: tuple[bool, Any] = (False, None)
+    finished: HookResult = HOOK_FAILED
+    """(get_finished ran without raising, what it returned); HOOK_FAILED for a pass order."""
+    prefix_loads: HookResult = HOOK_FAILED
     """(get_finished_prefix_loads ran without raising, what it returned), where it was asked."""
     checksums: dict[int, int] = field(default_factory=dict)
     issues: list[IntegrityIssue] = field(default_factory=list)

@@ -10,12 +10,14 @@ it was sent and reports its sampling checksums and integrity issues; given a `Fi
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Callable
 
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.rank_context import acting_as
 from kvtool.engine.pass_driver import PassDriver, RankWorker, ask_end_of_pass
+from kvtool.engine.pass_types import KvBytesModel
 from kvtool.engine.runtimes.names import Registration
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport
 from kvtool.engine.worker_setup import rank_llm_args, register_worker
@@ -59,11 +61,11 @@ class RankPass:
     """One rank's fake engine (`fake`: bytes, blocks or tokens) driven by its `PassDriver`.
     `after_forward` runs once the pass's hooks are done (rank 0 closes its async gate there)."""
 
-    def __init__(self, rank: int, fake, driver: PassDriver, after_forward: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, rank: int, fake: KvBytesModel, driver: PassDriver, after_forward: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
         self.fake = fake
         self.driver = driver
-        self.prefix_answers: dict[int, tuple[bool, Any]] = {}
+        self.prefix_answers: dict[int, HookResult] = {}
         """Rank -> (ok, ids) of the last `finish`'s `get_finished_prefix_loads` calls."""
         self._after_forward = after_forward
 
@@ -83,7 +85,7 @@ class RankPass:
         report.errors_by_request = Counter(self.fake.errors_by_request) - before
         return ok
 
-    def finish(self, order: FinishedOrder) -> dict[int, tuple[bool, Any]]:
+    def finish(self, order: FinishedOrder) -> dict[int, HookResult]:
         """`get_finished` on this rank's workers (rank -> (ok, answer)), then the fake engine's
         rewinds of rejected drafts and its forgetting of requests that are over. With
         `order.prefix_loads`, `get_finished_prefix_loads` follows (`prefix_answers` keeps them)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.raised import describe_construction_error, describe_error, format_error, stops_kvtool
 from kvtool.engine.fake_engine import FakeEngine
@@ -301,20 +302,20 @@ class RankExecutor:
         self._report = report = RankReport(self.rank)
         self.manager.replay_page_ops(order.page_ops)
         if isinstance(order, FinishedOrder):
-            report.finished = self.rank_pass.finish(order).get(self.rank, (False, None))
-            report.prefix_loads = self.rank_pass.prefix_answers.get(self.rank, (False, None))
+            report.finished = self.rank_pass.finish(order).get(self.rank, HOOK_FAILED)
+            report.prefix_loads = self.rank_pass.prefix_answers.get(self.rank, HOOK_FAILED)
         else:
             self.rank_pass.run_pass(order, report)
         self._enter("")
         return report
 
-    def _call(self, hook: str, fn, *args) -> tuple[bool, Any]:
+    def _call(self, hook: str, fn, *args) -> HookResult:
         """The follower's hook guard: a failure goes into the report for rank 0, which fails the pass."""
         try:
-            return True, fn(*args)
+            return HookResult(True, fn(*args))
         except BaseException as exc:  # noqa: BLE001 - reported to rank 0 (sys.exit, native panics too)
             if stops_kvtool(exc):
                 raise
             self._report.failures.append((hook, describe_error(exc)))
             self._report.tracebacks.append(format_error(exc))
-            return False, None
+            return HOOK_FAILED

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvtool.connector.request import Request
+from kvtool.connector.request import Request, RequestProgress, progress_of
 from kvtool.errors import LogicError
 from kvtool.manager.kv_cache import KvCache
 
@@ -104,6 +104,12 @@ class RequestState:
     recompute_until: int = 0
     """Tokens it had computed when it was last paused: the replay computes them again, less what
     the radix tree or the connector serves."""
+    progress: RequestProgress = field(init=False, repr=False)
+    """The request's tokens and context phase, which the engine alone changes (the connector reads
+    them through `request`)."""
+
+    def __post_init__(self) -> None:
+        self.progress = progress_of(self.request)
 
     @property
     def request_id(self) -> int:
@@ -116,12 +122,12 @@ class RequestState:
     @property
     def prompt_tokens(self) -> Sequence[int]:
         """The context phase's tokens, without a copy (read only): the prompt, or after a pause every token so far."""
-        return self.request._prompt_view()
+        return self.progress.prompt_view()
 
     @property
     def tokens(self) -> Sequence[int]:
         """Prompt then generated tokens, without a copy (read only; it grows as tokens are generated)."""
-        return self.request._token_view()
+        return self.progress.token_view()
 
     @property
     def is_live(self) -> bool:
@@ -142,7 +148,7 @@ class RequestState:
         the first pass reads them)."""
         self._move(Phase.CONTEXT)
         self.kv, self.position, self.num_local_hit = kv, position, num_local_hit
-        self.request._set_context_position(position)
+        self.progress.set_context_position(position)
 
     def serve_from(self, position: int) -> None:
         """A served prefix moved the start of the request's first chunk to `position` (CONTEXT:
@@ -151,7 +157,7 @@ class RequestState:
             raise LogicError(f"request {self.request_id}: cannot serve from {position} at {self.position} "
                              f"({self._phase.value})")
         self.position = position
-        self.request._set_context_position(position)
+        self.progress.set_context_position(position)
 
     def start_transmission(self, iteration: int) -> None:
         """CONTEXT -> TRANSMISSION: an asynchronous load began; out of the batch until it lands."""
@@ -186,7 +192,8 @@ class RequestState:
         self.delivered_at, self.seen_by_connector = -1, False
         self.allocation_reported, self.block_hashes = False, []
         self.forget_reported()
-        self.request._pause()
+        self.progress.pause()
+        self.request.py_num_connector_matched_tokens = 0
 
     def forget_reported(self) -> None:
         """Its allocation is gone and it runs again: its next report to the connector is new and

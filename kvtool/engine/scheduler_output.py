@@ -32,7 +32,7 @@ def build_scheduler_output(batch: Batch, iteration: int, profile: RuntimeProfile
 
 def _request_data(state: RequestState, computed: int, scheduled: int, iteration: int) -> tuple[RequestData, bool]:
     is_new = state.reported_tokens < 0
-    tokens = state.request._token_view()
+    tokens = state.tokens
     pages = state.kv.page_indices_by_group()
     start_tokens = 0 if is_new else state.reported_tokens
     by_group = pages if is_new else pages.since(state.reported_blocks)

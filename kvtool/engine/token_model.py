@@ -9,13 +9,13 @@ digest for digest. It is for reference runs, whose only product is their tokens
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
-from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem, digest
+from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, digest
+from kvtool.engine.pass_types import PagesByGroup, PassItem
 from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec
 
@@ -59,6 +59,6 @@ class ReferenceTokens(FakeEngine):
                positions: np.ndarray) -> None:
         """Nothing written (`write_context`): nothing reads the pages."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: Mapping[int, Sequence[int]],
+    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
                      history: int) -> None:
         """Nothing to check: nothing but this run touched the pages."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
 from kvtool.errors import InputError

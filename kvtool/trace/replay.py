@@ -21,6 +21,7 @@ from kvtool.trace.cost_model import CostModel
 from kvtool.trace.recorder import TraceRecorder
 from kvtool.errors import InputError, LogicError
 from kvtool.manager.integrity import check_manager
+from kvtool.types import Fidelity
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class TraceSummary:
     """Tokens the GPU pool holds (its smallest pool group's slots x tokens per block)."""
     tier_hit_tokens: dict[str, int] | None
     """Connector hit tokens per tier, for a connector of several tiers (stacked); None otherwise."""
-    fidelity: str
+    fidelity: Fidelity
     runtime: str
     """The TensorRT-LLM runtime the engine played (`--runtime`)."""
     invariant_errors: int

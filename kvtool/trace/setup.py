@@ -33,6 +33,8 @@ from kvtool.report.bench_report import bench_rate
 from kvtool.units import format_size, parse_capacity, parse_size
 from kvtool.models import load_model
 from kvtool.workloads.source import RequestSize, Workload, open_workload
+from kvtool.types import Admission, Fidelity
+from kvtool.engine.fidelity import parse_fidelity
 
 DEFAULT_NUM_SLOTS = 1024
 """Pool slots for kvtool workloads (the shipped ones are small) unless --gpu names a GPU."""
@@ -115,11 +117,11 @@ def build_replay(o: ReplayOptions) -> Replay:
     _check_counts(o)
     workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
     imported = workload.format != "kvtool"
-    fidelity = o.fidelity or ("blocks" if imported else "bytes")
+    fidelity = parse_fidelity(o.fidelity) if o.fidelity else (Fidelity.BLOCKS if imported else Fidelity.BYTES)
     model = o.model or ("llama-3.1-8b" if imported else "tiny")
-    modelled_tp = o.tp > 1 and o.num_ranks == 1 and fidelity == "blocks"
+    modelled_tp = o.tp > 1 and o.num_ranks == 1 and fidelity is Fidelity.BLOCKS
     gpu = gpu_named(o.gpu, o.tflops, o.hbm_gbps, o.load_gbps)
-    pool = _derived_pool(o, model, gpu, imported and fidelity == "blocks")
+    pool = _derived_pool(o, model, gpu, imported and fidelity is Fidelity.BLOCKS)
     num_slots = o.num_slots
     if num_slots is None and o.gpu_memory is None and pool is None:
         num_slots = ceil_div(DEFAULT_BYTES_POOL_TOKENS, o.tokens_per_block) if imported else DEFAULT_NUM_SLOTS
@@ -203,15 +205,18 @@ def capacity_notes(options: dict[str, str]) -> tuple[str, ...]:
     return tuple(notes)
 
 
-ADMISSIONS = {"reserve": dict(reserve_outputs=True), "greedy": dict(),
-              "max-utilization": dict(pause_to_grow=True)}
-"""--admission NAME -> the SchedulerConfig fields it sets."""
+ADMISSIONS: dict[Admission, dict[str, bool]] = {
+    Admission.RESERVE: dict(reserve_outputs=True), Admission.GREEDY: dict(),
+    Admission.MAX_UTILIZATION: dict(pause_to_grow=True)}
+"""Each admission policy -> the SchedulerConfig fields it sets."""
 
 
 def _admission(admission: str) -> dict[str, bool]:
-    if admission not in ADMISSIONS:
-        raise InputError(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
-    return ADMISSIONS[admission]
+    """The SchedulerConfig fields of the policy `--admission` named (InputError for another name)."""
+    try:
+        return ADMISSIONS[Admission(admission)]
+    except ValueError:
+        raise InputError(f"--admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}") from None
 
 
 def _cost_model(o: ReplayOptions, model: str, gpu: GpuSpec, spec: ConnectorSpec | None, options: dict[str, str],
@@ -256,7 +261,7 @@ def decode_check_note(replay: Replay) -> str | None:
     """A line saying what a bytes-fidelity replay's decode steps will cost when that is more than
     a couple of minutes: every decode step of a request checks every position it attends to, its
     whole context, so long prompts with long answers grow as prompt x answer."""
-    if replay.config.fidelity != "bytes":
+    if replay.config.fidelity != Fidelity.BYTES:
         return None
     positions = sum(s.max_new_tokens * (s.prompt_len + s.max_new_tokens / 2)
                     for s in replay.workload.request_sizes())
@@ -340,7 +345,7 @@ def _smallest_memory(manager: KvCacheManagerConfig, needs: list[int]) -> str:
 def check_pools_fit_memory(replay: Replay) -> None:
     """OutOfMemoryError, naming this command's options, when a bytes-fidelity replay's pools would
     not fit where they are allocated (block fidelity allocates none)."""
-    if replay.config.fidelity != "bytes":
+    if replay.config.fidelity != Fidelity.BYTES:
         return
     manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
     layout = compute_layout(manager)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.trace.setup import ReplayOptions, block_bytes, build_replay
 from kvtool.units import Capacity
+from kvtool.types import Fidelity
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,14 @@ class SweepPoint:
     """The sweep's TTFT objective: the point's row says the share of requests within it."""
 
 
-def shard_block_bytes(options: ReplayOptions, fidelity: str, tokens_per_block: int) -> int:
+def shard_block_bytes(options: ReplayOptions, fidelity: Fidelity, tokens_per_block: int) -> int:
     """Bytes of one block of a GPU's shard (rank 0's), every layer group: what a tier's size holds."""
     replay = build_replay(replace(options, tokens_per_block=tokens_per_block, fidelity=fidelity, connector="none",
                                   connector_opt=(), connector_dir=None))
     return block_bytes(rank_manager_config(replay.config.manager, replay.config.tp_size, 0))
 
 
-def sweep_points(options: ReplayOptions, fidelity: str, capacities: list[Capacity | None], tpbs: list[int],
+def sweep_points(options: ReplayOptions, fidelity: Fidelity, capacities: list[Capacity | None], tpbs: list[int],
                  baseline: bool) -> list[SweepPoint]:
     """The points, by tokens per block: the no-tier one first (with `baseline`), then each capacity
     from the smallest (a size as the tokens of the whole blocks it holds; equal ones once)."""

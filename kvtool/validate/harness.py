@@ -14,7 +14,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.raised import describe_error, format_error, with_wrapped_location
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.events import EventLog
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
@@ -28,6 +28,7 @@ from kvtool.validate.results import CheckResult
 from kvtool.validate.run_record import RunRecord, record_run
 from kvtool.validate.schedule import schedule_for, settle
 from kvtool.validate.shrink import Cut
+from kvtool.types import Fidelity
 
 CANARY_ID = -424242
 
@@ -131,7 +132,7 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                                 pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
-                        verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",
+                        verify_all_after_iteration=not reference, fidelity=Fidelity.TOKENS if reference else Fidelity.BYTES,
                         max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True,
                         idle_wait_seconds=schedule.idle_wait_seconds, warmup_seconds=ctx.warmup,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.engine.engine import Engine
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import Phase
 from kvtool.types import BAD_PAGE_INDEX
 from kvtool.validate.harness import tokens

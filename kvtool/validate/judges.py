@@ -144,7 +144,7 @@ def judge_holds_nothing(scenario: str, ctx: Context, r: RunRecord, followup_ok: 
     if r.introspection is None:
         ok = followup_ok is not False
         return result(scenario, ctx, "holds-nothing", ok,
-                      ["no kvtool_introspect hook: judged by a later request on the same prompt, which "
+                      ["no kvtool_introspection hook: judged by a later request on the same prompt, which "
                        + ("was served correctly" if ok else "went wrong")])
     gone = {rid for rid, s in r.outcomes.items() if not s.is_live}
     held = sorted(set(r.introspection.tracked_request_ids or ()) & gone)

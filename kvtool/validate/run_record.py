@@ -15,7 +15,7 @@ from kvtool.connector.introspection import Introspection, introspect
 from kvtool.connector.runtime import ContractViolation, HookFailure
 from kvtool.engine.engine import Engine
 from kvtool.engine.events import EventLog
-from kvtool.engine.fake_engine import IntegrityIssue
+from kvtool.engine.pass_types import IntegrityIssue
 from kvtool.engine.request_state import FailureReason, Phase, RequestState
 
 __all__ = ["FailureReason", "IntegrityFindings", "Phase", "RequestOutcome", "RunRecord", "record_run"]

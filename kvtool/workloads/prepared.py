@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kvtool.connector.request import Request
+from kvtool.connector.request import Request, progress_of
 from kvtool.manager.block_keys import token_array, token_array_from_native
 from kvtool.workloads.source import Workload
 
@@ -49,7 +49,7 @@ def prepare_workload(workload: Workload, folder: Path) -> PreparedWorkload:
     offset = 0
     with open(folder / TOKENS_FILE, "wb") as out:
         for request in workload.requests():
-            prompt = token_array(request._prompt_view())
+            prompt = token_array(progress_of(request).prompt_view())
             out.write(prompt.tobytes())
             table.append({"request_id": request.request_id, "tokens": [offset, offset + len(prompt)],
                           "max_new_tokens": request.max_new_tokens, "cache_salt": request.cache_salt,

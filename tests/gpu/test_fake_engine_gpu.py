@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvtool.engine import fake_engine
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.pass_types import PassItem
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 from kvtool.models import load_model

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
-from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.pass_types import PassItem
 
 
 @dataclass

@@ -51,7 +51,7 @@ def test_cold_miss_then_warm_hit_is_bit_exact(store, reference, model, mode):
     engine = run("mooncake", model, opts(store, mode=mode))
     assert [engine.states[i].num_external for i in range(4)] == [0, 40, 40, 40]
     assert_served_right(engine, reference, model)
-    assert engine.connector.scheduler.kvtool_introspect()["staged_bytes"] == 0
+    assert engine.connector.scheduler.kvtool_introspection().staged_bytes == 0
 
 
 def test_a_second_engine_is_served_what_the_first_saved(store, reference):

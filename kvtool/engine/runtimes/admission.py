@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from kvtool.connector.api import PrefixLoad, takes_part_in_reservations
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.connector.runtime import Answer, ConnectorRuntime
+from kvtool.connector.runtime import Answer, ConnectorRuntime, HookResult
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Ask, Cancel, Deliver, LoadStarted
 from kvtool.engine.request_state import FailureReason, Offer, RequestState
@@ -96,7 +96,7 @@ class ConnectorAdmission(ABC):
         """The prefix loads confirmed since the last call (`SchedulerOutput.prefix_loads`); none by default."""
         return []
 
-    def retire_reported(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
+    def retire_reported(self, answers: dict[int, HookResult]) -> tuple[list[int], bool]:
         """Every rank's `get_finished_prefix_loads` answers: (the requests whose prefix load every
         rank has now reported, every call ok). Nothing by default."""
         return [], True

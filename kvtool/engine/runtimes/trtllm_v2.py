@@ -30,10 +30,9 @@ Also refused with a connector: cache tiers below GPU, speculative decoding.
 
 from __future__ import annotations
 
-from typing import Any
 
 from kvtool.connector.api import RESERVATION_HOOKS, PrefixLoad, reservation_hooks, takes_part_in_reservations
-from kvtool.connector.runtime import PastThePrompt
+from kvtool.connector.runtime import HookResult, PastThePrompt
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Ask, NotHonoured, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
@@ -193,7 +192,7 @@ class ReservingAdmission(ConnectorAdmission):
     def take_prefix_loads(self) -> list[PrefixLoad]:
         return self.book.take_loads()
 
-    def retire_reported(self, answers: dict[int, tuple[bool, Any]]) -> tuple[list[int], bool]:
+    def retire_reported(self, answers: dict[int, HookResult]) -> tuple[list[int], bool]:
         """Retire the loads every rank reported; the requests waiting for exactly those resume."""
         done, ok = self.hooks.collect_prefix_loads(self.book.tracked, answers, ignored=self.book.given_up)
         resumed = []
