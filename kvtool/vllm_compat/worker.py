@@ -28,6 +28,7 @@ from kvtool.vllm_compat.block_tables import Scheduled
 from kvtool.vllm_compat.engine_setup import BuiltEngine
 from kvtool.vllm_compat.fingerprints import ByteIssue, FingerprintPages, LayerGeometry
 from kvtool.vllm_compat.hook_log import HookLog
+from kvtool.vllm_compat.worker_rank import set_current_worker
 
 
 @dataclass
@@ -66,6 +67,7 @@ class VllmWorker:
         self.pages = FingerprintPages(self.tensors, _geometry(built, rank), built.shape.block_size, rank)
         self.pages.poison(range(kv_config.num_blocks))
         self._layers = {name: _Layer(tensor) for name, tensor in self.tensors.items()}
+        set_current_worker(rank)
         self.connector = KVConnectorFactory.create_connector(built.vllm_config, KVConnectorRole.WORKER, kv_config)
         self._register()
 
@@ -82,6 +84,7 @@ class VllmWorker:
         from vllm.distributed.kv_transfer import kv_transfer_state
 
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
+        set_current_worker(self.rank)
         self._built.vllm_config.compilation_config.static_forward_context.update(self._layers)
 
     def step(self, output: Any, scheduled: list[Scheduled], hashes: Mapping[str, np.ndarray]) -> StepResult:
