@@ -32,10 +32,15 @@ class Integrity:
 
     num_wrong: int = 0
     issues: list[ByteIssue] = field(default_factory=list)
+    num_discarded: int = 0
+    """Wrong reads of a step whose work vLLM threw away (a load failure reported in that step:
+    the request recomputes from the failed block, or fails): nothing was served from them."""
 
-    def add(self, result: StepResult) -> None:
-        self.num_wrong += result.num_wrong
-        self.issues += result.issues[:max(0, MAX_ISSUES - len(self.issues))]
+    def add(self, result: StepResult, discarded: frozenset[str] = frozenset()) -> None:
+        self.num_wrong += sum(n for rid, n in result.wrong.items() if rid not in discarded)
+        self.num_discarded += sum(n for rid, n in result.wrong.items() if rid in discarded)
+        kept = [issue for issue in result.issues if issue.request_id not in discarded]
+        self.issues += kept[:max(0, MAX_ISSUES - len(self.issues))]
 
 
 class VllmRun:
@@ -54,6 +59,7 @@ class VllmRun:
         self._tokens: dict[str, list[int]] = {}
         self._hashes: dict[str, PrefixHashes] = {}
         self._aggregator = _aggregator(self.workers)
+        self._sampled: set[str] = set()
 
     @property
     def connector(self) -> Any:
@@ -77,6 +83,10 @@ class VllmRun:
         self.scheduler.add_request(request)
         return request
 
+    def tokens(self, request_id: str) -> list[int]:
+        """The request's tokens so far: its prompt and what the fake forward sampled."""
+        return list(self._tokens[request_id])
+
     def abort(self, *request_ids: str) -> None:
         from vllm.v1.request import RequestStatus
 
@@ -96,15 +106,31 @@ class VllmRun:
         scheduled = self.tables.update(output)
         hashes = {s.request_id: self._hash_array(s.request_id, s.end) for s in scheduled}
         results = [worker.step(output, scheduled, hashes) for worker in self.workers]
-        for result in results:
-            self.integrity.add(result)
         runner_output = self._runner_output(output, scheduled, results)
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         record = record_step(len(self.steps), output, runner_output.kv_connector_output, engine_outputs,
                              self.outcomes)
+        discarded = self._discarded(scheduled)
+        for result in results:
+            self.integrity.add(result, discarded)
+        self._forget_samples(discarded)
         self.steps.append(record)
-        self._check_running()
+        self._check_running(record.invalid_block_ids)
         return record
+
+    def _discarded(self, scheduled: list[Scheduled]) -> frozenset[str]:
+        """Requests whose step vLLM threw away: rolled back below the step's end, or failed."""
+        requests = self.scheduler.requests
+        return frozenset(s.request_id for s in scheduled
+                         if (s.request_id in requests and requests[s.request_id].num_computed_tokens < s.end)
+                         or self.outcomes[s.request_id].finish_reason == "error")
+
+    def _forget_samples(self, discarded: frozenset[str]) -> None:
+        """vLLM skips a discarded request's sampled token: so does the driver's record of its tokens."""
+        for rid in discarded & self._sampled:
+            self._tokens[rid].pop()
+            self._hashes[rid].truncate(len(self._tokens[rid]))
+        self._sampled.clear()
 
     def _runner_output(self, output: Any, scheduled: list[Scheduled], results: list[StepResult]) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -129,6 +155,7 @@ class VllmRun:
             return []
         token = sample_token(int(self._hash_array(s.request_id, s.end)[s.end - 1]), 0, VOCAB_SIZE)
         tokens.append(token)
+        self._sampled.add(s.request_id)
         return [token]
 
     def _hash_array(self, request_id: str, length: int) -> np.ndarray:
@@ -143,7 +170,7 @@ class VllmRun:
         for worker in self.workers:
             worker.pages.poison(free)
 
-    def _check_running(self) -> None:
+    def _check_running(self, pending: frozenset[int]) -> None:
         for request in self.scheduler.running:
             rid = request.request_id
             if rid not in self.tables or not request.num_computed_tokens:
@@ -151,7 +178,7 @@ class VllmRun:
             hashes = self._hash_array(rid, request.num_computed_tokens)
             for worker in self.workers:
                 self.integrity.add(worker.check_live(rid, self.tables.blocks(rid), hashes,
-                                                     request.num_computed_tokens))
+                                                     request.num_computed_tokens, pending))
 
 
 def _aggregator(workers: list[VllmWorker]) -> Any:

@@ -29,8 +29,11 @@ class EngineShape:
     """What a scenario sets of vLLM's scheduler and cache configuration."""
 
     block_size: int = 4
-    num_blocks: int = 96
+    num_blocks: int = 160
     """Blocks of the KV cache, the null block (id 0) included."""
+    blocks_per_group: int | None = None
+    """Instead of `num_blocks`: 1 + this many blocks for each KV cache group vLLM makes (a hybrid
+    model's groups share one pool), for a scenario that wants a small cache on every model."""
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
     max_model_len: int = 128
@@ -69,8 +72,11 @@ def build_engine(model: VllmModel, shape: EngineShape, target: ConnectorTarget, 
     config = _vllm_config(model, shape, target, folder)
     workers = [VllmModel(shard_model(model.spec, shape.num_workers, rank)) if shape.num_workers > 1 else model
                for rank in range(shape.num_workers)]
-    kv_configs = get_kv_cache_configs(config, [_layer_specs(w, shape) for w in workers],
-                                      [1 << 40] * shape.num_workers)
+    specs = [_layer_specs(w, shape) for w in workers]
+    if shape.blocks_per_group is not None:
+        groups = len(get_kv_cache_configs(config, specs, [1 << 40] * shape.num_workers)[0].kv_cache_groups)
+        config.cache_config.num_gpu_blocks_override = 1 + shape.blocks_per_group * groups
+    kv_configs = get_kv_cache_configs(config, specs, [1 << 40] * shape.num_workers)
     scheduler_kv = generate_scheduler_kv_cache_config(kv_configs)
     config.cache_config.num_gpu_blocks = scheduler_kv.num_blocks
     scheduler = Scheduler(vllm_config=config, kv_cache_config=scheduler_kv,

@@ -9,6 +9,7 @@ install it. Everything else in kvtool works without vLLM installed.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -41,6 +42,7 @@ def require_vllm() -> ModuleType:
     """The installed `vllm` package; VllmMissing (saying how to install it) when there is none,
     or when its version is not the one kvtool follows."""
     hide_foreign_builds()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # vLLM's start-up notes would bury the results
     try:
         vllm = importlib.import_module("vllm")
     except ImportError as exc:

@@ -13,6 +13,7 @@ store on disk starts empty in every scenario.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -29,9 +30,11 @@ DEFAULT_EXTRA: dict[str, dict[str, Any]] = {
     "ExampleConnector": {"shared_storage_path": "{folder}/example-store"},
     "OffloadingConnector": {"cpu_bytes_to_use": 1 << 26},
     "SimpleCPUOffloadConnector": {"cpu_bytes_to_use": 1 << 26},
+    "kvtool-host": {"store": "{folder}"},
 }
 """What kvtool passes a connector unless told otherwise: a store folder inside the scenario's own
-(ExampleConnector's default is /tmp), the CPU tier size an offloading connector requires."""
+(ExampleConnector's default is /tmp), the CPU tier size an offloading connector requires, a store
+of kvtool-host's own for each scenario."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def _module_of_file(path: Path) -> str:
     """Import the file as a module of its own (vLLM's factory imports a module path) and name it."""
     if not path.is_file():
         raise InputError(f"--compat vllm: no connector file {path}")
-    name = f"kvtool_vllm_target_{abs(hash(str(path.resolve())))}"
+    name = "kvtool_vllm_target_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path.resolve())
         if spec is None or spec.loader is None:

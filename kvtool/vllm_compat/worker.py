@@ -19,6 +19,7 @@ position attention reads checked (`fingerprints.FingerprintPages`).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -44,7 +45,8 @@ class StepResult:
     """What one worker's step gives back: its connector output and what its reads found."""
 
     output: Any
-    num_wrong: int = 0
+    wrong: Counter[str] = field(default_factory=Counter)
+    """Reads that differ, per request."""
     issues: list[ByteIssue] = field(default_factory=list)
 
 
@@ -143,21 +145,28 @@ class VllmWorker:
             self._call("save_kv_layer", name, layer.kv_cache, metadata[name])
 
     def check_live(self, request_id: str, blocks: tuple[tuple[int, ...], ...], hashes: np.ndarray,
-                   num_computed: int) -> StepResult:
-        """Every position the request's next step attends to, in every layer (after a step)."""
+                   num_computed: int, pending: frozenset[int] = frozenset()) -> StepResult:
+        """Every position the request's next step attends to, in every layer (after a step), but
+        those in `pending` blocks (reported failed this step: vLLM has them recomputed before a
+        sharer reads them, which the forward's own reads check)."""
         result = StepResult(None)
         scheduled = Scheduled(request_id, num_computed, num_computed, blocks)
+        size = self._built.shape.block_size
         for name in self._layers:
-            self._check(result, scheduled, name, hashes, attended(num_computed, num_computed, self.window(name)))
+            group = blocks[self._built.group_of_layer[name]]
+            positions = [p for p in attended(num_computed, num_computed, self.window(name))
+                         if group[p // size] not in pending]
+            self._check(result, scheduled, name, hashes, positions)
         return result
 
     def window(self, name: str) -> int | None:
         return self._built.worker_models[self.rank].windows()[name]
 
-    def _check(self, result: StepResult, s: Scheduled, name: str, hashes: np.ndarray, positions: range) -> None:
+    def _check(self, result: StepResult, s: Scheduled, name: str, hashes: np.ndarray,
+               positions: range | list[int]) -> None:
         group = self._built.group_of_layer[name]
         num_wrong, issues = self.pages.check(s.request_id, name, s.blocks[group], hashes, list(positions))
-        result.num_wrong += num_wrong
+        result.wrong[s.request_id] += num_wrong
         result.issues += issues
 
     def _call(self, hook: str, *args: Any) -> Any:
