@@ -32,7 +32,7 @@ class EngineShape:
     num_blocks: int = 160
     """Blocks of the KV cache, the null block (id 0) included."""
     blocks_per_group: int | None = None
-    """Instead of `num_blocks`: 1 + this many blocks for each KV cache group vLLM makes (a hybrid
+    """Instead of `num_blocks`: about this many blocks for each KV cache group vLLM makes (a hybrid
     model's groups share one pool), for a scenario that wants a small cache on every model."""
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
@@ -75,7 +75,7 @@ def build_engine(model: VllmModel, shape: EngineShape, target: ConnectorTarget, 
     specs = [_layer_specs(w, shape) for w in workers]
     if shape.blocks_per_group is not None:
         groups = len(get_kv_cache_configs(config, specs, [1 << 40] * shape.num_workers)[0].kv_cache_groups)
-        config.cache_config.num_gpu_blocks_override = 1 + shape.blocks_per_group * groups
+        config.cache_config.num_gpu_blocks_override = 2 + (shape.blocks_per_group + 1) * groups
     kv_configs = get_kv_cache_configs(config, specs, [1 << 40] * shape.num_workers)
     scheduler_kv = generate_scheduler_kv_cache_config(kv_configs)
     config.cache_config.num_gpu_blocks = scheduler_kv.num_blocks

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, SupportsHMA)
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               SupportsHMA)
 
 from kvtool.vllm_compat.block_tables import BlockTables
 from kvtool.vllm_compat.fingerprints import NULL_BLOCK
@@ -91,6 +92,7 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
         self.loads_done = 0
         self.load_errors: set[int] = set()
         self.recved: set[str] = set()
+        self.failed: set[str] = set()
         self.sent: set[str] = set()
 
     # ---- scheduler side ----
@@ -169,14 +171,23 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HostMetadata)
         for transfer in meta.loads:
-            self.load(transfer)
-            if transfer.request_id in meta.async_loads:
+            asynchronous = transfer.request_id in meta.async_loads
+            self.load(transfer, asynchronous)
+            if asynchronous:
                 self.recved.add(transfer.request_id)
 
-    def load(self, transfer: Transfer) -> None:
+    def load(self, transfer: Transfer, asynchronous: bool) -> None:
+        """Every block of the transfer, but where a failure is due (`fail_loads`): the last block
+        reported in `get_block_ids_with_load_errors`, or, with several KV cache groups (whose
+        block ids vLLM cannot map back), the whole asynchronous load in `failed_recving` (vLLM
+        0.32.0 has no failure path for a synchronous load there: none is injected)."""
         pairs = list(transfer.blocks)
-        self.loads_done += 1
-        if self.loads_done <= self.options["fail_loads"] and pairs:
+        several_groups = len(self.groups) > 1
+        self.loads_done += not several_groups or asynchronous
+        if pairs and self.loads_done <= self.options["fail_loads"] and (not several_groups or asynchronous):
+            if several_groups:
+                self.failed.add(transfer.request_id)
+                return
             failed, _ = pairs.pop()
             self.load_errors.update(b for b in failed if b != NULL_BLOCK)
         for blocks, block_hash in pairs:
@@ -217,6 +228,11 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
         sent, self.sent = self.sent, set()
         recved, self.recved = self.recved, set()
         return sent or None, recved or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, recved = self.get_finished(finished_req_ids)
+        failed, self.failed = self.failed, set()
+        return KVConnectorTransferResults(set(sent or ()), set(recved or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

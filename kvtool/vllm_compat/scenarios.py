@@ -111,7 +111,8 @@ def load_error(policy: str) -> Callable[[VllmContext], list[CheckResult]]:
     name = f"load-error-{policy}"
 
     def scenario(ctx: VllmContext) -> list[CheckResult]:
-        run = engine(ctx, {"fail_loads": 1}, load_failure_policy=policy, max_num_batched_tokens=ctx.block_size,
+        options = {"fail_loads": 1, "async_load": VllmModel.of(load_model(ctx.model)).is_hybrid}
+        run = engine(ctx, options, load_failure_policy=policy, max_num_batched_tokens=ctx.block_size,
                      max_num_seqs=2)
         tokens = prompt(ctx, 1, blocks(ctx, 8.5))
         _serve(run, "first", tokens)
@@ -120,14 +121,17 @@ def load_error(policy: str) -> Callable[[VllmContext], list[CheckResult]]:
         run.add("y", tokens, max_tokens=3)
         run.run()
         invalid = frozenset().union(*(step.invalid_block_ids for step in run.steps))
-        if not invalid:
+        failed = frozenset().union(*(step.failed_recving for step in run.steps))
+        if not invalid and not failed:
             return [judges.integrity(name, ctx.model, run),
                     judges.skipped(name, ctx.model, "requests-finish", "the connector reported no load error "
                                    "(it does not take kvtool-host's fail_loads option)")]
-        reasons = {rid: "error" for rid in _requests_given(run, invalid)} if policy == "fail" else {}
+        doomed = _requests_given(run, invalid) | failed
+        reasons = {rid: "error" for rid in doomed} if policy == "fail" else {}
         checks = [judges.integrity(name, ctx.model, run), judges.requests_finish(name, ctx.model, run, reasons),
                   judges.holds_nothing(name, ctx.model, run)]
-        checks[0].evidence.append(f"blocks {sorted(invalid)} reported failed; policy {policy}")
+        checks[0].evidence.append(f"blocks {sorted(invalid)} and loads of {sorted(failed)} reported failed; "
+                                  f"policy {policy}")
         return checks
 
     return scenario
