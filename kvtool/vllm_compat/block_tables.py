@@ -36,8 +36,7 @@ class BlockTables:
     def update(self, output: Any) -> list[Scheduled]:
         """Apply one `SchedulerOutput`; the step's scheduled requests, new ones first, as the
         runner's batch orders them."""
-        for request_id in set(output.finished_req_ids) | set(output.preempted_req_ids or ()):
-            self._tables.pop(request_id, None)
+        self._drop(output)
         starts: dict[str, int] = {}
         for new in output.scheduled_new_reqs:
             self._tables[new.req_id] = [list(group) for group in new.block_ids]
@@ -48,6 +47,10 @@ class BlockTables:
             starts[request_id] = cached.num_computed_tokens[i]
         return [Scheduled(rid, starts[rid], starts[rid] + n, self.blocks(rid))
                 for rid, n in output.num_scheduled_tokens.items()]
+
+    def _drop(self, output: Any) -> None:
+        for request_id in set(output.finished_req_ids) | set(output.preempted_req_ids or ()):
+            self._tables.pop(request_id, None)
 
     def _apply_cached(self, request_id: str, new_block_ids: Any, resumed: bool) -> None:
         if resumed:

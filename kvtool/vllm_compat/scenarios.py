@@ -2,7 +2,8 @@
 connector under test, runs a workload that forces one case of vLLM's connector protocol, and
 judges the run (`judges`). Options a scenario asks of the connector (`async_load`, `async_save`,
 `defer_asks`, `fail_loads`) are kvtool-host's; a connector that ignores them runs the scenario its
-own way, and a check whose case did not happen is skipped, saying so.
+own way, and a check whose case did not happen is skipped, saying so. Every scenario also passes
+`store`, so that kvtool-host's in-process store is the scenario's own.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ _ENGINES = itertools.count()
 def engine(ctx: VllmContext, options: dict[str, Any] | None = None, **shape: Any) -> VllmRun:
     """vLLM's scheduler and kvtool's workers for this scenario: the connector with the scenario's
     `options` (where the command did not set them), the engine of `shape`."""
-    extra = {**(options or {}), **dict(ctx.target.extra)}
+    extra = {"store": "{folder}", **(options or {}), **dict(ctx.target.extra)}
     target = replace(ctx.target, extra=tuple(sorted(extra.items()))).in_folder(ctx.folder)
     folder = ctx.folder / f"engine-{next(_ENGINES)}"
     built = build_engine(VllmModel.of(load_model(ctx.model)), EngineShape(block_size=ctx.block_size, **shape),
@@ -78,7 +79,7 @@ def cold_warm(ctx: VllmContext) -> list[CheckResult]:
 def ask_again(ctx: VllmContext) -> list[CheckResult]:
     """A repeat that cannot get blocks while a long request holds them: vLLM asks again every step
     (kvtool-host also answers None at its first ask)."""
-    run = engine(ctx, {"defer_asks": 1}, prefix_caching=False, blocks_per_group=20,
+    run = engine(ctx, {"defer_asks": 1, "async_load": True}, prefix_caching=False, blocks_per_group=20,
                  max_model_len=blocks(ctx, 20))
     tokens = prompt(ctx, 1, blocks(ctx, 10))
     _serve(run, "first", tokens)

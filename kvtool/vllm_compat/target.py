@@ -30,11 +30,9 @@ DEFAULT_EXTRA: dict[str, dict[str, Any]] = {
     "ExampleConnector": {"shared_storage_path": "{folder}/example-store"},
     "OffloadingConnector": {"cpu_bytes_to_use": 1 << 26},
     "SimpleCPUOffloadConnector": {"cpu_bytes_to_use": 1 << 26},
-    "kvtool-host": {"store": "{folder}"},
 }
 """What kvtool passes a connector unless told otherwise: a store folder inside the scenario's own
-(ExampleConnector's default is /tmp), the CPU tier size an offloading connector requires, a store
-of kvtool-host's own for each scenario."""
+(ExampleConnector's default is /tmp), the CPU tier size an offloading connector requires."""
 
 
 @dataclass(frozen=True)

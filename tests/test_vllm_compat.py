@@ -1,0 +1,46 @@
+"""`--compat vllm`: vLLM 0.32.0's own scheduler driven with kvtool's fingerprinting workers.
+
+Skipped where vLLM is not installed (`pip install -e '.[vllm]'`). Scenarios run in this process
+(`validation.run_here`), each in its own folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtool.vllm_compat.install import vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+HELPERS = Path(__file__).parent / "helpers" / "broken_vllm_connectors.py"
+
+
+def run(target: str, scenario: str, model: str, tmp_path: Path, **options: str):
+    from kvtool.vllm_compat.target import parse_target
+    from kvtool.vllm_compat.scenarios import VllmContext
+    from kvtool.vllm_compat.validation import run_here
+
+    ctx = VllmContext(parse_target(target, options), model, folder=tmp_path)
+    return {(r.check): r for r in run_here(scenario, ctx)}
+
+
+def test_planted_bugs_are_listed_for_every_bug_class():
+    from tests.helpers.broken_vllm_connectors import FAILS
+
+    scenarios = {scenario for scenario, _, _ in FAILS.values()}
+    assert {"ask-again", "async-load", "load-error-recompute", "preemption", "delay-free", "empty-step",
+            "hybrid"} <= scenarios
+
+
+@pytest.mark.parametrize("name", ["ShiftedLoad", "AskSideEffects", "EarlyRecv", "SilentLoadFailure",
+                                  "LateErrorReport", "AppendsResumedBlocks", "SendBeforeSaved", "SkipsEmptySteps",
+                                  "FlattensGroups"])
+def test_a_planted_bug_fails_its_scenario_at_the_default_seed(name, tmp_path):
+    from tests.helpers.broken_vllm_connectors import FAILS
+
+    scenario, model, check = FAILS[name]
+    rows = run(f"{HELPERS}:{name}", scenario, model, tmp_path)
+    assert rows[check].failed, rows[check].evidence
+    clean = run("kvtool-host", scenario, model, tmp_path / "clean")
+    assert not any(r.failed for r in clean.values()), {k: r.evidence for k, r in clean.items()}
