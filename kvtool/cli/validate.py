@@ -37,6 +37,7 @@ from kvtool.validate.shrink import Cut
 from kvtool.validate.schedule import DEFAULT_SEED
 from kvtool.validate.user_store import user_store_folders, user_store_notice
 from kvtool.vllm_compat.entry import VLLM_COMPAT, VLLM_DEFAULT_MODELS, run_vllm_validation
+from kvtool.vllm_compat.install import VLLM_VERSION
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
 RUNTIME_HELP = ("The TensorRT-LLM runtime to run under (repeatable): " + "; ".join(
@@ -257,7 +258,7 @@ def _validate_vllm(target: str, model: list[str], block_size: int, connector_opt
     if folder is not None:
         write_file(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
         write_file(folder / "junit.xml", junit_xml(results, target, {}))
-        write_meta(folder, "validate", target=target)
+        write_meta(folder, "validate", target=target, vllm=VLLM_VERSION)
     if any(r.failed for r in results):
         raise fail(f"{summary_line(results)}; seed {seed}", ExitCode.CHECK_FAILED)
     Console(stderr=True).print(f"{summary_line(results)}; seed {seed}", highlight=False, markup=False)

@@ -106,7 +106,7 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self.stored_prefix(request) * self.block_size
         if hit <= num_computed_tokens:
             return 0, False
-        return hit - num_computed_tokens, self.options["async_load"]
+        return hit - num_computed_tokens, bool(self.options["async_load"])
 
     def stored_prefix(self, request: Any) -> int:
         """Whole blocks from the first that every worker holds, short of the prompt's last token."""
