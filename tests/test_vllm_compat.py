@@ -44,3 +44,21 @@ def test_a_planted_bug_fails_its_scenario_at_the_default_seed(name, tmp_path):
     assert rows[check].failed, rows[check].evidence
     clean = run("kvtool-host", scenario, model, tmp_path / "clean")
     assert not any(r.failed for r in clean.values()), {k: r.evidence for k, r in clean.items()}
+
+
+def test_a_connector_that_asks_the_tensor_parallel_group_registers_and_serves(tmp_path):
+    target = f"{Path(__file__).parent / 'helpers' / 'group_asking_vllm_connector.py'}:AsksTensorParallelGroup"
+    rows = run(target, "cold-warm", "tiny", tmp_path)
+    assert {check: r.verdict.value for check, r in rows.items()} == {
+        "integrity": "pass", "requests-finish": "pass", "finished-ids": "pass", "holds-nothing": "pass",
+        "warm-hit": "pass"}
+    assert set(_seen_by_file_module()) == {(0, 1)}
+
+
+def _seen_by_file_module() -> list[tuple[int, int]]:
+    """What the connector recorded: it runs from its file's own module (`target.parse_target`)."""
+    import sys
+
+    modules = [m for name, m in sys.modules.items() if name.startswith("kvtool_vllm_target_")
+               and hasattr(m, "AsksTensorParallelGroup")]
+    return [seen for m in modules for seen in m.AsksTensorParallelGroup.seen]

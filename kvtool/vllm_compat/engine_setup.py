@@ -70,6 +70,7 @@ def build_engine(model: VllmModel, shape: EngineShape, target: ConnectorTarget, 
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = _vllm_config(model, shape, target, folder)
+    _parallel_groups(config, folder)
     workers = [VllmModel(shard_model(model.spec, shape.num_workers, rank)) if shape.num_workers > 1 else model
                for rank in range(shape.num_workers)]
     specs = [_layer_specs(w, shape) for w in workers]
@@ -89,6 +90,23 @@ def build_engine(model: VllmModel, shape: EngineShape, target: ConnectorTarget, 
         built.group_of_layer.update({name: index for name in group.layer_names})
         built.sliding_window_of_group[index] = getattr(group.kv_cache_spec, "sliding_window", None)
     return built
+
+
+def _parallel_groups(config: Any, folder: Path) -> None:
+    """vLLM's process groups of a one-process world (gloo), as its CPU worker initializes them
+    (`init_distributed_environment`, `ensure_model_parallel_initialized`), once per process: some
+    connectors ask `get_tp_group()` when they start (LMCache's does). kvtool plays every worker in
+    this one process, so a connector that reads its rank from the group sees rank 0 of 1 on each."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                    distributed_init_method=f"file://{folder.resolve()}/groups")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
 
 
 def _vllm_config(model: VllmModel, shape: EngineShape, target: ConnectorTarget, folder: Path) -> Any:

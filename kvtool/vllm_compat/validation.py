@@ -91,12 +91,12 @@ def _child(name: str, ctx: VllmContext, sender: Any) -> None:
 def run_here(name: str, ctx: VllmContext) -> list[CheckResult]:
     """One scenario in this process; a connector's exception (or vLLM's on its account) is the
     scenario's ERROR row with where it was raised."""
+    check = "registration" if name == SETUP else "scenario"
     try:
         rows = _setup(ctx) if name == SETUP else SCENARIOS[name].run(ctx)
     except HookFailed as exc:
-        rows = [CheckResult(name, ctx.model, "scenario", Verdict.FAIL, evidence=[str(exc)], tracebacks=[exc.traceback])]
+        rows = [CheckResult(name, ctx.model, check, Verdict.FAIL, evidence=[str(exc)], tracebacks=[exc.traceback])]
     except Exception as exc:  # noqa: BLE001 - the connector's (or its setup's) failure is the finding
-        check = "registration" if name == SETUP else "scenario"
         rows = [CheckResult(name, ctx.model, check, Verdict.FAIL if name == SETUP else Verdict.ERROR,
                             evidence=[f"the run stopped: {describe_error(exc)}"], tracebacks=[format_error(exc)])]
     return [_stamp(row) for row in rows]
