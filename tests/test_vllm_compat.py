@@ -62,3 +62,30 @@ def _seen_by_file_module() -> list[tuple[int, int]]:
     modules = [m for name, m in sys.modules.items() if name.startswith("kvtool_vllm_target_")
                and hasattr(m, "AsksTensorParallelGroup")]
     return [seen for m in modules for seen in m.AsksTensorParallelGroup.seen]
+
+
+def test_the_store_bench_measures_kvtool_host_through_vllm_beside_the_reference(tmp_path):
+    from kvtool.bench.protocol_engine import QUICK
+    from kvtool.bench.protocol_suite import reference_connector
+    from kvtool.vllm_compat.entry import run_vllm_store
+
+    rows, problems = run_vllm_store("kvtool-host", {}, "tiny", [16], QUICK, 1, 1, reference_connector("cpu"))
+    assert problems == []
+    got = {(r.connector, r.direction): (r.blocks, r.verified) for r in rows}
+    assert got == {("kvtool-host (vLLM)", "save"): (16, True), ("kvtool-host (vLLM)", "load"): (16, True),
+                   ("host (kvtool reference, backend torch)", "save"): (16, True),
+                   ("host (kvtool reference, backend torch)", "load"): (16, True)}
+    assert all(r.gbps > 0 and r.vs_reference is not None for r in rows)
+    assert [r.vs_reference for r in rows[2:]] == [1.0, 1.0]
+
+
+def test_the_store_bench_reports_a_connector_that_serves_nothing(tmp_path):
+    from kvtool.bench.protocol_engine import QUICK
+    from kvtool.bench.protocol_suite import reference_connector
+    from kvtool.vllm_compat.entry import run_vllm_store
+
+    rows, problems = run_vllm_store(f"{HELPERS}:NeverHits", {}, "tiny", [16], QUICK, 1, 1,
+                                    reference_connector("cpu"))
+    assert [r.blocks for r in rows[:2]] == [16, 0]
+    assert problems == [f"{HELPERS}:NeverHits (vLLM), 16 tokens per block: the connector served nothing in the "
+                        "warm round"]

@@ -130,7 +130,7 @@ def validate(
         _print_list()
         return
     if connector_help:
-        install_compat(compat)
+        install_compat(compat, (VLLM_COMPAT,))
         preflight(_absolute(target), _probe(DEFAULT_MODELS[0], tokens_per_block, [], compat), compat, timeout,
                   construct=False)
         print_connector_help(load_connector(_absolute(target), compat))
@@ -161,7 +161,7 @@ def validate(
     if remote is not None:
         _check_remote(remote)
     folder = prepare_run_folder(output, "validate") if output is not None else None
-    install_compat(compat)
+    install_compat(compat, (VLLM_COMPAT,))
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))

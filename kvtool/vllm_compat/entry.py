@@ -3,12 +3,17 @@ through it requires vLLM (exit 2 with the install line where it is missing)."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from kvtool.errors import InputError
 from kvtool.validate.results import CheckResult
 from kvtool.vllm_compat.install import require_vllm
 from kvtool.vllm_compat.target import ConnectorTarget, parse_target
+
+if TYPE_CHECKING:
+    from kvtool.bench.protocol_engine import Workload
+    from kvtool.bench.protocol_suite import ProtocolRow
+    from kvtool.connector.loader import ConnectorSpec
 
 VLLM_COMPAT = "vllm"
 VLLM_DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -22,6 +27,18 @@ def run_vllm_validation(target: str, options: Mapping[str, str], models: list[st
     from kvtool.vllm_compat.validation import validate_vllm
 
     return validate_vllm(known_target(target, options), models, block_size, seed, names, timeout, on_result)
+
+
+def run_vllm_store(target: str, options: Mapping[str, str], model: str, tokens_per_block: list[int],
+                   workload: Workload, repeats: int, rounds: int, reference: tuple[ConnectorSpec, dict[str, str]]
+                   ) -> tuple[list[ProtocolRow], list[str]]:
+    """`bench --suite store --compat vllm`: the vLLM connector `target` beside `reference`
+    (`store_bench.run_vllm_store_suite`); VllmMissing or InputError (exit 2) before anything runs."""
+    require_vllm()
+    from kvtool.vllm_compat.store_bench import run_vllm_store_suite
+
+    return run_vllm_store_suite(known_target(target, options), model, tokens_per_block, workload, repeats, rounds,
+                                reference)
 
 
 def known_target(text: str, options: Mapping[str, str]) -> ConnectorTarget:

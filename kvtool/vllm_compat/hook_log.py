@@ -6,6 +6,7 @@ worker and where in the connector's code it raised.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,22 +33,38 @@ class HookCall:
     hook: str
 
 
+@dataclass(frozen=True)
+class HookSpan:
+    """One hook call's wall-clock interval (`time.perf_counter` seconds)."""
+
+    step: int
+    worker: int
+    hook: str
+    start: float
+    end: float
+
+
 @dataclass
 class HookLog:
-    """The worker hooks called so far; `step` is set by the driver before each step."""
+    """The worker hooks called so far, and when; `step` is set by the driver before each step."""
 
     step: int = 0
     calls: list[HookCall] = field(default_factory=list)
+    spans: list[HookSpan] = field(default_factory=list)
+    """Every call's interval, a raising one included."""
 
     def call(self, worker: int, connector: Any, hook: str, *args: Any) -> Any:
-        """`connector.hook(*args)`, recorded; HookFailed when it raises."""
+        """`connector.hook(*args)`, recorded and timed; HookFailed when it raises."""
         self.calls.append(HookCall(self.step, worker, hook))
+        start = time.perf_counter()
         try:
             return getattr(connector, hook)(*args)
         except BaseException as exc:  # noqa: BLE001 - a connector's failure is the finding
             if stops_kvtool(exc):
                 raise
             raise HookFailed(hook, worker, exc) from exc
+        finally:
+            self.spans.append(HookSpan(self.step, worker, hook, start, time.perf_counter()))
 
     def counts(self, worker: int = 0) -> Counter[str]:
         return Counter(c.hook for c in self.calls if c.worker == worker)

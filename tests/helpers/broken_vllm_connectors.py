@@ -137,3 +137,10 @@ FAILS = {
     "FlattensGroups": ("hybrid", "tiny-vswa", "integrity"),
 }
 """Each planted connector: the scenario, model and check that fail it."""
+
+
+class NeverHits(KvtoolHostConnector):
+    """Saves, and never reports a hit: a store bench's warm round loads nothing."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
