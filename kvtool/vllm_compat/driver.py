@@ -12,7 +12,7 @@ worker's tensors (a connector writing where it must not is caught at the step it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -60,6 +60,8 @@ class VllmRun:
         self._hashes: dict[str, PrefixHashes] = {}
         self._aggregator = _aggregator(self.workers)
         self._sampled: set[str] = set()
+        self.observers: list[Callable[[Any, list[Scheduled]], None]] = []
+        """Called with each step's `SchedulerOutput` and the requests it scheduled (a recorder)."""
 
     @property
     def connector(self) -> Any:
@@ -104,6 +106,8 @@ class VllmRun:
         self._poison_free_blocks()
         output = self.scheduler.schedule()
         scheduled = self.tables.update(output)
+        for observe in self.observers:
+            observe(output, scheduled)
         hashes = {s.request_id: self._hash_array(s.request_id, s.end) for s in scheduled}
         results = [worker.step(output, scheduled, hashes) for worker in self.workers]
         runner_output = self._runner_output(output, scheduled, results)

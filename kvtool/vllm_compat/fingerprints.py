@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from kvtool.engine.fingerprint import expected_bytes
+from kvtool.models import ModelSpec
+from kvtool.vllm_compat.model_config import layer_name
 from kvtool.types import Role
 
 POISON = 0xA5
@@ -58,6 +60,14 @@ class LayerGeometry:
     num_heads: int
     first_head: int
     head_bytes: int
+
+
+def layer_geometry(spec: ModelSpec) -> dict[str, LayerGeometry]:
+    """Each attention layer of a worker's (shard of the) model, by vLLM's layer name."""
+    return {layer_name(layer.layer_id): LayerGeometry(int(layer.layer_id), layer.buffers[0].num_heads,
+                                                       layer.buffers[0].first_head,
+                                                       layer.buffers[0].head_bytes(spec.dtype))
+            for layer in spec.layers}
 
 
 class FingerprintPages:

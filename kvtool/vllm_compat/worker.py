@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtool.vllm_compat.block_tables import Scheduled
 from kvtool.vllm_compat.engine_setup import BuiltEngine
-from kvtool.vllm_compat.fingerprints import ByteIssue, FingerprintPages, LayerGeometry
+from kvtool.vllm_compat.fingerprints import ByteIssue, FingerprintPages, layer_geometry
 from kvtool.vllm_compat.hook_log import HookLog
 from kvtool.vllm_compat.worker_rank import set_current_worker
 
@@ -66,7 +66,7 @@ class VllmWorker:
         kv_config = built.worker_kv_configs[rank]
         layout = KVCacheLayout[built.vllm_config.cache_config.kv_cache_layout]
         self.tensors = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
-        self.pages = FingerprintPages(self.tensors, _geometry(built, rank), built.shape.block_size, rank)
+        self.pages = FingerprintPages(self.tensors, layer_geometry(built.worker_models[rank].spec), built.shape.block_size, rank)
         self.pages.poison(range(kv_config.num_blocks))
         self._layers = {name: _Layer(tensor) for name, tensor in self.tensors.items()}
         set_current_worker(rank)
@@ -185,16 +185,6 @@ class _Layer:
 
     def __init__(self, kv_cache: Any) -> None:
         self.kv_cache = kv_cache
-
-
-def _geometry(built: BuiltEngine, rank: int) -> dict[str, LayerGeometry]:
-    spec = built.worker_models[rank].spec
-    from kvtool.vllm_compat.model_config import layer_name
-
-    return {layer_name(layer.layer_id): LayerGeometry(int(layer.layer_id), layer.buffers[0].num_heads,
-                                                       layer.buffers[0].first_head,
-                                                       layer.buffers[0].head_bytes(spec.dtype))
-            for layer in spec.layers}
 
 
 def _slot_mapping(scheduled: list[Scheduled], built: BuiltEngine, name: str) -> Any:
