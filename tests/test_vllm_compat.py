@@ -89,3 +89,14 @@ def test_the_store_bench_reports_a_connector_that_serves_nothing(tmp_path):
     assert [r.blocks for r in rows[:2]] == [16, 0]
     assert problems == [f"{HELPERS}:NeverHits (vLLM), 16 tokens per block: the connector served nothing in the "
                         "warm round"]
+
+
+@pytest.mark.parametrize("scenario", ["delay-free", "empty-step", "workers"])
+def test_kvtool_host_serves_the_repeat_of_a_delayed_save_on_the_hybrid_model(scenario, tmp_path):
+    """Saved at the end, a sliding-window group's early blocks would be gone (freed as the window
+    moved): kvtool-host saves them as they complete and defers only the hold and the report."""
+    rows = run("kvtool-host", scenario, "tiny-vswa", tmp_path)
+    assert {check: r.verdict.value for check, r in rows.items()} == {
+        "integrity": "pass", "requests-finish": "pass", "finished-ids": "pass", "holds-nothing": "pass",
+        "warm-hit": "pass"}
+    assert rows["warm-hit"].evidence == ["request warm scheduled with 36 of 38 prompt tokens computed"]

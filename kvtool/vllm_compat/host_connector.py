@@ -7,7 +7,10 @@ kvtool's tests. Options (`kv_connector_extra_config`):
 - `async_load` (false): loads are asynchronous: the request waits in `WAITING_FOR_REMOTE_KVS`
   until the worker reports it in `finished_recving`;
 - `async_save` (false): a finished request's blocks are saved after it finished:
-  `request_finished` answers `delay_free` and the worker reports the id in `finished_sending`;
+  `request_finished` answers `delay_free` and the worker reports the id in `finished_sending`
+  (with several KV cache groups, blocks are saved as they complete all the same, since a
+  sliding-window group's early blocks are freed before the request ends: only the hold and the
+  report are deferred);
 - `defer_asks` (0): the first N asks of each request answer None (ask again next step);
 - `fail_loads` (0): the first N loads leave their last block unloaded and report it in
   `get_block_ids_with_load_errors`;
@@ -128,9 +131,10 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
             self.meta.async_loads.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        eager = not self.options["async_save"] or len(self.groups) > 1
         for s in self.tables.update(scheduler_output):
             request = self.requests.get(s.request_id)
-            if request is not None and not self.options["async_save"]:
+            if request is not None and eager:
                 self.add_save(request, s.start, s.end, s.blocks)
         meta, self.meta = self.meta, HostMetadata()
         return meta
@@ -157,7 +161,9 @@ class KvtoolHostConnector(KVConnectorBase_V1, SupportsHMA):
         before = len(self.meta.saves)
         self.add_save(request, 0, request.num_computed_tokens, blocks)
         if len(self.meta.saves) == before:
-            return False, None
+            if len(self.groups) == 1:
+                return False, None
+            self.meta.saves.append(Transfer(request.request_id, ()))   # nothing left: still held, then sent
         self.meta.async_saves.add(request.request_id)
         return True, None
 
