@@ -3,6 +3,8 @@ exit 2 in one line, never a traceback (CI runs these without vLLM)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -11,6 +13,7 @@ from kvtool.engine.runtimes import DEFAULT_RUNTIME
 from kvtool.vllm_compat.install import INSTALL_HINT, vllm_available
 
 runner = CliRunner()
+WORKLOADS = Path(__file__).parents[1] / "workloads"
 
 
 @pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
@@ -38,3 +41,12 @@ def test_a_vllm_store_bench_has_no_connector_help():
                                  "--connector-help"])
     assert result.exit_code == 2
     assert "--connector-help lists kvtool connectors' options" in result.stderr
+
+
+def test_trace_run_says_it_takes_no_vllm_connector_yet(tmp_path):
+    result = runner.invoke(app, ["trace", "run", str(WORKLOADS / "shared_prefix.jsonl"), "--compat", "vllm",
+                                 "--connector", "host", "--output", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "kvtool: error: trace replays through kvtool's engine and does not take a vLLM connector yet; validate "
+        "--compat vllm and bench --suite store --compat vllm do (docs/vllm-compat.md)"]
