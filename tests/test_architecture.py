@@ -84,7 +84,7 @@ def test_kvtool_has_no_import_loop():
 
 
 LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer", "connector",
-          "connectors", "inputs", "workloads", "engine", "bench", "validate", "vllm_compat", "report", "trace", "cli",
+          "connectors", "inputs", "workloads", "engine", "bench", "validate", "report", "trace", "vllm_compat", "cli",
           "__main__")
 """Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""
 

@@ -100,3 +100,31 @@ def test_kvtool_host_serves_the_repeat_of_a_delayed_save_on_the_hybrid_model(sce
         "integrity": "pass", "requests-finish": "pass", "finished-ids": "pass", "holds-nothing": "pass",
         "warm-hit": "pass"}
     assert rows["warm-hit"].evidence == ["request warm scheduled with 36 of 38 prompt tokens computed"]
+
+
+def _shared_prefix_trace(target: str) -> dict:
+    from kvtool.vllm_compat.entry import run_vllm_trace
+    from kvtool.vllm_compat.trace_replay import VllmTraceShape
+    from kvtool.workloads.source import open_workload
+
+    requests = open_workload(Path(__file__).parents[1] / "workloads" / "shared_prefix.jsonl").requests()
+    return run_vllm_trace(target, {}, requests, "tiny", VllmTraceShape(16, 41, 64, 8192))
+
+
+def test_a_trace_through_kvtool_host_is_served_by_the_connector_and_vllms_cache():
+    from kvtool.vllm_compat.trace_replay import UNREAD
+
+    s = _shared_prefix_trace("kvtool-host")
+    assert (s["num_requests"], s["prompt_tokens"], s["generated_tokens"]) == (24, 7408, 192)
+    assert s["integrity_errors"] == s["failed_requests"] == s["invariant_errors"] == 0
+    assert s["connector_hit_tokens"] > 0 and s["local_hit_tokens"] > 0
+    hits = s["local_hit_tokens"] + s["connector_hit_tokens"]
+    assert s["computed_tokens"] == (7408 - hits) + (192 - 24) + s["recomputed_tokens"]
+    assert s["gpu_pool_tokens"] == 640 and s["runtime"] == "vllm" and s["connector"] == "kvtool-host"
+    assert all(s[key] is None for key in UNREAD)
+
+
+def test_a_trace_through_a_connector_that_never_hits_reads_no_connector_tokens():
+    s = _shared_prefix_trace(f"{HELPERS}:NeverHits")
+    assert s["connector_hit_tokens"] == 0 and s["integrity_errors"] == 0
+    assert s["computed_tokens"] == (7408 - s["local_hit_tokens"]) + (192 - 24) + s["recomputed_tokens"]

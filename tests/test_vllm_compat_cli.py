@@ -43,10 +43,27 @@ def test_a_vllm_store_bench_has_no_connector_help():
     assert "--connector-help lists kvtool connectors' options" in result.stderr
 
 
-def test_trace_run_says_it_takes_no_vllm_connector_yet(tmp_path):
+def test_the_other_trace_commands_say_they_take_no_vllm_connector():
+    from kvtool.errors import InputError
+    from kvtool.trace.setup import ReplayOptions, build_replay
+
+    with pytest.raises(InputError, match="this trace command replays through kvtool's engine and does not take "
+                                         "a vLLM connector; trace run, validate and bench --suite store take"):
+        build_replay(ReplayOptions(WORKLOADS / "shared_prefix.jsonl", connector="host", compat="vllm"))
+
+
+def test_trace_run_with_vllm_needs_a_connector(tmp_path):
     result = runner.invoke(app, ["trace", "run", str(WORKLOADS / "shared_prefix.jsonl"), "--compat", "vllm",
-                                 "--connector", "host", "--output", str(tmp_path)])
+                                 "--output", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [
-        "kvtool: error: trace replays through kvtool's engine and does not take a vLLM connector yet; validate "
-        "--compat vllm and bench --suite store --compat vllm do (docs/vllm-compat.md)"]
+        "kvtool: error: --compat vllm replays through a vLLM connector: give --connector TARGET"]
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
+def test_without_vllm_trace_run_is_exit_2_before_any_replay(tmp_path):
+    result = runner.invoke(app, ["trace", "run", str(WORKLOADS / "shared_prefix.jsonl"), "--compat", "vllm",
+                                 "--connector", "ExampleConnector"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.endswith(INSTALL_HINT) and "trace" not in result.stdout

@@ -3,7 +3,8 @@ through it requires vLLM (exit 2 with the install line where it is missing)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from kvtool.errors import InputError
 from kvtool.validate.results import CheckResult
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from kvtool.bench.protocol_engine import Workload
     from kvtool.bench.protocol_suite import ProtocolRow
     from kvtool.connector.loader import ConnectorSpec
+    from kvtool.connector.request import Request
+    from kvtool.vllm_compat.trace_replay import VllmTraceShape
 
 VLLM_COMPAT = "vllm"
 VLLM_DEFAULT_MODELS = ["tiny", "tiny-vswa"]
@@ -39,6 +42,20 @@ def run_vllm_store(target: str, options: Mapping[str, str], model: str, tokens_p
 
     return run_vllm_store_suite(known_target(target, options), model, tokens_per_block, workload, repeats, rounds,
                                 reference)
+
+
+def run_vllm_trace(target: str, options: Mapping[str, str], requests: Iterable[Request], model: str,
+                   shape: VllmTraceShape) -> dict[str, Any]:
+    """`trace run --compat vllm`: the workload through the vLLM connector `target`
+    (`trace_replay.replay_vllm`, in a temporary folder); VllmMissing or InputError (exit 2) first."""
+    require_vllm()
+    import tempfile
+
+    from kvtool.vllm_compat.trace_replay import replay_vllm
+
+    checked = known_target(target, options)
+    with tempfile.TemporaryDirectory(prefix="kvtool-vllm-trace-") as folder:
+        return replay_vllm(requests, checked, model, shape, Path(folder))
 
 
 def known_target(text: str, options: Mapping[str, str]) -> ConnectorTarget:
