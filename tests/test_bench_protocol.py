@@ -254,10 +254,10 @@ def test_a_connector_that_cannot_be_constructed_is_exit_2_in_one_line(connector_
 
 @pytest.mark.parametrize("connector", ["host", "tests/data/trtllm_style_connector.py:A:B"])
 def test_an_unknown_compat_is_exit_2_in_one_line(connector, tmp_path):
-    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", connector, "--compat", "vllm",
+    result = runner.invoke(app, ["bench", "--suite", "store", "--connector", connector, "--compat", "nope",
                                  "--output", str(tmp_path)])
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == ["kvtool: error: unknown --compat 'vllm'; known: trtllm"]
+    assert result.stderr.splitlines() == ["kvtool: error: unknown --compat 'nope'; known: trtllm, vllm"]
 
 
 def test_device_cuda_without_a_gpu_is_a_usage_error(connector_file, tmp_path):

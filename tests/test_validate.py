@@ -140,7 +140,7 @@ def test_cli_exit_codes_junit_and_json(tmp_path):
     (["missing/file.py:A:B"], "no file"),
     (["host", "--scenario", "nope"], "unknown scenario"),
     (["host", "--model", "llama-9"], "unknown model"),
-    (["host", "--compat", "vllm"], "unknown --compat"),
+    (["host", "--compat", "nope"], "unknown --compat 'nope'; known: trtllm, vllm"),
     (["host", "--connector-opt", "capacity=1"], "below one block"),
 ])
 def test_bad_targets_and_options_exit_2(args, message):

@@ -125,8 +125,8 @@ def _connector_rows(spec: ConnectorSpec, options: dict[str, str], model: str, to
             for direction in ("save", "load"):
                 measured = [getattr(r, direction) for r in results]
                 nbytes = max(measured[0].blocks, 1) * results[0].block_bytes
-                rows.append(_row(label, direction, model, tpb, results[0].block_bytes, measured,
-                                 _raw_gbps(nbytes, repeats, device, direction), issue is None))
+                rows.append(protocol_row(label, direction, model, tpb, results[0].block_bytes, measured,
+                                         raw_gbps(nbytes, repeats, device, direction), issue is None))
             where = f"{label}, {tpb} tokens per block"
             if issue is not None:
                 problems.append(f"{where}: not verified: {issue}")
@@ -167,7 +167,7 @@ def _run_block_size(spec: ConnectorSpec, options: dict[str, str], label: str, mo
         engine.close()
 
 
-def _raw_gbps(nbytes: int, repeats: int, device: str, direction: str = "save") -> float:
+def raw_gbps(nbytes: int, repeats: int, device: str, direction: str = "save") -> float:
     """GB/s of one contiguous copy of `nbytes` (median of `repeats`): on a GPU over the link, from
     the GPU to pinned host memory for a save and back for a load; on a CPU between two host tensors,
     the better of torch's threads and one thread (waking the thread pool costs milliseconds on a
@@ -194,8 +194,8 @@ def _raw_gbps(nbytes: int, repeats: int, device: str, direction: str = "save") -
     return nbytes / seconds / 1e9
 
 
-def _row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: list[Measured],
-         raw_gbps: float, verified: bool) -> ProtocolRow:
+def protocol_row(label: str, direction: str, model: str, tpb: int, block_bytes: int, measured: list[Measured],
+                 raw_gbps: float, verified: bool) -> ProtocolRow:
     """One direction over the rounds: the median GB/s and its spread, latencies over every request."""
     rates = [m.blocks * block_bytes / m.seconds / 1e9 if m.seconds > 0 else 0.0 for m in measured]
     gbps = float(np.median(rates))

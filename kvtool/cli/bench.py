@@ -35,6 +35,10 @@ from kvtool.report.run_folder import prepare_run_folder
 from kvtool.transfer import available_backends
 from kvtool.transfer.registry import backend_names
 from kvtool.units import parse_size
+from kvtool.engine.runtimes.names import VLLM_RUNTIME
+from kvtool.inputs import parse_options
+from kvtool.vllm_compat.entry import VLLM_COMPAT, run_vllm_store
+from kvtool.vllm_compat.install import VLLM_VERSION
 
 
 def _sweep_models() -> str:
@@ -93,7 +97,9 @@ def bench(
                                                      "removed afterwards: a cold then a warm round) "
                                                      "[default: host].")] = None,
     compat: Annotated[Optional[str], typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
-                                                  "modules to a connector written against them.")] = None,
+                                                  "modules to a connector written against them; vllm: --connector "
+                                                  "is a vLLM connector, driven through vLLM's own scheduler "
+                                                  "(docs/vllm-compat.md).")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="--suite store: KEY=VALUE for the connector "
                                                      "(repeatable).")] = [],
     connector_help: Annotated[bool, typer.Option("--connector-help", help="--suite store: list --connector's "
@@ -124,6 +130,9 @@ def bench(
                           {"--granularity": bool(granularity), "--direction": bool(direction),
                            "--backend": bool(backend)})
     connector = connector or "host"
+    if compat == VLLM_COMPAT and connector_help:
+        raise InputError("--connector-help lists kvtool connectors' options; a vLLM connector takes its "
+                         "kv_connector_extra_config as --connector-opt KEY=VALUE")
     if connector_help:
         print_connector_help(load_connector(connector, compat))
         return
@@ -212,7 +221,13 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
         raise InputError(f"tokens per block must be positive, got {tuple(tokens_per_block)}")
     if repeats is not None and repeats <= 0:
         raise InputError(f"--repeats must be positive, got {repeats}")
-    install_compat(compat)
+    if compat == VLLM_COMPAT:
+        if device == "cuda" or with_compute or runtime is not None or batch_bytes is not None:
+            raise InputError("--compat vllm measures on CPU pages (vLLM's CPU build), without --with-compute, "
+                             "--runtime or --batch-bytes")
+        _vllm_store_suite(connector, connector_opt, name, tokens_per_block, repeats, quick, out_dir, format)
+        return
+    install_compat(compat, (VLLM_COMPAT,))
     spec = load_connector(connector, compat)
     options = connector_options(spec, connector_opt)
     if spec.name not in BUILTIN_CONNECTORS or device == "cuda" or with_compute or runtime is not None:
@@ -234,6 +249,26 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
     Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
         raise fail("the store gave back other bytes than it saved (verified = NO)", ExitCode.CHECK_FAILED)
+
+
+def _vllm_store_suite(connector: str, connector_opt: list[str], model: str, tokens_per_block: list[int],
+                      repeats: Optional[int], quick: bool, out_dir: Path, format: Format) -> None:
+    """The store suite for a vLLM connector (`kvtool.vllm_compat.store_bench`), beside kvtool's
+    reference connector through kvtool's engine in the same run; exit 1 naming the failed check."""
+    sizes = list(tokens_per_block) or list(protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
+                                            protocol_suite.TOKENS_PER_BLOCK)
+    workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
+    with scratch_working_folder():
+        rows, problems = run_vllm_store(connector, parse_options(connector_opt), model, sizes, workload,
+                                        repeats or (3 if quick else 5), repeats or (1 if quick else 3),
+                                        protocol_suite.reference_connector("cpu"))
+    write_run(out_dir, [{**r.as_dict(), "runtime": VLLM_RUNTIME} for r in rows], {}, "store")
+    _print([r.as_dict() for r in rows], format, f"kvtool bench --suite store · {connector} · through vLLM "
+           f"{VLLM_VERSION}'s scheduler: {workload.prompts} prompts x {workload.blocks} blocks, cold then warm · "
+           "GB/s against a contiguous copy and kvtool's host connector")
+    Console(stderr=True).print(f"results in {out_dir}", highlight=False, soft_wrap=True)
+    if problems:
+        raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
 
 
 def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],

@@ -28,6 +28,11 @@ from kvtool.report.instances_report import instances_table, latency_table, write
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
 from kvtool.report.timeline import TimelineRecorder
 from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
+from kvtool.inputs import parse_options
+from kvtool.report.run_folder import write_meta
+from kvtool.vllm_compat.entry import VLLM_COMPAT, run_vllm_trace
+from kvtool.vllm_compat.install import VLLM_VERSION, require_vllm
+from kvtool.vllm_compat.trace_replay import VllmTraceShape
 
 trace_app = typer.Typer(no_args_is_help=True, help="Replay request workloads.")
 
@@ -82,6 +87,12 @@ def trace_run(
         check_writable_file(timeline, "--timeline")
     options = replace(options, tokens_per_block=tokens_per_block, connector=connector,
                       connector_dir=connector_dir, num_ranks=num_ranks, tp=tp)
+    if options.compat == VLLM_COMPAT:
+        if instances != 1 or baseline or timeline or json_out or num_ranks != 1 or tp != 1:
+            raise InputError("--compat vllm replays one engine of one worker: drop --instances, --baseline, "
+                             "--timeline, --json, --num-ranks and --tp")
+        _run_vllm(options, output, format)
+        return
     if instances != 1:
         _run_instances(options, instances, route, sync_window, baseline, timeline, json_out, output, format)
         return
@@ -123,6 +134,53 @@ def trace_run(
                             "connector_options": replay.options, **replay_meta(replay)})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
+
+
+def _run_vllm(options: ReplayOptions, output: Optional[Path], format: OutputFormat) -> None:
+    """The workload through a vLLM connector (`kvtool.vllm_compat.trace_replay`), after kvtool's host
+    connector through kvtool's engine on the same workload and pool (the reference, in this run)."""
+    if options.connector == "none":
+        raise InputError("--compat vllm replays through a vLLM connector: give --connector TARGET")
+    require_vllm()                      # before the reference replay: exit 2 at once where vLLM is missing
+    replay = build_replay(replace(options, connector="host", connector_opt=(), compat=None))
+    if replay.config.fidelity != "bytes" or replay.cost_model is not None:
+        raise InputError("--compat vllm replays in bytes fidelity at 10 ms a step: a kvtool workload, without "
+                         "--fidelity blocks or --cost-model")
+    check_before_replay(replay)
+    folder = prepare_run_folder(output, "trace") if output is not None else None
+    reference = _replay(replay, Console(stderr=True), [])
+    shape = VllmTraceShape(options.tokens_per_block, reference.summary.gpu_pool_tokens // options.tokens_per_block + 1,
+                           replay.config.scheduler.max_batch_size, replay.config.scheduler.max_num_tokens,
+                           replay.config.iteration_seconds)
+    vllm = run_vllm_trace(options.connector, parse_options(list(options.connector_opt)), replay.workload.requests(),
+                          reference.summary.model, shape)
+    rows = {"vllm": vllm, "reference": reference.summary.as_dict()}
+    _print_vllm(rows, format)
+    if folder is not None:
+        write_json(folder / "summary.json", rows)
+        write_meta(folder, "trace", workload=str(options.workload), connector=options.connector, vllm=VLLM_VERSION)
+    failed = [f"{key} {vllm[key]}" for key in ("integrity_errors", "failed_requests", "invariant_errors") if vllm[key]]
+    if failed or reference.failed_checks:
+        raise fail("; ".join(failed + [f"reference: {c}" for c in reference.failed_checks]), ExitCode.CHECK_FAILED)
+
+
+def _print_vllm(rows: dict[str, dict], format: OutputFormat) -> None:
+    if format is OutputFormat.json:
+        print(json.dumps(rows, indent=2))
+        return
+    if format is not OutputFormat.table:
+        print(frame_text(pd.DataFrame(list(rows.values())), format), end="")
+        return
+    table = Table(title=f"trace through vLLM {VLLM_VERSION}: {rows['vllm']['connector']} · reference "
+                        f"{rows['reference']['connector']} (kvtool's engine)")
+    for column in ("metric", "vLLM connector", "reference"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for key, value in rows["vllm"].items():
+        if key not in ("model", "connector"):
+            other = rows["reference"][key]
+            table.add_row(SUMMARY_LABELS.get(key, key), "-" if value is None else str(value),
+                          "-" if other is None else str(other))
+    Console().print(table)
 
 
 def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_window: float, baseline: bool,

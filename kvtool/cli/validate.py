@@ -36,6 +36,8 @@ from kvtool.validate.explore import SeedsRun, explore, reproduce_command
 from kvtool.validate.shrink import Cut
 from kvtool.validate.schedule import DEFAULT_SEED
 from kvtool.validate.user_store import user_store_folders, user_store_notice
+from kvtool.vllm_compat.entry import VLLM_COMPAT, VLLM_DEFAULT_MODELS, run_vllm_validation
+from kvtool.vllm_compat.install import VLLM_VERSION
 
 DEFAULT_MODELS = ["tiny", "tiny-vswa"]
 RUNTIME_HELP = ("The TensorRT-LLM runtime to run under (repeatable): " + "; ".join(
@@ -62,7 +64,10 @@ def validate(
     json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
-    compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules.")] = None,
+    compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules; vllm: "
+                                                  "drive vLLM's own scheduler (pip install -e '.[vllm]') and "
+                                                  "validate a vLLM connector (TARGET: a factory name, "
+                                                  "MODULE:CLASS, FILE.py:CLASS or kvtool-host).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a scenario may take before it is stopped.")] = 60.0,
     jobs: Annotated[str, typer.Option(metavar="N|auto", help="Scenario processes at once (1: one after another); "
                                       "results come in the same order either way, and with --remote the "
@@ -117,11 +122,15 @@ def validate(
 ) -> None:
     """Conformance-check a KV cache connector: exit 0 when every check passes, 1 when one fails,
     2 for usage errors or a TARGET that cannot be imported or constructed."""
+    if compat == VLLM_COMPAT:
+        _validate_vllm(target, model, tokens_per_block, connector_opt, seed, scenario, timeout, format, junit, output,
+                       all_rows, list_scenarios)
+        return
     if list_scenarios:
         _print_list()
         return
     if connector_help:
-        install_compat(compat)
+        install_compat(compat, (VLLM_COMPAT,))
         preflight(_absolute(target), _probe(DEFAULT_MODELS[0], tokens_per_block, [], compat), compat, timeout,
                   construct=False)
         print_connector_help(load_connector(_absolute(target), compat))
@@ -152,7 +161,7 @@ def validate(
     if remote is not None:
         _check_remote(remote)
     folder = prepare_run_folder(output, "validate") if output is not None else None
-    install_compat(compat)
+    install_compat(compat, (VLLM_COMPAT,))
     models = [_resolved_model(m) for m in model] or DEFAULT_MODELS
     for name in models:
         note_model_origin(load_model(name))
@@ -220,6 +229,39 @@ def validate(
     if failed:
         raise fail(f"{summary_line(results)}; {seeds.words()}", ExitCode.CHECK_FAILED)
     Console(stderr=True).print(f"{summary_line(results)}; {seeds.words()}", highlight=False, markup=False)
+
+
+def _validate_vllm(target: str, model: list[str], block_size: int, connector_opt: list[str], seed: int,
+                   scenario: list[str], timeout: float, format: OutputFormat, junit: Path | None, output: Path | None,
+                   all_rows: bool, list_scenarios: bool) -> None:
+    """`--compat vllm`: vLLM's scenarios (`kvtool.vllm_compat`) against a vLLM connector."""
+    from kvtool.vllm_compat.scenarios import SCENARIOS as VLLM_SCENARIOS
+
+    if list_scenarios:
+        _print_scenarios({s.name: s.purpose for s in VLLM_SCENARIOS.values()})
+        return
+    for name in scenario:
+        if name not in VLLM_SCENARIOS:
+            raise InputError(f"unknown --compat vllm scenario {name!r}{suggest(name, VLLM_SCENARIOS)}; "
+                             "see kvtool validate --compat vllm --list")
+    if block_size <= 0 or not math.isfinite(timeout) or timeout <= 0:
+        raise InputError("--tokens-per-block and --timeout must be positive")
+    folder = prepare_run_folder(output, "validate") if output is not None else None
+    models = [_resolved_model(m) for m in model] or VLLM_DEFAULT_MODELS
+    results = run_vllm_validation(target, parse_options(connector_opt), models, block_size, seed,
+                                  scenario or list(VLLM_SCENARIOS), timeout,
+                                  lambda rs: Console(stderr=True).print(_progress_line(rs), highlight=False,
+                                                                        markup=False))
+    _print_results(results, target, models, format, all_rows)
+    if junit:
+        write_file(junit, junit_xml(results, target, {}))
+    if folder is not None:
+        write_file(folder / "results.json", json.dumps(_document(results, target, models), indent=2) + "\n")
+        write_file(folder / "junit.xml", junit_xml(results, target, {}))
+        write_meta(folder, "validate", target=target, vllm=VLLM_VERSION)
+    if any(r.failed for r in results):
+        raise fail(f"{summary_line(results)}; seed {seed}", ExitCode.CHECK_FAILED)
+    Console(stderr=True).print(f"{summary_line(results)}; seed {seed}", highlight=False, markup=False)
 
 
 def _cut(max_requests: int | None, max_new_tokens: int | None) -> Cut | None:
@@ -398,7 +440,7 @@ def _folded_row(folded: list[CheckResult], name: str, why: str) -> tuple[str, ..
 def _not_run_here(r: CheckResult) -> bool:
     """A scenario skipped because the runtime's case cannot happen (`Scenario.runs_on`)."""
     return r.check == "scenario" and r.verdict is Verdict.SKIP and r.scenario in SCENARIOS \
-        and r.runtime not in SCENARIOS[r.scenario].runs_on
+        and r.runtime in RUNTIMES and r.runtime not in SCENARIOS[r.scenario].runs_on
 
 
 def _evidence_cell(r: CheckResult) -> str:
@@ -423,12 +465,16 @@ def _document(results: list[CheckResult], target: str, models: list[str], seeds:
 
 
 def _print_list() -> None:
+    _print_scenarios({s.name: s.purpose for s in SCENARIOS.values()})
+
+
+def _print_scenarios(purposes: dict[str, str]) -> None:
     console = Console(width=max(120, Console().width))
     scenarios = Table(title="scenarios")
     scenarios.add_column("scenario")
     scenarios.add_column("purpose")
-    for s in SCENARIOS.values():
-        scenarios.add_row(s.name, s.purpose)
+    for name, purpose in purposes.items():
+        scenarios.add_row(name, purpose)
     checks = Table(title="checks")
     checks.add_column("check")
     checks.add_column("purpose")

@@ -144,10 +144,11 @@ def install() -> bool:
 COMPAT = {"trtllm": install}
 
 
-def install_compat(name: str | None) -> None:
-    """Provide the modules of `--compat NAME` (nothing for None); InputError for an unknown name."""
+def install_compat(name: str | None, also: tuple[str, ...] = ()) -> None:
+    """Provide the modules of `--compat NAME` (nothing for None); InputError for an unknown name,
+    naming the known ones and `also` (the names the command handles itself, e.g. vllm)."""
     if name is None:
         return
     if name not in COMPAT:
-        raise InputError(f"unknown --compat {name!r}; known: {', '.join(COMPAT)}")
+        raise InputError(f"unknown --compat {name!r}; known: {', '.join([*COMPAT, *also])}")
     COMPAT[name]()

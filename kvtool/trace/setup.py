@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kvtool.engine.runtimes.names import VLLM_RUNTIME
 from kvtool.blocks import ceil_div
 from kvtool.inputs import connector_options, manager_config, parse_options
 from kvtool.connector.loader import ConnectorSpec
@@ -114,6 +115,9 @@ class ReplayOptions:
 
 def build_replay(o: ReplayOptions) -> Replay:
     """The replay the options describe; InputError for anything that cannot run."""
+    if o.compat == VLLM_RUNTIME:      # `--compat vllm` names vLLM's own engine, which only `trace run` drives
+        raise InputError("this trace command replays through kvtool's engine and does not take a vLLM connector; "
+                         "trace run, validate and bench --suite store take --compat vllm (docs/vllm-compat.md)")
     _check_counts(o)
     workload = open_workload(o.workload, o.trace_format, o.source_block_size, o.prefill_only)
     imported = workload.format != "kvtool"

@@ -31,3 +31,8 @@ class Registration(TextEnum):
     """The layout (regions per layer group); its default passes a one-pool cache to `register_kv_caches`."""
     POOL_TENSOR = "register_kv_caches"
     """The one primary pool tensor `[num_blocks, num_layers, kv_factor, block_size]`, nothing else."""
+
+
+VLLM_RUNTIME = "vllm"
+"""vLLM's own engine (`--compat vllm`, `kvtool.vllm_compat`): not a profile over kvtool's engine but
+vLLM 0.32.0's scheduler and KV cache manager, driven for real; the runtime its results name."""
