@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.hold_policy import HoldPolicy
 from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
 from kvtool.manager.config import KvCacheManagerConfig
@@ -60,8 +61,12 @@ class EngineConfig:
     acceptance: float = 0.7
     """With drafts: the probability a draft is accepted, given the ones before it were."""
     gate_async_work: bool = False
-    """The connector's threads wait from a pass's first save hook until the reports of that
-    iteration's `get_finished` are acted on (`async_gate`): kvtool validate's deterministic race."""
+    """kvtool decides when the connector's background work runs (`connector_work`): work it hands
+    to a pool or a thread is held as `hold_policy` says, its other threads wait from a pass's first
+    save hook until the reports of that iteration's `get_finished` are acted on: kvtool validate's
+    deterministic races."""
+    hold_policy: HoldPolicy = HoldPolicy()
+    """With `gate_async_work`: how long each piece of background work is held (`hold_policy`)."""
     idle_wait_seconds: float = 0.0005
     """How long an iteration in which nothing ran waits for the connector's background work
     before `get_finished` is polled again."""
