@@ -172,6 +172,13 @@ class AsyncGate:
         return b"R" in states.values()
 
 
+    def has_live_threads(self) -> bool:
+        """Whether a gated thread (one of the connector's own, seen making calls) is still alive."""
+        states = {tid: thread_state(tid) for tid in list(self._gated_native_ids)}
+        self._gated_native_ids.difference_update(tid for tid, state in states.items() if state is None)
+        return bool(self._gated_native_ids)
+
+
 def thread_state(native_id: int) -> bytes | None:
     """This process's thread's one-letter state from /proc (R running or runnable, S/D asleep);
     None where it ended or the kernel does not say."""

@@ -3,12 +3,14 @@ except where the connector visibly has nothing in flight.
 
 An idle iteration (nothing could run; every live request waits on the connector) used to sleep
 `idle_wait_seconds` and poll again, so a connector that never reports cost a whole timeout of
-wall-clock polling. Now an idle poll at which the connector is quiet (no held or released work of
-its own, no other thread of this process runnable: `quiet_process`) advances the clock by a step
-that doubles at each quiet poll in a row, while sleeping only 1/SPEEDUP of it: a timeout of 5 s
-is reached in about 0.25 s and about 30 polls. Work kvtool cannot see (a native thread waiting on
-a device or the network) thus gets `timeout / SPEEDUP` of wall-clock time at least; any poll at
-which something runs sleeps for real and starts the steps again.
+wall-clock polling. Now an idle poll at which the connector is quiet (`ConnectorWork.idle`: none
+of its work held or running, no thread of its own alive outside its pools, no other thread of
+this process runnable: `quiet_process`) advances the clock by a step that doubles at each quiet
+poll in a row, while sleeping only 1/SPEEDUP of it: a timeout of 5 s is reached in about 0.5 s
+and about 30 polls. Work kvtool cannot see (a native thread asleep on a device or the network)
+thus gets `timeout / SPEEDUP` of wall-clock time at least (raise `--save-timeout` or
+`--load-timeout` for more); any poll at which something runs sleeps for real and starts the steps
+again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import threading
 import time
 
-SPEEDUP = 20.0
+SPEEDUP = 10.0
 """How much faster than the wall clock the clock runs while the connector is quiet."""
 MAX_STEP_S = 0.5
 """The largest step one quiet poll advances the clock by."""

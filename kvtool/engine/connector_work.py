@@ -77,9 +77,10 @@ class ConnectorWork:
 
     def idle(self, wait_s: float) -> None:
         """Nothing could run this iteration: held work runs at once; with none, the clock waits
-        (`ConnectorClock.wait`: mostly skipped while nothing of the connector's runs)."""
+        (`ConnectorClock.wait`: mostly skipped while the connector is quiet: nothing of its own held
+        or running, no thread of its own alive outside the pools, no thread of the process runnable)."""
         if self.held.release_all("idle"):
             self.clock.progress()
             return
-        quiet = self.held.num_running == 0 and quiet_process()
+        quiet = self.held.num_running == 0 and not self.gate.has_live_threads() and quiet_process()
         self.clock.wait(wait_s, quiet)

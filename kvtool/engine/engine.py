@@ -191,7 +191,7 @@ class Engine:
     def step(self) -> Batch:
         """One iteration: schedule -> the pass on every rank -> its tokens -> get_finished and checks."""
         self._start_iteration()
-        progress_before = self.queues.progress_mark()
+        progress_before = (self.queues.progress_mark(), len(self.lifecycle.holds))   # a hold released: progress
         batch = self._schedule()
         dummies = padding(self.manager, batch, self.iteration, self.config.pad_generation_batch_to)
         items = batch_items(batch, self.drafts) + [item for _, item in dummies]
@@ -302,9 +302,11 @@ class Engine:
 
     def _check_progress(self, batch: Batch, progress_before: tuple) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
-        if batch.num_requests or batch.received or progress_before != self.queues.progress_mark():
+        mark = (self.queues.progress_mark(), len(self.lifecycle.holds))
+        if batch.num_requests or batch.received or progress_before != mark:
             return
-        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING) or self.admission.unretired_since():
+        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING) or self.admission.unretired_since() \
+                or self.lifecycle.holds:
             self.idle_for_connector()
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]
