@@ -6,8 +6,8 @@ An idle iteration (nothing could run; every live request waits on the connector)
 wall-clock polling. Now an idle poll at which the connector is quiet (`ConnectorWork.idle`: none
 of its work held or running, no thread of its own alive outside its pools, no other thread of
 this process runnable: `quiet_process`) advances the clock by a step that doubles at each quiet
-poll in a row, while sleeping only 1/SPEEDUP of it: a timeout of 5 s is reached in about 0.5 s
-and about 30 polls. Work kvtool cannot see (a native thread asleep on a device or the network)
+poll in a row, while sleeping only 1/SPEEDUP of it: a timeout of 5 s is reached in about 0.1 s
+and about 15 polls. Work kvtool cannot see (a native thread asleep on a device or the network)
 thus gets `timeout / SPEEDUP` of wall-clock time at least (raise `--save-timeout` or
 `--load-timeout` for more); any poll at which something runs sleeps for real and starts the steps
 again.
@@ -19,9 +19,9 @@ import os
 import threading
 import time
 
-SPEEDUP = 10.0
+SPEEDUP = 50.0
 """How much faster than the wall clock the clock runs while the connector is quiet."""
-MAX_STEP_S = 0.5
+MAX_STEP_S = 1.0
 """The largest step one quiet poll advances the clock by."""
 
 

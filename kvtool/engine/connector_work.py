@@ -1,6 +1,7 @@
 """The engine's one seam to a connector's background work: when it runs (`held_work`, with the
-gate for threads it cannot hold task by task: `async_gate`) and the clock the runtime's waits on
-it are measured by (`connector_clock`).
+gate for threads it cannot hold task by task: `async_gate`), on device pages the streams that
+lose every race (`stream_races`), and the clock the runtime's waits on it are measured by
+(`connector_clock`).
 
 The engine tells it where the iteration is: a worker hook about to run (`before_hook`), around
 every hook (`hook`), the pass's hooks done (`after_forward`), the reports of `get_finished` acted
@@ -19,12 +20,16 @@ from kvtool.engine.events import WorkRan
 from kvtool.engine.held_work import HeldWork
 from kvtool.engine.hold_policy import HoldPoint, HoldPolicy
 from kvtool.engine.hold_warden import HoldWarden
+from kvtool.engine.stream_races import StreamRaces
 
 
 class ConnectorWork:
-    def __init__(self, policy: HoldPolicy, emit: Callable[..., None], iteration: Callable[[], int]) -> None:
+    def __init__(self, policy: HoldPolicy, emit: Callable[..., None], iteration: Callable[[], int],
+                 races: StreamRaces | None = None) -> None:
         """`emit(kind, **fields)`: the engine's event stream (a `WorkRan` per released task);
-        `iteration()`: the engine's current iteration."""
+        `iteration()`: the engine's current iteration; `races`: device pages' stream races (None
+        on a CPU)."""
+        self.races = races
         self.gate = AsyncGate(exempt=lambda thread: getattr(thread, held_threads.RELEASED, False),
                               untraced=held_threads.is_pool_worker)
         # Work started while the gate is shut (from a pass's first save hook on) is never drawn
@@ -40,6 +45,8 @@ class ConnectorWork:
     def install(self) -> None:
         """Hold what the connector starts from now on (the warden starts first: kvtool's own)."""
         self._warden.start()
+        if self.races is not None:
+            self.races.install()
         self.gate.install()
         held_threads.install(self.held)
         self._installed = True
@@ -51,12 +58,16 @@ class ConnectorWork:
             self.held.release_all("end")
             held_threads.uninstall(self.held)
             self._warden.stop()
+        if self.races is not None:
+            self.races.uninstall()
         self.gate.uninstall()
 
     def before_hook(self, hook: str) -> None:
         """A worker hook is about to run (the driver says which)."""
         self._label = hook
         self.gate.before_hook(hook)
+        if self.races is not None:
+            self.races.before_hook(hook)
 
     @contextmanager
     def hook(self) -> Iterator[None]:

@@ -67,6 +67,10 @@ class EngineConfig:
     deterministic races."""
     hold_policy: HoldPolicy = HoldPolicy()
     """With `gate_async_work`: how long each piece of background work is held (`hold_policy`)."""
+    stream_races: bool = False
+    """With `gate_async_work` on device pages: each layer's writes delayed on the forward stream and
+    the connector's own streams spun at its load hooks (`stream_races`): kvtool validate's races of
+    copies not ordered against the hooks' stream."""
     idle_wait_seconds: float = 0.0005
     """How long an iteration in which nothing ran waits for the connector's background work
     before `get_finished` is polled again."""

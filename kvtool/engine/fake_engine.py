@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -98,6 +98,11 @@ class FakeEngine:
     model_heads: int = 0
     """Heads per buffer of the whole model, every tensor-parallel rank's (`models.heads_across_ranks`),
     traced in wrong bytes (`byte_origin`); 0: this shard's last head."""
+    delay_writes: Callable[[], None] | None = None
+    """Device pages under validate (`stream_races`): called before a layer's writes are enqueued,
+    after its reads of earlier positions (so loaded pages are read as early as stream order allows,
+    and the writes land as late as it allows; the positions a pass writes are read back by the
+    next pass and the end-of-iteration check, not by the pass itself)."""
 
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
@@ -131,7 +136,11 @@ class FakeEngine:
             hashes.truncate(length)
 
     def forward_layer(self, layer_id: int, items: list[PassItem]) -> None:
-        """Write positions [start, end) of `layer_id` for each item, then verify what it attends to."""
+        """Write positions [start, end) of `layer_id` for each item, then verify what it attends to
+        (with `delay_writes`: read first, then the delay, then every item's writes)."""
+        if self.delay_writes is not None:
+            self._read_then_write(layer_id, items, self.delay_writes)
+            return
         group = self._group_of[layer_id]
         for item in items:
             hashes = self._prefix_hashes(item)
@@ -143,6 +152,38 @@ class FakeEngine:
                 last = item.sampled_after
                 item.checksum = (item.checksum + self._checksum(found, readable, self._positions_in_live_blocks(
                     group, pages, last, last), layer_id)) & CHECKSUM_MASK
+
+    def _read_then_write(self, layer_id: int, items: list[PassItem], delay: Callable[[], None]) -> None:
+        """`forward_layer` on device pages under validate: each item's earlier positions read and
+        verified, then `delay()`, then every item's writes enqueued with no synchronisation after
+        them; a sampling item's checksum takes the bytes it writes as written."""
+        group = self._group_of[layer_id]
+        writes = []
+        for item in items:
+            hashes = self._prefix_hashes(item)
+            pages = item.pages[group.layer_group_id]
+            readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
+            earlier = readable[readable < item.start]
+            found = self._verify(layer_id, group, item.request_id, pages, hashes, earlier)
+            writes.append(self._prepared_write(layer_id, group, item, hashes, np.arange(item.start, item.end,
+                                                                                         dtype=np.int64)))
+            if item.samples and (found is not None or not len(earlier)):
+                rows = self._with_written(layer_id, item, hashes, found, readable[readable >= item.start])
+                last = item.sampled_after
+                item.checksum = (item.checksum + self._checksum(rows, readable, self._positions_in_live_blocks(
+                    group, pages, last, last), layer_id)) & CHECKSUM_MASK
+        delay()
+        for write in writes:
+            for view, index, where, part in write:
+                view[where[0], index, where[1]] = part
+
+    def _with_written(self, layer_id: int, item: PassItem, hashes: PrefixHashes, found: torch.Tensor | None,
+                      fresh: np.ndarray) -> torch.Tensor:
+        """`found` (rows of the earlier positions) followed by the rows `fresh` positions are written with."""
+        buffers = self._buffers[layer_id]
+        written = self._expected_at(item.request_id, buffers, layer_id, hashes, fresh)
+        rows = torch.cat([part.reshape(len(fresh), -1) for part in written], dim=1)
+        return rows if found is None else torch.cat([found, rows.to(found.device)], dim=0)
 
     @staticmethod
     def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
@@ -206,18 +247,24 @@ class FakeEngine:
 
     def _write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
                positions: np.ndarray) -> None:
+        for view, index, where, part in self._prepared_write(layer_id, group, item, hashes, positions):
+            view[where[0], index, where[1]] = part
+
+    def _prepared_write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
+                        positions: np.ndarray) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+        """The writes of `positions` as (view, buffer index, where, bytes), every operand already on
+        the pages' device (what remains is one indexed store each)."""
         if not len(positions):
-            return
+            return []
         pages = item.pages[group.layer_group_id]
         page_ids = self._page_ids(group, item.request_id, pages, positions, layer_id, "write")
         if page_ids is None:
-            return
+            return []
         buffers = self._buffers[layer_id]
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
         expected = _moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
-        for view, lb, part in zip(views, buffers, expected):
-            view[where[0], lb.index, where[1]] = part
+        return [(view, lb.index, where, part) for view, lb, part in zip(views, buffers, expected)]
 
     def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
         """[2, n] on `device`: each position's page and its offset in the block, moved in one copy

@@ -35,11 +35,11 @@ RELEASED = "_kvtool_released"
 def install(work: HeldWork) -> None:
     """From now on, `work` holds what connectors start (until `uninstall(work)`)."""
     if not _INSTALLED:
-        ThreadPoolExecutor.submit = _submit                # type: ignore[method-assign]
-        ThreadPoolExecutor.shutdown = _shutdown            # type: ignore[method-assign]
-        threading.Thread.start = _start                    # type: ignore[method-assign]
-        threading.Thread.join = _join                      # type: ignore[method-assign]
-        threading.Thread.is_alive = _is_alive              # type: ignore[method-assign]
+        ThreadPoolExecutor.submit = _submit                # type: ignore[method-assign,assignment]
+        ThreadPoolExecutor.shutdown = _shutdown            # type: ignore[method-assign,assignment]
+        threading.Thread.start = _start                    # type: ignore[method-assign,assignment]
+        threading.Thread.join = _join                      # type: ignore[method-assign,assignment]
+        threading.Thread.is_alive = _is_alive              # type: ignore[method-assign,assignment]
     _INSTALLED.append(work)
 
 

@@ -133,6 +133,7 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                         verify_all_after_iteration=not reference, fidelity="tokens" if reference else "bytes",
                         max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True, hold_policy=schedule.hold_policy,
+                        stream_races=not reference,
                         idle_wait_seconds=schedule.idle_wait_seconds, warmup_seconds=ctx.warmup,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
