@@ -60,14 +60,14 @@ def test_writes_are_delayed_on_the_forward_stream_and_connector_streams_only_at_
     races = StreamRaces(0.001, {"start_load_kv": 0.002}, spin_on=lambda seconds, stream: spins.append((seconds, stream)))
     races.install()
     try:
-        assert torch.cuda.Stream is not stream_races._ORIGINAL_STREAM     # streams made now are noted
+        assert torch.cuda.Stream.__new__ is not stream_races._ORIGINAL_NEW   # streams made now are noted
         races.before_writes()
         for hook in ("save_kv_layer", "wait_for_save", "get_finished", "start_load_kv", "wait_for_layer_load"):
             races.before_hook(hook)   # no stream was made on this CPU: nothing to spin at the load hooks
         assert spins == [(0.001, None)]
     finally:
         races.uninstall()
-    assert torch.cuda.Stream is stream_races._ORIGINAL_STREAM
+    assert torch.cuda.Stream.__new__ is stream_races._ORIGINAL_NEW
 
 
 def test_the_planted_stream_connectors_are_the_host_connector_on_a_cpu():

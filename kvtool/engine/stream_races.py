@@ -9,7 +9,7 @@ hooks receive is right by accident. While installed:
   fake engine reads what the layer attends to first: `FakeEngine.delay_writes`), so a save that
   does not wait for the stream `save_kv_layer` / `wait_for_save` received copies the bytes from
   before the layer wrote them;
-- every CUDA stream the connector creates (`torch.cuda.Stream`, while installed) gets a spin
+- every CUDA stream the connector creates (`torch.cuda.Stream()`, while installed) gets a spin
   enqueued when a load hook is entered (CONNECTOR_SPINS_S: `start_load_kv`, `wait_for_layer_load`),
   before the connector enqueues anything there, and the fake engine reads a layer's loaded pages as
   soon as `wait_for_layer_load` returned: a load the forward stream was not made to wait for (an
@@ -30,27 +30,30 @@ from typing import Callable, Mapping
 
 import torch
 
-WRITE_SPIN_S = 0.0005
-"""Device seconds each layer's writes wait behind on the forward stream."""
-CONNECTOR_SPINS_S = {"start_load_kv": 0.002, "wait_for_layer_load": 0.0005}
+WRITE_SPIN_S = 0.001
+"""Device seconds each layer's writes wait behind on the forward stream: longer than the host's way
+from the writes to a save hook's copy (the hook's Python calls, the connector building its copy:
+a few hundred microseconds), and mostly overlapped by the host's own work until the next layer."""
+CONNECTOR_SPINS_S = {"start_load_kv": 0.003, "wait_for_layer_load": 0.001}
 """Device seconds a connector's own stream is held at each load hook's entry (the way from
 `start_load_kv` to the first layer's read is longer than from `wait_for_layer_load`)."""
 SPIN_CLOCK_HZ = 2.0e9
 """The clock the spins' cycles are counted at (an H100's or H200's boost clock, about 1.98 GHz)."""
 
-_ORIGINAL_STREAM = torch.cuda.Stream
+_ORIGINAL_NEW = torch.cuda.Stream.__new__
 _CREATED: "weakref.WeakSet[torch.cuda.Stream]" = weakref.WeakSet()
-"""Streams made through `torch.cuda.Stream` while a `StreamRaces` was installed."""
+"""Streams made through `torch.cuda.Stream()` while a `StreamRaces` was installed."""
 _NUM_INSTALLED = [0]
 
 
-class _NotedStream(_ORIGINAL_STREAM):  # type: ignore[valid-type,misc]
-    """`torch.cuda.Stream`, noted in `_CREATED` (isinstance checks see a Stream)."""
-
-    def __new__(cls, *args, **kwargs):
-        stream = super().__new__(cls, *args, **kwargs)
+def _noting_new(cls, *args, **kwargs):
+    """`torch.cuda.Stream.__new__`, noting a new stream in `_CREATED` (not one that wraps an
+    existing stream: by its id, `torch.cuda.current_stream()`'s, the forward stream; by its
+    pointer, an `ExternalStream`)."""
+    stream = _ORIGINAL_NEW(cls, *args, **kwargs)
+    if "stream_id" not in kwargs and "stream_ptr" not in kwargs:
         _CREATED.add(stream)
-        return stream
+    return stream
 
 
 def spin(seconds: float, stream: torch.cuda.Stream | None = None) -> None:
@@ -80,14 +83,14 @@ class StreamRaces:
         if not self._installed:
             self._installed = True
             _NUM_INSTALLED[0] += 1
-            torch.cuda.Stream = _NotedStream          # type: ignore[misc]
+            torch.cuda.Stream.__new__ = staticmethod(_noting_new)   # type: ignore[method-assign,assignment]
 
     def uninstall(self) -> None:
         if self._installed:
             self._installed = False
             _NUM_INSTALLED[0] -= 1
             if not _NUM_INSTALLED[0]:
-                torch.cuda.Stream = _ORIGINAL_STREAM  # type: ignore[misc]
+                torch.cuda.Stream.__new__ = staticmethod(_ORIGINAL_NEW)   # type: ignore[method-assign,assignment]
 
     def before_hook(self, hook: str) -> None:
         """A worker hook is about to run: a load hook spins the connector's streams first."""

@@ -19,14 +19,15 @@ from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.metadata import PageTransfer
 
 
-class _SideStream:
-    """A CUDA stream of the worker's own, made at its first use (inside a hook)."""
+class _SideStream(HostConnectorWorker):
+    """A CUDA stream of the worker's own, made with the worker (where there is a GPU)."""
 
-    _side: torch.cuda.Stream | None = None
+    def __init__(self, llm_args) -> None:
+        super().__init__(llm_args)
+        self._side = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def side(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream()
+        assert self._side is not None, "a side stream needs a GPU"
         return self._side
 
 
@@ -41,7 +42,7 @@ class SideStreamSaves(HostConnectorScheduler):
     pass
 
 
-class SideStreamSavesWorker(_SideStream, HostConnectorWorker):
+class SideStreamSavesWorker(_SideStream):
     """The defect: a save's copy on its own stream, never ordered after the stream of the hook."""
 
     def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
@@ -57,7 +58,7 @@ class SideStreamLoads(HostConnectorScheduler):
     pass
 
 
-class SideStreamLoadsWorker(_SideStream, HostConnectorWorker):
+class SideStreamLoadsWorker(_SideStream):
     """The defect: a load's copy on its own stream, and the hook's stream never made to wait for it."""
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
