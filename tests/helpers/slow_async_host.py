@@ -1,7 +1,8 @@
 """host-async whose background saves land late, on a copy thread of its own started with the
 worker (outside any hook: kvtool holds it only at its calls, through the gate, never task by task),
-so the race of an H200 run stays a race on any machine: a save a second late (a quarter second was overtaken on a loaded machine). (A thread
-of the connector's own, alive, keeps the runtime's waits on the wall clock: `connector_clock`.)"""
+so the race of an H200 run stays a race on any machine: a save a second late (a quarter second
+was overtaken on a loaded machine). (A thread of the connector's own, alive, keeps the runtime's
+waits on the wall clock: `connector_clock`.)"""
 import queue
 import threading
 import time
