@@ -13,6 +13,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import torch
+
 from kvtool.engine import held_threads
 from kvtool.engine.async_gate import AsyncGate
 from kvtool.engine.connector_clock import ConnectorClock, quiet_process
@@ -20,7 +22,8 @@ from kvtool.engine.events import WorkRan
 from kvtool.engine.held_work import HeldWork
 from kvtool.engine.hold_policy import HoldPoint, HoldPolicy
 from kvtool.engine.hold_warden import HoldWarden
-from kvtool.engine.stream_races import StreamRaces
+from kvtool.engine.engine_config import EngineConfig
+from kvtool.engine.stream_races import StreamRaces, stream_races_for
 
 
 class ConnectorWork:
@@ -95,3 +98,13 @@ class ConnectorWork:
             return
         quiet = self.held.num_running == 0 and not self.gate.has_live_threads() and quiet_process()
         self.clock.wait(wait_s, quiet)
+
+
+def connector_work_for(config: EngineConfig, has_connector: bool, emit: Callable[..., None],
+                       iteration: Callable[[], int], device: torch.device, fake: object) -> ConnectorWork | None:
+    """An engine's `ConnectorWork` where `config.gate_async_work` asks for it and a connector is
+    attached (else None); with `config.stream_races` on device pages, its stream races (`fake`,
+    the engine's bytes model, told to delay its writes behind them)."""
+    if not (config.gate_async_work and has_connector):
+        return None
+    return ConnectorWork(config.hold_policy, emit, iteration, stream_races_for(config.stream_races, device, fake))

@@ -15,13 +15,12 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.engine.connector_work import ConnectorWork
-from kvtool.engine.stream_races import StreamRaces
+from kvtool.engine.connector_work import connector_work_for
 from kvtool.engine.connector_attach import attach_connector
 from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
 from kvtool.engine.events import Arrived, EngineEvent, EventStream, Evicted, LoadFinished, PassDone
-from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.fake_engine import PassItem
 from kvtool.engine.fidelity import bytes_model, require_fidelity
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.pass_driver import PassDriver, PassPlan
@@ -78,8 +77,8 @@ class Engine:
         followers = start_followers(config, self.manager, connector, options)
         self.stream = forward_stream(self.manager.device)
         set_process_rank(0, config.num_ranks)
-        self.work = ConnectorWork(config.hold_policy, self.emit, lambda: self.iteration, self._stream_races()) \
-            if config.gate_async_work and connector else None
+        self.work = connector_work_for(config, connector is not None, self.emit, lambda: self.iteration,
+                                       self.manager.device, self.fake)
         self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded,
                                  on_hook=self.work.before_hook if self.work is not None else lambda hook: None)
         rank0 = RankPass(0, self.fake, self.driver, self.work.after_forward if self.work is not None else lambda: None)
@@ -102,14 +101,6 @@ class Engine:
         self.scheduler = Scheduler(self.manager, config.scheduler, self.admission, self.pause, self.drafts)
         self.results = PassResults(self.fake, self.stats, self.lifecycle)
         self.watchdogs = Watchdogs(config, self.fail, self.work.clock.now if self.work is not None else time.monotonic)
-
-    def _stream_races(self) -> StreamRaces | None:
-        """Device pages under `stream_races`: the fake engine's writes delayed, the connector's streams spun."""
-        if not self.config.stream_races or self.manager.device.type != "cuda" or not isinstance(self.fake, FakeEngine):
-            return None
-        races = StreamRaces()
-        self.fake.delay_writes = races.before_writes
-        return races
 
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
         return rank_llm_args(self.manager, spec, options, rank, self.config.num_ranks, self.config.tp_size)

@@ -8,7 +8,6 @@ have written. Mismatches are counted and the first ones recorded with their coor
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
@@ -19,39 +18,18 @@ import torch
 from kvtool.engine.byte_origin import Coordinate, Origins, found_bytes
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
+from kvtool.engine.integrity import CHECKSUM_MASK, IntegrityIssue, digest, moved
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
 from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
-CHECKSUM_MASK = (1 << 64) - 1
 HOST_COMPARE_BYTES = 1 << 20
 """A layer's read of at most this many bytes from GPU pages is compared on the host: one copy
 costs less than the compare's kernels and a synchronisation per buffer, and under validate's
 dozen processes sharing one GPU every synchronisation waits its turn. Larger reads (a real model
 in `bench`) are compared where they are."""
-
-
-@dataclass(frozen=True)
-class IntegrityIssue:
-    request_id: int
-    layer_group_id: int
-    block_ordinal: int
-    layer_id: int
-    role: str
-    position: int
-    head: int
-    expected: str
-    found: str
-    what: str = "mismatch"
-    rank: int = 0
-
-    def describe(self) -> str:
-        where = f"rank {self.rank}, " if self.rank else ""
-        return (f"{where}request {self.request_id}, layer group {self.layer_group_id}, block {self.block_ordinal}, "
-                f"layer {self.layer_id}, {self.role}, position {self.position}, head {self.head}: "
-                f"{self.what} (expected {self.expected}, found {self.found})")
 
 
 @dataclass
@@ -263,7 +241,7 @@ class FakeEngine:
         buffers = self._buffers[layer_id]
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
-        expected = _moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
+        expected = moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
         return [(view, lb.index, where, part) for view, lb, part in zip(views, buffers, expected)]
 
     def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -285,8 +263,8 @@ class FakeEngine:
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
         found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers)]
         if found[0].device.type != "cpu" and sum(part.numel() for part in found) <= HOST_COMPARE_BYTES:
-            found = _moved(found, torch.device("cpu"))
-        expected = _moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
+            found = moved(found, torch.device("cpu"))
+        expected = moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
         for lb, found_part, expected_part in zip(buffers, found, expected):
             if torch.equal(found_part, expected_part):
                 continue
@@ -356,26 +334,3 @@ class FakeEngine:
         if len(self.issues) < MAX_RECORDED_ISSUES:
             self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
                                               position, head, "-", "-", what))
-
-
-def digest(rows: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
-    """Order-sensitive digest of the bytes the last position attends to, from `rows` (int64: each
-    of `positions`' byte sum over the layer's buffers), over those of `positions` in `attended`: a
-    block moved to another position changes it, as it would change a real model's output. A sum
-    over the bytes modulo 2**64, so the digests of tensor-parallel shards add up to the whole model's."""
-    if len(attended) != len(positions):   # a window slid during the pass: attended is a subset
-        keep = np.isin(positions, attended)
-        rows, positions = rows[torch.from_numpy(keep).to(rows.device)], positions[keep]
-    weights = torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1).to(rows.device)
-    return int((rows * weights).sum()) & CHECKSUM_MASK
-
-
-def _moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """`parts` (same first dimension) on `device`, in one copy side by side when they are elsewhere:
-    on a GPU every copy is a synchronisation (`HOST_COMPARE_BYTES`)."""
-    if parts[0].device == device:
-        return parts
-    rows = len(parts[0])
-    moved = torch.cat([part.reshape(rows, -1) for part in parts], dim=1).to(device)
-    widths = [math.prod(part.shape[1:]) for part in parts]
-    return [piece.view(part.shape) for part, piece in zip(parts, torch.split(moved, widths, dim=1))]

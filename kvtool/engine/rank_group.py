@@ -17,7 +17,8 @@ from typing import Any, Protocol
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.runtime import HookFailure
 from kvtool.engine.engine_config import EngineConfig
-from kvtool.engine.fake_engine import CHECKSUM_MASK, PassItem
+from kvtool.engine.fake_engine import PassItem
+from kvtool.engine.integrity import CHECKSUM_MASK
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup
 from kvtool.engine.rank_pass import RankPass
 from kvtool.engine.ranks import Followers

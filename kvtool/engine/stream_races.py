@@ -30,6 +30,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from kvtool.engine.fake_engine import FakeEngine
+
 WRITE_SPIN_S = 0.001
 """Device seconds each layer's writes wait behind on the forward stream: longer than the host's way
 from the writes to a save hook's copy (the hook's Python calls, the connector building its copy:
@@ -102,3 +104,13 @@ class StreamRaces:
     def before_writes(self) -> None:
         """The fake engine is about to enqueue a layer's writes on the forward stream."""
         self._spin(self._write_spin_s, None)
+
+
+def stream_races_for(enabled: bool, device: torch.device, fake: object) -> StreamRaces | None:
+    """An engine's races (`enabled`: validate's runs with a connector), on device pages only; the
+    fake engine `fake` told to delay its writes behind them (a fingerprinting one: `FakeEngine`)."""
+    if not enabled or device.type != "cuda" or not isinstance(fake, FakeEngine):
+        return None
+    races = StreamRaces()
+    fake.delay_writes = races.before_writes
+    return races

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
-from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, PassItem, digest
+from kvtool.engine.fake_engine import FakeEngine, PassItem
+from kvtool.engine.integrity import CHECKSUM_MASK, digest
 from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec
 
