@@ -3,9 +3,9 @@
 #
 # Run on the GPU machine from the repository root, with `.whl` carried and installed as for
 # .ci/gpu-session (its header), OUT set to the folder whose files come back, then:
-#   KVTOOL_COMMIT=<this commit> bash .ci/held-work-gpu.sh 1   # tests, planted connectors, async-vs-sync timing
-#   KVTOOL_COMMIT=<this commit> bash .ci/held-work-gpu.sh 2   # 20 runs of host (pass expected)
-#   KVTOOL_COMMIT=<this commit> bash .ci/held-work-gpu.sh 3   # 20 runs of the example (pass expected)
+#   KVTOOL_COMMIT=<this commit> bash gpu-sessions/held-work-gpu.sh 1   # tests, planted connectors, async-vs-sync timing
+#   KVTOOL_COMMIT=<this commit> bash gpu-sessions/held-work-gpu.sh 2   # 20 runs of host (pass expected)
+#   KVTOOL_COMMIT=<this commit> bash gpu-sessions/held-work-gpu.sh 3   # 20 runs of the example (pass expected)
 # Each part keeps within DEADLINE_S (default 560 s) and packs $OUT/held-work-gpu-PART.tgz after every
 # step, so a run cut short returns what it finished. steps.txt: one line per step (rc, seconds);
 # validate-summary.txt: each summary line with how often it came.
