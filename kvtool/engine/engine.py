@@ -8,7 +8,6 @@ runs get_finished on every rank and acts on the reports (`lifecycle`), then its 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Iterable
 
 from kvtool.connector.runtime import HookResult
@@ -22,7 +21,7 @@ from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
 from kvtool.engine.events import Arrived, EngineEvent, EventStream, Evicted, LoadFinished, PassDone
 from kvtool.engine.pass_types import PassItem
-from kvtool.engine.fidelity import bytes_model, require_fidelity
+from kvtool.engine.fidelity import bytes_model, pools_for, require_fidelity
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.pass_driver import PassDriver, PassPlan
 from kvtool.engine.pass_items import batch_items, idle_pages, padding, received_item
@@ -43,7 +42,6 @@ from kvtool.manager.integrity import check_manager
 from kvtool.manager.manager import KvCacheManager
 from kvtool.manager.pool_groups import pages_per_pool_group
 from kvtool.models import heads_across_ranks
-from kvtool.types import Fidelity
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
@@ -62,9 +60,7 @@ class Engine:
         if config.tp_size != 1 and (not config.ranks_as_processes or config.tp_size != config.num_ranks):
             raise InputError(f"--tp {config.tp_size} needs --num-ranks {config.tp_size} (one process per shard)")
         require_fidelity(config, connector)
-        manager_config = rank_manager_config(config.manager, config.tp_size, 0)
-        if config.fidelity == Fidelity.BLOCKS:
-            manager_config = replace(manager_config, virtual=True, poison_new_pages=False)
+        manager_config = pools_for(config.fidelity, rank_manager_config(config.manager, config.tp_size, 0))
         self.manager = KvCacheManager(manager_config)
         self.fake = bytes_model(config.fidelity, self.manager, config.seed, heads_across_ranks(manager_config.model))
         self.stats = EngineStats()

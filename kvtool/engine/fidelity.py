@@ -4,6 +4,8 @@ writes and verifies; `blocks`: virtual pools, nothing written (`no_bytes`); `tok
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.fake_engine import FakeEngine
@@ -11,6 +13,7 @@ from kvtool.engine.no_bytes import NoBytesModel
 from kvtool.engine.pass_types import KvBytesModel
 from kvtool.engine.token_model import ReferenceTokens
 from kvtool.errors import InputError
+from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.manager import KvCacheManager
 from kvtool.types import Fidelity
 
@@ -21,6 +24,12 @@ def parse_fidelity(text: str) -> Fidelity:
         return Fidelity(text)
     except ValueError:
         raise InputError(f"unknown fidelity {text!r}: bytes or blocks (tokens: reference runs only)") from None
+
+
+def pools_for(fidelity: Fidelity, config: KvCacheManagerConfig) -> KvCacheManagerConfig:
+    """The manager's config at `fidelity`: block fidelity's pools are virtual (nothing allocated,
+    nothing poisoned)."""
+    return replace(config, virtual=True, poison_new_pages=False) if fidelity == Fidelity.BLOCKS else config
 
 
 def bytes_model(fidelity: Fidelity, manager: KvCacheManager, seed: int, model_heads: int) -> KvBytesModel:

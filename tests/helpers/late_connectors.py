@@ -16,7 +16,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.metadata import PageTransfer
@@ -49,13 +48,10 @@ class LateReader(PoolAsync):
 class LateReaderWorker(PoolAsyncWorker):
     """The defect: a background load copies the loads of whatever metadata is bound when it runs."""
 
-    def _submit(self, futures: dict[int, Future], copy: Callable[[Sequence[PageTransfer]], None],
-                by_request: dict[int, list[PageTransfer]]) -> None:
-        if futures is not self._loading or not by_request:
-            super()._submit(futures, copy, by_request)
-            return
-        future = self._background().submit(lambda: copy(self._bound_loads()))
-        futures.update(dict.fromkeys(by_request, future))
+    def start_background(self, transfers: list[PageTransfer], to_store: bool, stream) -> Future:
+        if to_store:
+            return super().start_background(transfers, to_store, stream)
+        return self._background().submit(lambda: self.load(self._bound_loads()))
 
     def _bound_loads(self) -> list[PageTransfer]:
         return [t for transfers in self.meta.async_loads.values() for t in transfers]
@@ -85,12 +81,12 @@ class ThreadWaitWorker(PoolAsyncWorker):
     """Correct: a thread per background copy, and get_finished blocks on an event the copy sets
     for every id it is given whose copy is in flight."""
 
-    def _submit(self, futures, copy, by_request) -> None:
-        if not by_request:
-            return
+    def start_background(self, transfers: list[PageTransfer], to_store: bool, stream) -> Future:
+        if to_store and stream is not None:
+            stream.synchronize()
+        copy = self.save if to_store else self.load
         future: Future = Future()
         landed = threading.Event()
-        transfers = [t for ts in by_request.values() for t in ts]
 
         def run() -> None:
             copy(transfers)
@@ -101,7 +97,7 @@ class ThreadWaitWorker(PoolAsyncWorker):
         for earlier in list(self._saving.values()) + list(self._loading.values()):
             getattr(earlier, "landed", landed).wait()     # one copy at a time, in order
         threading.Thread(target=run, daemon=True).start()
-        futures.update(dict.fromkeys(by_request, future))
+        return future
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
         for rid in list(finished_gen_req_ids) + list(started_loading_req_ids):
