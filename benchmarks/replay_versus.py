@@ -33,8 +33,14 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.replay_speed import head_of
-from kvtool.report.run_folder import (git_commit, prepare_run_folder, settled_run_folders, write_file, write_json,
-                                      write_meta)
+from kvtool.report.run_folder import (
+    git_commit,
+    prepare_run_folder,
+    settled_run_folders,
+    write_file,
+    write_json,
+    write_meta,
+)
 
 THIS_TREE = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("replay_child.py")
@@ -52,7 +58,7 @@ class LoadSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self._thread.start()
         return self
 

@@ -33,8 +33,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 try:   # TensorRT-LLM's modules (real, or kvtool's under --compat trtllm)
-    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (KvCacheConnectorScheduler,
-                                                                               KvCacheConnectorWorker)
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+    )
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import valid_page_slots
 except ImportError:
     from kvtool.connector import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots

@@ -20,8 +20,8 @@ import argparse
 import collections
 import cProfile
 import io
-import pstats
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -33,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvtool.bench import protocol_suite  # noqa: E402
-from kvtool.bench.protocol_engine import Workload  # noqa: E402
-from kvtool.bench.protocol_engine import block_bytes  # noqa: E402
+from kvtool.bench.protocol_engine import Workload, block_bytes  # noqa: E402
 from kvtool.connectors import store_worker  # noqa: E402
 from kvtool.connectors.registry import BUILTIN_CONNECTORS  # noqa: E402
 from kvtool.connectors.store_scheduler import BlockStoreScheduler  # noqa: E402

@@ -38,7 +38,7 @@ def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE_ROOT.rglob("*.py")}
     known = set(paths)
     # A package's __init__ re-exports its own modules; that is not a loop between modules.
-    return {name: {m for m in imported_modules(path, known) if not path.name == "__init__.py"
+    return {name: {m for m in imported_modules(path, known) if path.name != "__init__.py"
                    or not m.startswith(name + ".")} - {name}
             for name, path in paths.items()}
 

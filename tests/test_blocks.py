@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.blocks import ceil_div, num_live_blocks, stale_block_range
 from kvtool.connectors.registry import load_connector

@@ -464,6 +464,7 @@ def test_default_capacities_that_cannot_fit_are_left_out_and_said(tmp_path, monk
 def test_fewer_sweep_replays_run_at_once_when_their_host_tiers_would_not_fit_together(capsys):
     import importlib
     import os
+
     from kvtool.trace.setup import ReplayOptions
     sweep = importlib.import_module("kvtool.cli.trace_sweep")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

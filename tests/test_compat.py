@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from kvtool.connector import rank_context
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
-from kvtool.connector.loader import ConnectorSpec
 from tests.helpers.engines import make_engine
 
 IMPORTS = """

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
 

@@ -30,8 +30,15 @@ from kvtool.connector.request import Request
 from kvtool.connectors.host import ReservingHostScheduler
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.events import EventLog, Finished, LoadFinished, PassDone, PrefixLoadRetired, ReservationReleased, \
-    Reserved
+from kvtool.engine.events import (
+    EventLog,
+    Finished,
+    LoadFinished,
+    PassDone,
+    PrefixLoadRetired,
+    ReservationReleased,
+    Reserved,
+)
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.runtimes import RuntimeName

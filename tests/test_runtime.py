@@ -10,11 +10,11 @@ from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import FailureReason, Offer, Phase
 from kvtool.errors import ConnectorError, InputError, IterationLimitError, LogicError
 from kvtool.manager import KvCacheManagerConfig
+from kvtool.manager.integrity import check_manager
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
-from kvtool.manager.integrity import check_manager
 from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
-from tests.helpers.engines import make_engine, scripted, sched
+from tests.helpers.engines import make_engine, sched, scripted
 
 B = BAD_PAGE_INDEX
 

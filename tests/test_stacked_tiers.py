@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from helpers.servers import RedisServer, need_redis
 from helpers.traces import random_mooncake_trace
+from typer.testing import CliRunner
+
 from kvtool.cli import app
 
 runner = CliRunner()

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.engine.fake_engine import FakeEngine
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fingerprint import expected_bytes
+from kvtool.engine.pass_types import PassItem
 from kvtool.errors import InputError
 from kvtool.manager import KvCacheManager, KvCacheManagerConfig, compute_layout
 from kvtool.models import load_model, shard_model

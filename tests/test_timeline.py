@@ -4,9 +4,9 @@ import json
 from collections import defaultdict
 
 import pytest
+from helpers.traces import random_mooncake_trace
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace
 from kvtool.cli import app
 
 runner = CliRunner()

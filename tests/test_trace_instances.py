@@ -9,14 +9,21 @@ import threading
 import time
 from pathlib import Path
 
-
 import pandas as pd
 import pytest
-
 from helpers.traces import random_mooncake_trace
-from kvtool.trace.instances import (LATENCIES, ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests, fleet_rows,
-                                    latency_columns, with_load_ratios)
+
 from kvtool.connector.request import Request
+from kvtool.trace.instances import (
+    LATENCIES,
+    ROUTE_BLOCK_TOKENS,
+    Route,
+    _lockstep,
+    assign_requests,
+    fleet_rows,
+    latency_columns,
+    with_load_ratios,
+)
 from tests.helpers.servers import RedisServer, need_redis
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"

@@ -4,9 +4,9 @@ import json
 
 import pandas as pd
 import pytest
+from helpers.traces import random_mooncake_trace, reusable_tokens
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace, reusable_tokens
 from kvtool.cli import app
 
 runner = CliRunner()

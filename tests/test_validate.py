@@ -19,11 +19,11 @@ from kvtool.cli import app
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.registry import load_connector
+from kvtool.engine.runtimes import DEFAULT_RUNTIME
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS, Verdict
 from kvtool.validate.runner import run_all, run_isolated
 from kvtool.validate.scenarios import SCENARIOS
-from kvtool.engine.runtimes import DEFAULT_RUNTIME
 from tests.helpers.broken_connectors import BROKEN, RUNTIME_OF
 
 runner = CliRunner()

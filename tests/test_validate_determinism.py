@@ -10,15 +10,21 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_scenario
 from kvtool.validate.schedule import schedule_for
-from tests.helpers.early_report_connectors import (ClaimsOneBlockMore, EarlyReport, EarlyReportWorker, RecordsAllocations,
-                                                   ReplaysIntoOldPages, ReportsLanded,
-                                                   WaitsInGetFinished, Worker)
+from tests.helpers.early_report_connectors import (
+    ClaimsOneBlockMore,
+    EarlyReport,
+    EarlyReportWorker,
+    RecordsAllocations,
+    ReplaysIntoOldPages,
+    ReportsLanded,
+    WaitsInGetFinished,
+    Worker,
+)
 
 MODULE = "tests.helpers.early_report_connectors"
 cli = CliRunner()

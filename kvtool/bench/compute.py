@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

@@ -31,12 +31,21 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtool.bench.compute_load import MatmulLoad, Product, during, median_seconds
-from kvtool.bench.protocol_engine import (Recorder, Workload, build_engine, check_bytes, four_digits, measure_round,
-                                          one_line_errors, run_round, union)
-from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
+from kvtool.bench.protocol_engine import (
+    Recorder,
+    Workload,
+    build_engine,
+    check_bytes,
+    four_digits,
+    measure_round,
+    one_line_errors,
+    run_round,
+    union,
+)
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 
 ALONE_SECONDS = 0.3
 """Products alone before and after the loaded round: enough for a stable median on either device."""

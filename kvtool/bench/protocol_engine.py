@@ -26,9 +26,10 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Iterable, Iterator
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,9 +37,9 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
 from kvtool.engine.fake_engine import VOCAB_SIZE
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConnectorError, KvToolError
 from kvtool.manager import KvCacheManagerConfig

@@ -28,12 +28,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtool.bench.protocol_engine import (QUICK, Measured, Recorder, Workload, build_engine, check_bytes,
-                                          four_digits, measure_round, one_line_errors, run_round)
+from kvtool.bench.protocol_engine import (
+    QUICK,
+    Measured,
+    Recorder,
+    Workload,
+    build_engine,
+    check_bytes,
+    four_digits,
+    measure_round,
+    one_line_errors,
+    run_round,
+)
 from kvtool.bench.timing import time_repeats
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 
 __all__ = ["QUICK", "Workload", "run_protocol_suite", "reference_connector", "reference_label", "connector_label"]
 

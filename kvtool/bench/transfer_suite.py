@@ -7,8 +7,8 @@ memory copy. `verified`: the bytes moved by a poisoned warm-up run equal the sou
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 import torch
 

@@ -8,8 +8,9 @@ import enum
 import functools
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import pandas as pd
 import torch
@@ -26,7 +27,7 @@ from kvtool.inputs import warn
 from kvtool.report.run_folder import settled_run_folders, write_file
 
 try:
-    from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
+    from typer._click import exceptions as cli_errors  # typer >= 0.29 carries its own click
 except ImportError:                                       # older typer runs on click itself
     from click import exceptions as cli_errors
 

@@ -1,7 +1,13 @@
 """The connector API (names kept from the reference runtime) and the runtime side that drives it."""
 
-from kvtool.connector.api import (HostStream, KvCacheConnectorScheduler, KvCacheConnectorWorker, RequestData,
-                                  SchedulerOutput, valid_page_slots)
+from kvtool.connector.api import (
+                                  HostStream,
+                                  KvCacheConnectorScheduler,
+                                  KvCacheConnectorWorker,
+                                  RequestData,
+                                  SchedulerOutput,
+                                  valid_page_slots,
+)
 from kvtool.connector.llm_args import KvCacheConfig, KvCacheConnectorConfig, LayerGroupInfo, LlmArgs
 from kvtool.connector.request import Request
 from kvtool.group_pages import GroupPages

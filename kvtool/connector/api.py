@@ -15,8 +15,9 @@ written. Never index a tensor with it: -1 is the last slot in Python.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvtool.errors import LayoutNotSupportedError
 from kvtool.group_pages import valid_page_slots as valid_page_slots  # re-exported: the API names it

@@ -8,14 +8,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.compat import install_compat
 from kvtool.connector.introspection import retired_hook_error
 from kvtool.errors import InputError, did_you_mean
+
 
 @dataclass(frozen=True)
 class ConnectorSpec:

@@ -12,9 +12,10 @@ the asynchronous bookkeeping.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, ContextManager, NamedTuple, Sequence
+from typing import Any, ContextManager, NamedTuple
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.raised import describe_error, format_error, stops_kvtool
@@ -49,7 +50,7 @@ class ViolationKind(TextEnum):
         return not self.is_bad_finished_id
 
     @staticmethod
-    def bad_finished_id(what: str, repeated: bool) -> "ViolationKind":
+    def bad_finished_id(what: str, repeated: bool) -> ViolationKind:
         return {("save", False): ViolationKind.UNKNOWN_SAVE_ID, ("load", False): ViolationKind.UNKNOWN_LOAD_ID,
                 ("save", True): ViolationKind.REPEATED_SAVE_ID, ("load", True): ViolationKind.REPEATED_LOAD_ID}[
             (what, repeated)]

@@ -12,11 +12,11 @@ Options: `dir` (the folder; default ./kvtool-disk-cache), `mode` (`sync`, `layer
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
-
 
 from kvtool.atomic_file import TEMPORARY_GLOB, publish
 from kvtool.connector.llm_args import LlmArgs
@@ -128,10 +128,8 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         self.num_corrupt += 1
         warnings.warn(f"kvtool disk connector: ignoring a corrupt block ({reason}); it will be saved again",
                       RuntimeWarning, stacklevel=2)
-        try:
+        with contextlib.suppress(OSError):
             path.replace(path.with_suffix(".corrupt"))
-        except OSError:
-            pass
 
 
 class DiskConnectorWorker(BlockStoreWorker):

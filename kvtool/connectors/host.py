@@ -13,8 +13,8 @@ pages where PyCUDA runs, else `torch`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -22,10 +22,10 @@ import torch
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
-from kvtool.connectors.layer_copies import LayerBatches, Landed, SideStream
+from kvtool.connectors.layer_copies import Landed, LayerBatches, SideStream
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
-from kvtool.connectors.store_mode import StoreMode
 from kvtool.connectors.slot_index import EVICTION_POLICIES, SlotIndex, slot_index
+from kvtool.connectors.store_mode import StoreMode
 from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler, PrefixReservingScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker, PrefixReservingWorker
 from kvtool.errors import InputError

@@ -9,8 +9,8 @@ no side stream: each launch has landed when it returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ class LayerBatches:
 
     @staticmethod
     def prepare(backend: TransferBackend, layer_ids: Sequence[int], ops_by_layer: Sequence[Sequence[CopyOp]]
-                ) -> "LayerBatches":
+                ) -> LayerBatches:
         return LayerBatches(list(layer_ids), backend.prepare_layers(ops_by_layer))
 
     def launch(self, layer_id: int, backend: TransferBackend, side: SideStream, mark: bool = False) -> None:

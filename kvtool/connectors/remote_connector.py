@@ -24,8 +24,9 @@ copied.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs

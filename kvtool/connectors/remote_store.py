@@ -27,8 +27,8 @@ import re
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.llm_args import LlmArgs

@@ -9,8 +9,8 @@ rewind (rejected drafts) changed them, recomputed from the first position that d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

@@ -5,8 +5,8 @@ reached its output length finished."""
 from __future__ import annotations
 
 from kvtool.engine.engine_config import EngineStats
-from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.lifecycle import Lifecycle
+from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
 

@@ -6,8 +6,9 @@ fidelity's `NoBytesModel`, the reference runs' `ReferenceTokens`)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 PagesByGroup = Mapping[int, Sequence[int]] | Sequence[Sequence[int]]
 """A request's page index per block ordinal, indexed by layer group id (the manager's `GroupPages`)."""

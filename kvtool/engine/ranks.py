@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kvtool.connector.runtime import HOOK_FAILED, HookResult
-from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.raised import describe_construction_error, describe_error, format_error, stops_kvtool
+from kvtool.connector.rank_context import set_process_rank
+from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.engine.fake_engine import FakeEngine
 from kvtool.engine.pass_driver import PassDriver
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup, rank_manager_config

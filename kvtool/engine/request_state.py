@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvtool.connector.request import Request, RequestProgress, progress_of
 from kvtool.errors import LogicError

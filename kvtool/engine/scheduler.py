@@ -9,8 +9,8 @@ waiting request's first chunk, at a later chunk's growth and once the batch is f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.engine.admission import OutputReservation
 from kvtool.engine.batch import Batch, TokenBudget

@@ -23,7 +23,7 @@ chaining through a node keeps it alive).
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

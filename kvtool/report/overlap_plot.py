@@ -10,8 +10,8 @@ one is seen at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 LINK_GOAL = 0.9
 SLOWDOWN_GOAL_PERCENT = 2.0

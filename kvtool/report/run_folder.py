@@ -13,17 +13,17 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import shutil
+import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from kvtool.errors import InputError
-
 
 OUTPUT_NAMES = frozenset({
     "layout.json", "layout.csv", "summary.json", "summary.csv", "requests.csv", "iterations.csv", "ttft_cdf.png",

@@ -14,8 +14,19 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.engine.events import (Arrived, Ask, EngineEvent, Finished, LoadFinished, LoadStarted, PassDone, Paused,
-                                  Reserve, SaveFinished, SaveStarted)
+from kvtool.engine.events import (
+    Arrived,
+    Ask,
+    EngineEvent,
+    Finished,
+    LoadFinished,
+    LoadStarted,
+    PassDone,
+    Paused,
+    Reserve,
+    SaveFinished,
+    SaveStarted,
+)
 from kvtool.report.run_folder import write_file
 
 REQUESTS_PID, ENGINE_PID = 1, 0

@@ -22,8 +22,9 @@ report and written into meta.json (`assumptions`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import RequestState

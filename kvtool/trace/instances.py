@@ -20,17 +20,18 @@ import multiprocessing
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.connector.request import Request
-from kvtool.trace.recorder import RequestRow
-from kvtool.trace.replay import run_trace, token_hit_rate
 from kvtool.errors import InputError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
+from kvtool.trace.recorder import RequestRow
+from kvtool.trace.replay import run_trace, token_hit_rate
+from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.types import TextEnum
 
 ROUTE_BLOCK_TOKENS = 512

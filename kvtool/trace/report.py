@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
+from kvtool.report.run_folder import write_file, write_json, write_meta
 from kvtool.trace.cost_model import CostModel
 from kvtool.trace.load_check import load_check
-from kvtool.trace.replay import TraceResult, TraceSummary
 from kvtool.trace.recorder import RequestRow
-from kvtool.report.run_folder import write_file, write_json, write_meta
+from kvtool.trace.replay import TraceResult, TraceSummary
 from kvtool.units import format_seconds, format_size
 
 PERCENTILES = (50, 90, 99)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.trace.setup import ReplayOptions, block_bytes, build_replay
-from kvtool.units import Capacity
 from kvtool.types import Fidelity
+from kvtool.units import Capacity
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ whole slots, or sub-slot chunks such as one layer's buffers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,13 +37,13 @@ class PageSpace:
             raise LogicError("page space slots run past the end of its tensor")
 
     @staticmethod
-    def of_region(region: KvCacheRegion) -> "PageSpace":
+    def of_region(region: KvCacheRegion) -> PageSpace:
         if region.storage is None:
             raise LogicError("a virtual layout has no memory to copy")
         return PageSpace(region.storage, region.stride, region.size, region.num_slots, region.offset_in_slot)
 
     @staticmethod
-    def contiguous(tensor: torch.Tensor, slot_bytes: int) -> "PageSpace":
+    def contiguous(tensor: torch.Tensor, slot_bytes: int) -> PageSpace:
         """Back-to-back slots of `slot_bytes` over all of `tensor`."""
         return PageSpace(tensor, slot_bytes, slot_bytes, tensor.numel() // slot_bytes)
 

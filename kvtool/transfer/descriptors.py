@@ -9,8 +9,8 @@ to the byte kernel.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def stacked_shifted_descriptors(descs: np.ndarray, shifts: Sequence[tuple[int, i
     return out.reshape(-1)
 
 
-def shifted_copy(copy: "PitchedCopy", src_shift: int, dst_shift: int) -> "PitchedCopy":
+def shifted_copy(copy: PitchedCopy, src_shift: int, dst_shift: int) -> PitchedCopy:
     """`copy` with its source moved by `src_shift` bytes and its destination by `dst_shift`."""
     return PitchedCopy(copy.dst + dst_shift, copy.dst_pitch, copy.src + src_shift, copy.src_pitch, copy.width,
                        copy.rows)

@@ -8,18 +8,25 @@ beside a matmul a capped gather is starved, so staged caps it only when asked). 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvtool.errors import LogicError
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp
 from kvtool.transfer.cuda_base import CudaBackendBase, is_host
-from kvtool.errors import LogicError
-from kvtool.transfer.descriptors import (DEFAULT_UNROLL, VECTOR_BYTES, DescriptorTable, grid_blocks,
-                                         stacked_shifted_descriptors, tables_for)
+from kvtool.transfer.descriptors import (
+    DEFAULT_UNROLL,
+    VECTOR_BYTES,
+    DescriptorTable,
+    grid_blocks,
+    stacked_shifted_descriptors,
+    tables_for,
+)
 
 HOST_THREADS = 1024
 DEVICE_THREADS = 512

@@ -5,8 +5,8 @@ stopped at its first failure, which is reported with the seed, the smallest case
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CheckResult

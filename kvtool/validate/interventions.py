@@ -6,8 +6,8 @@ the run's record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtool.engine.engine import Engine
 from kvtool.engine.pass_types import PassItem

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.engine.events import (Ask, Deliver, Finished, LoadStarted, PrefixLoadRetired, ReservationReleased, Reserved,
-                                  SaveFinished, SaveStarted)
+from kvtool.engine.events import (
+    Ask,
+    Deliver,
+    Finished,
+    LoadStarted,
+    PrefixLoadRetired,
+    ReservationReleased,
+    Reserved,
+    SaveFinished,
+    SaveStarted,
+)
 from kvtool.validate.cause_evidence import released_page_loads
 from kvtool.validate.harness import Context, Req, reference_tokens
 from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine

@@ -8,8 +8,8 @@ request's KV under this one's keys; later requests repeating these prompts load 
 
 from __future__ import annotations
 
-from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.engine.runtimes.behaviours import Behaviour
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.interventions import note_pages
 from kvtool.validate.judges import judge_integrity, judge_warm_hit, result

@@ -16,7 +16,6 @@ from kvtool.validate.judges import judge_integrity, knock_on, result, skipped
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CheckResult
 
-
 NEEDS_REMOTE = "needs --remote URL (the server the connector stores into)"
 """Why a remote scenario is skipped when `--remote` names no server."""
 

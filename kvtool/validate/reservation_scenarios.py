@@ -12,8 +12,14 @@ from kvtool.engine.runtimes.behaviours import Behaviour
 from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.harness import Context, NotRunHere, Req, Scenario, run, tokens
 from kvtool.validate.interventions import abort_in_transmission
-from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                    judge_reservations, judge_warm_hit)
+from kvtool.validate.judges import (
+    judge_answers,
+    judge_async,
+    judge_holds_nothing,
+    judge_integrity,
+    judge_reservations,
+    judge_warm_hit,
+)
 from kvtool.validate.results import CheckResult
 from kvtool.validate.run_record import RunRecord
 from kvtool.validate.sizing import squeeze_slots

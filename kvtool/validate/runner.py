@@ -9,20 +9,20 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
-from typing import Callable, Collection, Iterable, Sequence
 
 import torch
 
-from kvtool.connector.store_namespace import store_namespace
 from kvtool.connector.compat import install_compat
 from kvtool.connector.raised import describe_error, format_error
+from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import profile_of
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.cause_evidence import forget_engines
-from kvtool.engine.runtimes import profile_of
 from kvtool.validate.harness import MAX_SLOTS, Context, NotRunHere, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict

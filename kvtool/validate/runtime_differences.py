@@ -8,8 +8,8 @@ failing rows then name the runtime where the same check passed and the rows of t
 
 from __future__ import annotations
 
-from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.engine.runtimes.behaviours import differences
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
 

@@ -21,15 +21,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.engine.events import Ask, NotHonoured
-from kvtool.engine.runtimes.names import RuntimeName as R
 from kvtool.engine.runtimes.behaviours import Behaviour as B
+from kvtool.engine.runtimes.names import RuntimeName as R
 from kvtool.models import load_model, shard_model
-from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
-from kvtool.validate.interventions import (InjectedFailure, abort_deferred, evict_local_cache_after,
-                                           release_reusable_pages)
-from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                    judge_reservations, judge_warm_hit, knock_on, result, skipped)
+from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
+from kvtool.validate.interventions import (
+    InjectedFailure,
+    abort_deferred,
+    evict_local_cache_after,
+    release_reusable_pages,
+)
+from kvtool.validate.judges import (
+    judge_answers,
+    judge_async,
+    judge_holds_nothing,
+    judge_integrity,
+    judge_reservations,
+    judge_warm_hit,
+    knock_on,
+    result,
+    skipped,
+)
 from kvtool.validate.outlived_store import follower_store_lacks
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS

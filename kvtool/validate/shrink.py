@@ -11,8 +11,9 @@ judge naming a request the cut removed) does not count.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 # harness imports this module: its Context and Req, and results' CheckResult, are named in words.
 Context = Req = CheckResult = Any

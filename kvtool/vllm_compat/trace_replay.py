@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvtool.connector.request import Request
 from kvtool.errors import ConnectorError

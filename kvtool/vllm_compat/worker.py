@@ -20,8 +20,9 @@ position attention reads checked (`fingerprints.FingerprintPages`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 

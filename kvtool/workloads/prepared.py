@@ -10,9 +10,9 @@ carries (id, output length, salt, arrival) in a JSON table. Its requests equal t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

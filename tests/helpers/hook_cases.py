@@ -8,8 +8,8 @@ what the connector sees, not by the scenario that creates it.
 
 from __future__ import annotations
 
-from kvtool.manager.radix_tree import common_prefix_length
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.manager.radix_tree import common_prefix_length
 from kvtool.types import BAD_PAGE_INDEX
 
 ASK_CASES = (
