@@ -62,7 +62,7 @@ class ComputeRow:
     tokens_per_block: int
     products: str
     """What ran beside the connector (`MatmulLoad.describe`)."""
-    matmul_ms_alone: float
+    matmul_ms_alone: float | None
     matmul_ms_during_saves: float | None
     matmul_ms_engine_only: float | None
     slowdown_during_saves: float | None

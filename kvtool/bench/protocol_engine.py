@@ -86,7 +86,7 @@ class Recorder:
     """Inside any call into the connector so far (the runtime's `around_hook`), less `runtime_waits`."""
     runtime_waits: float = 0.0
     """Waiting, before timed worker hooks, for the GPU work the engine had queued."""
-    _forward_done: object = None
+    _forward_done: torch.cuda.Event | None = None
     """The CUDA event recorded after the last layer's fake forward (GPU pages)."""
     computed_in: dict[int, int] = field(default_factory=dict)
     load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
@@ -101,7 +101,9 @@ class Recorder:
         """Subscribe to the engine's events, clock every call into the connector and observe every
         worker's load and save hooks (through the pass driver)."""
         self.engine.events.subscribe(self)
-        self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
+        connector = self.engine.connector
+        assert connector is not None   # the bench runs engines with a connector
+        connector.around_hook = self._clocked(connector.around_hook)
         self.engine.idle_for_connector = self._clocked_call(self.engine.idle_for_connector)
         self._mark_forward_layers(self.engine.driver)
         self.engine.driver.observe(self)
@@ -277,8 +279,10 @@ def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: in
     engine.run()
     seconds = time.perf_counter() - start
     in_connector = recorder.connector_time() - in_connector if recorder else 0.0
-    if engine.connector.failures:
-        raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
+    connector = engine.connector
+    assert connector is not None   # the bench runs engines with a connector
+    if connector.failures:
+        raise ConnectorError(_one_line(f"connector {label}: {connector.failures[0].describe()}"))
     if engine.stats.failures:                   # e.g. an asynchronous load never reported
         raise ConnectorError(_one_line(f"connector {label}: {engine.stats.failures[0]}"))
     return Round(ids, [engine.states[i].request.generated_token_ids for i in ids], seconds, in_connector)

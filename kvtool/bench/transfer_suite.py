@@ -92,7 +92,7 @@ class TransferSuite:
                    moved, round(gbps, 3), round(timing.percentile_us(50), 1), round(timing.percentile_us(99), 1),
                    round(peak, 3), round(spread, 3), round(gbps / peak, 4), verified)
 
-    def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], None]:
+    def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], object]:
         backend = self._backend(backend_name, lane)
         prepared = backend.prepare(ws.ops(direction))
         if self.cuda:      # joined: a staged save's bytes reach the host after its launch's ordering
@@ -130,7 +130,7 @@ class TransferSuite:
         size = ws.batch_bytes
         if not self.cuda:
             src, dst = torch.empty(size, dtype=torch.uint8).random_(0, 256), torch.empty(size, dtype=torch.uint8)
-            copies = [lambda: dst.copy_(src)]
+            copies: list[Callable[[], object]] = [lambda: dst.copy_(src)]
         else:
             device_buf = ws.region.tensor[:size]
             host = torch.empty(size, dtype=torch.uint8).pin_memory()
@@ -148,10 +148,10 @@ class TransferSuite:
         return size * len(copies) / timing.median / 1e9, spread
 
     @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
         return lambda: dst.copy_(src, non_blocking=True)
 
-    def _together(self, calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def _together(self, calls: list[Callable[[], object]]) -> Callable[[], object]:
         """Run `calls` concurrently: each on its own side stream forked from, and joined back
         into, the current stream (joining inside a call would serialise the next one)."""
         if not self.cuda or len(calls) == 1:
@@ -178,7 +178,7 @@ class TransferSuite:
             torch.cuda.synchronize()
 
 
-def _all(calls: list[Callable[[], None]]) -> Callable[[], None]:
+def _all(calls: list[Callable[[], object]]) -> Callable[[], object]:
     def run() -> None:
         for call in calls:
             call()

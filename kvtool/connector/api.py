@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtool.errors import LayoutNotSupportedError
 from kvtool.group_pages import valid_page_slots as valid_page_slots  # re-exported: the API names it
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvtool.connector.llm_args import LlmArgs
+    from kvtool.connector.options import ConnectorOption
     from kvtool.connector.request import Request
     from kvtool.manager.layout import KvCacheLayout
 
@@ -189,6 +190,8 @@ class KvCacheConnectorScheduler(ABC):
 
     supports_attention_dp: bool = False
     """TensorRT-LLM's opt-in for attention data parallelism (kvtool never runs it)."""
+    kvtool_options: ClassVar[tuple[ConnectorOption, ...]]
+    """Optional: the options this connector reads (kvtool.connector.options); declared, not set here."""
 
     def __init__(self, llm_args: LlmArgs) -> None:
         self._llm_args = llm_args

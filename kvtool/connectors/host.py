@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from kvtool.connector.api import HostStream
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
@@ -154,7 +155,7 @@ class HostConnectorWorker(BlockStoreWorker):
         self.backend.synchronize()
 
     # ---- layerwise: one launch per layer and direction ------------------------------------------
-    def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
+    def start_load_kv(self, stream: torch.cuda.Stream | HostStream) -> None:
         super().start_load_kv(stream)
         self._layer_loads = None
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
@@ -163,13 +164,13 @@ class HostConnectorWorker(BlockStoreWorker):
             self._side.follow(stream)              # after the work that handed the pages out
             self._layer_loads.launch_all(self.backend, self._side)
 
-    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is not StoreMode.LAYERWISE:
             super().wait_for_layer_load(layer_idx, stream)
         elif self._layer_loads is not None:
             self._layer_loads.wait(layer_idx, stream)
 
-    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is not StoreMode.LAYERWISE or not self.meta.saves:
             return
         meta = self.meta
@@ -178,7 +179,7 @@ class HostConnectorWorker(BlockStoreWorker):
         self._side.follow(stream)                  # after this layer's compute
         self._layer_saves[1].launch(layer_idx, self.backend, self._side)
 
-    def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         if self._layer_saves is not None:
             self._layer_saves = None
             self._side.drain(self.backend)         # every layer's bytes in the store

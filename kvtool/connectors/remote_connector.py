@@ -124,10 +124,10 @@ class RemoteIndexScheduler(RemoteStoreScheduler):
         self.store.touch(list(plan.values()))    # a bounded store counts the use
         return plan                # nothing will be read: there is no window to close
 
-    def pin(self, location: Entry) -> None:
+    def pin(self, location: Entry | StagedEntry) -> None:   # an Entry here: secure() stages nothing
         pass
 
-    def unpin(self, location: Entry) -> None:
+    def unpin(self, location: Entry | StagedEntry) -> None:
         pass
 
 

@@ -40,7 +40,7 @@ class PassItem:
     """One request's share of a forward pass: compute positions [start, end) of `tokens`."""
 
     request_id: int
-    tokens: list[int]
+    tokens: Sequence[int]
     pages: PagesByGroup
     """Page indices per layer group (a `GroupPages` from the manager)."""
     start: int
@@ -91,7 +91,7 @@ class KvBytesModel(Protocol):
     def write_context(self, item: PassItem) -> None:
         """Write a context received from elsewhere (a generation-only request) on every layer."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
+    def verify_cache(self, request_id: int, tokens: Sequence[int], pages: PagesByGroup,
                      history: int) -> None:
         """Check the first `history` positions of `tokens` in `pages` (counted as any read is)."""
 

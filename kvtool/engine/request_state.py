@@ -112,6 +112,13 @@ class RequestState:
         self.progress = progress_of(self.request)
 
     @property
+    def held_kv(self) -> KvCache:
+        """`kv` where the request holds pages (admitted, not yet released); LogicError elsewhere."""
+        if self.kv is None:
+            raise LogicError(f"request {self.request_id} holds no KV cache")
+        return self.kv
+
+    @property
     def request_id(self) -> int:
         return self.request.request_id
 

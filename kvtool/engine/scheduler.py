@@ -9,7 +9,7 @@ waiting request's first chunk, at a later chunk's growth and once the batch is f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtool.engine.admission import OutputReservation
@@ -50,7 +50,7 @@ class Scheduler:
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
 
     def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int,
-                 loading: list[RequestState] = ()) -> Batch:
+                 loading: Sequence[RequestState] = ()) -> Batch:
         """One iteration's batch. `loading`: requests holding pages outside the batch (an
         asynchronous load in flight), which output reservation counts as still growing."""
         self.iteration = iteration
@@ -105,10 +105,11 @@ class Scheduler:
         """Resize a running request's cache; with `pause_to_grow`, pause the running requests
         started last (not yet in this batch) one by one until it fits. False: it sits this
         iteration out."""
-        while not state.kv.resize(capacity):
+        while not state.held_kv.resize(capacity):
             victim = self._victim(state, running, batch) if self.config.pause_to_grow else None
             if victim is None:
                 return False
+            assert self._pause is not None   # an engine that pauses to grow passes `pause`
             self._pause(victim)
         return True
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
-# harness imports this module: its Context and Req, and results' CheckResult, are named in words.
-Context = Req = CheckResult = Any
+if TYPE_CHECKING:   # harness imports this module: its types are named for the type checker only
+    from kvtool.validate.harness import Context, Req
+    from kvtool.validate.results import CheckResult
 
 MAX_PROBED_REQUESTS = 64
 """The request counts tried go 1, 2, 4, ... up to this (no scenario lists more)."""
