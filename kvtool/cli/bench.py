@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +19,7 @@ from kvtool.bench import compute, manager_suite, protocol_compute, protocol_suit
 from kvtool.bench.overlap import OVERLAPPING_MODES, connector_mode, overlap_rows
 from kvtool.bench.protocol_engine import scratch_working_folder
 from kvtool.bench.store_suite import run_store_suite
-from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
+from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, SweepDefaults, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
 from kvtool.cli.common import ExitCode, clean_errors, fail, pages_device, print_connector_help, progress_bar
@@ -41,7 +42,7 @@ from kvtool.vllm_compat.install import VLLM_VERSION
 
 
 def _sweep_models() -> str:
-    def listed(sweep: dict) -> str:
+    def listed(sweep: SweepDefaults) -> str:
         return ", ".join(f"{m} (tpb {'/'.join(map(str, t))})" for m, t in sweep["models"].items())
     return f"on a GPU {listed(GPU_DEFAULT)}; on a CPU {listed(CPU_DEFAULT)}; --quick {listed(QUICK)}"
 
@@ -175,13 +176,13 @@ def bench(
     transfer = TransferSuite(torch.device("cuda" if cuda else "cpu"), num_repeats)
     rows = _run_cases(transfer, cases, console)
     extra = {"compute": _compute_rows(transfer, cases, backends, console)} if with_compute else {}
-    device = write_run(out_dir, rows, extra, "transfer")
-    _print(rows, format, f"kvtool bench · {device.get('name')} · GB/s (median of {num_repeats})")
+    section = write_run(out_dir, rows, extra, "transfer")
+    _print(rows, format, f"kvtool bench · {section.get('name')} · GB/s (median of {num_repeats})")
     if extra.get("compute"):
         _print(extra["compute"], format, "with a bf16 matmul running")
     if format is Format.table:
         skipped = [b for b in backend_names() if b not in available]
-        for note in bench_notes(rows, device.get("kind", "cpu"), skipped):
+        for note in bench_notes(rows, section.get("kind", "cpu"), skipped):
             Console(width=max(150, Console().width)).print(f"note: {note}", highlight=False, markup=False)
     console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
@@ -280,10 +281,10 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
     workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
     reference = protocol_suite.reference_connector(device)
     with scratch_working_folder():
-        rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
-                                                           repeats or (3 if quick else 5), device, reference,
-                                                           rounds=repeats or (1 if quick else 3), runtime=runtime)
-        rows = [{**r.as_dict(), "runtime": str(runtime)} for r in rows]
+        measured, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
+                                                               repeats or (3 if quick else 5), device, reference,
+                                                               rounds=repeats or (1 if quick else 3), runtime=runtime)
+        rows = [{**r.as_dict(), "runtime": str(runtime)} for r in measured]
         extra: dict = {}
         if with_compute:
             compute_rows: list = []
@@ -354,7 +355,7 @@ def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) ->
     return rows
 
 
-def _print(rows: list[dict], format: Format, title: str, table_omits: set[str] = frozenset()) -> None:
+def _print(rows: list[dict], format: Format, title: str, table_omits: AbstractSet[str] = frozenset()) -> None:
     """`rows` as json, csv (every key) or a table (without `table_omits`, said in the title)."""
     if format is Format.json:
         print(json.dumps(rows, indent=2))

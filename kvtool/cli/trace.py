@@ -136,14 +136,14 @@ def trace_run(
         Console().print(tier_table(result.summary))
         if replay.gpu_pool is not None:
             Console().print(replay.gpu_pool.describe(result.summary.model), highlight=False, markup=False)
-        if ttft:
+        if ttft and replay.cost_model is not None:   # (a TTFT report comes from the cost model)
             Console().print(ttft_table(ttft, result.summary.connector))
             Console().print(cost_model_text(replay.cost_model.assumptions()), highlight=False, markup=False)
     for line in result.issues:
         console.print(f"[red]{line}[/red]", highlight=False)
     if json_out is not None:
         write_json(json_out, result.summary.as_dict())
-    if recorder is not None:
+    if recorder is not None and timeline is not None:   # (one is made for the other)
         recorder.write(timeline)
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,

@@ -38,7 +38,7 @@ from kvtool.inputs import connector_options, note_model_origin, parse_options, w
 from kvtool.models import PRESETS, load_model, shard_model
 from kvtool.report.fit_table import report_width
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
-from kvtool.validate.explore import SeedsRun, explore, reproduce_command
+from kvtool.validate.explore import Finding, SeedsRun, explore, reproduce_command
 from kvtool.validate.harness import Context
 from kvtool.validate.junit import junit_xml
 from kvtool.validate.preflight import preflight
@@ -210,11 +210,13 @@ def validate(
             elif explore_seeds:
                 prefix = f"seed {rs[0].seed if rs[0].seed is not None else cs[0].seed} "
             if explore_seeds and not seeds:   # after a failure: the run alone, or a probe of the shrink step
-                prefix += f"shrink to {cs[0].cut.short()}: " if cs[0].cut != cut else "again, alone: "
+                probe_cut = cs[0].cut   # a probe runs at a Cut; the run alone at the command's cut
+                prefix += f"shrink to {probe_cut.short()}: " if probe_cut is not None and probe_cut != cut else \
+                    "again, alone: "
             console.print(prefix + _progress_line(rs), highlight=False, markup=False)
         return run_all(cs, names, timeout, jobs=jobs_at_once, overlap=overlap, on_result=progress, seeds=seeds)
 
-    findings = []
+    findings: list[Finding] = []
     if explore_seeds:
         results, findings = explore(contexts, scenario or list(SCENARIOS), explore_seeds, run_seeded)
     else:
@@ -420,7 +422,7 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     remote = [] if all_rows else [r for r in results if _needs_remote(r)]
     not_here = [] if all_rows else [r for r in results if _not_run_here(r)]
     folded = {id(r) for r in remote + not_here}
-    rows = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
+    rows: list[tuple[str, ...]] = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
              f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
     for runtime in dict.fromkeys(r.runtime for r in not_here):
         rows.append(_folded_row([r for r in not_here if r.runtime == runtime], "not run here",
@@ -430,11 +432,12 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     table = Table(title=f"kvtool validate {target}")
     if width < NARROW:
         rows = [(f"{a.replace(' (', chr(10) + '(', 1)}\n{b}", f"{c}\n{d} {e}".lstrip(), f) for a, b, c, d, e, f in rows]
-        columns = ("scenario / model, runtime", "check / verdict", "evidence")
+        columns: tuple[str, ...] = ("scenario / model, runtime", "check / verdict", "evidence")
     else:
         columns = ("scenario", "model / runtime", "check", "verdict", "time", "evidence")
     for i, column in enumerate(columns[:-1]):
-        longest = max([len(column)] + [len(line) for row in rows for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
+        longest = max([len(column)] + [len(line) for row in rows
+                                       for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
         table.add_column(column, overflow="fold", min_width=longest)
     table.add_column(columns[-1], overflow="fold", ratio=1)
     for row in rows:

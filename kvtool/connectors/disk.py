@@ -136,7 +136,7 @@ class DiskConnectorWorker(BlockStoreWorker):
     def open_store(self, layout: KvCacheLayout) -> None:
         self.root = store_root(self._llm_args)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
+        self._payload_bytes: dict[int, int] = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
         self._last_layer = max(layer for g in layout.layer_groups for layer in g.layer_ids)
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:

@@ -47,7 +47,7 @@ MOONCAKE_OPTIONS = REMOTE_OPTIONS + (
 )
 
 
-def probe(host: str, port: int) -> None:
+def probe(host: str | None, port: int) -> None:
     """OSError unless something listens at host:port (a Mooncake setup against nothing blocks for
     minutes; a connect says at once)."""
     socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()

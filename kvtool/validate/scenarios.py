@@ -100,7 +100,7 @@ def vswa_live_pages(ctx: Context) -> list[CheckResult]:
     if windows and not any(len(g.stale_range(len(a), T)) for g in windows) and integrity.verdict is Verdict.PASS:
         integrity = replace(integrity, verdict=Verdict.SKIP, evidence=[
             note or f"not exercised on {load_model(ctx.model).name}: no prompt passes its smallest sliding window "
-                    f"({min(g.window_size for g in windows)} tokens) at {T} tokens per block"])
+                    f"({min(g.window_size for g in windows if g.window_size is not None)} tokens) at {T} tokens per block"])
     elif note:
         integrity.evidence.append(note)
     return [integrity] + _common("vswa-live-pages", ctx, r)
