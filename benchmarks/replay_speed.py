@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         heads = [head_of(args.trace, fraction, Path(scratch)) for fraction in fractions]
         for repeat in range(args.repeats):
-            for fraction, (path, count) in zip(fractions, heads):
+            for fraction, (path, count) in zip(fractions, heads, strict=True):
                 options = ReplayOptions(path, prefill_only=True, fidelity="blocks",
                                         tokens_per_block=args.tokens_per_block, connector="index",
                                         connector_opt=(f"capacity={args.capacity}",))

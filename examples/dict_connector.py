@@ -183,7 +183,7 @@ class DictConnectorWorker(KvCacheConnectorWorker):
 
     def start_load_kv(self, stream):
         for key, group, page in self._metadata.loads:
-            for region, saved in zip(self._regions[group], self._blocks[(key, group)]):
+            for region, saved in zip(self._regions[group], self._blocks[(key, group)], strict=True):
                 region.slot_tensor(page).copy_(saved)
 
     def wait_for_layer_load(self, layer_idx, stream):

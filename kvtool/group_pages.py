@@ -59,7 +59,7 @@ class GroupPages(Sequence[tuple[int, ...]]):
             return self._lists == other._lists
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
-        return len(other) == len(self._lists) and all(tuple(o) == p for o, p in zip(other, self._lists))
+        return len(other) == len(self._lists) and all(tuple(o) == p for o, p in zip(other, self._lists, strict=True))
 
     def __hash__(self) -> int:
         return hash(self._lists)

@@ -84,7 +84,8 @@ def test_kvtool_has_no_import_loop():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer", "connector",
+LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer",
+          "connector",
           "connectors", "inputs", "workloads", "engine", "bench", "validate", "report", "trace", "vllm_compat", "cli",
           "__main__")
 """Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""

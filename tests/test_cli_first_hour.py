@@ -134,7 +134,8 @@ def test_a_mistyped_builtin_connector_gets_a_suggestion():
 
 
 def test_a_mistyped_class_names_your_file_and_the_closest_class():
-    result = runner.invoke(app, ["trace", "run", SHIPPED, "--connector", f"{EXAMPLE}:DictSchedular:DictConnectorWorker"])
+    result = runner.invoke(app, ["trace", "run", SHIPPED, "--connector",
+                                 f"{EXAMPLE}:DictSchedular:DictConnectorWorker"])
     assert result.exit_code == 2, result.output
     assert f"{EXAMPLE} has no class DictSchedular (did you mean 'DictConnectorScheduler'?)" in result.stderr
     assert "kvtool_connector_" not in result.stderr

@@ -69,7 +69,8 @@ def of(kind: str) -> list[Block]:
 
 def test_every_block_says_where_it_runs():
     unmarked = [str(b) for b in blocks() if b.where not in KINDS or (b.where == "not-run") != bool(b.why)]
-    assert not unmarked, f"mark these bash blocks with <!-- doc-commands: test|redis|gpu|ci|not-run (why) -->: {unmarked}"
+    assert not unmarked, \
+        f"mark these bash blocks with <!-- doc-commands: test|redis|gpu|ci|not-run (why) -->: {unmarked}"
     assert len(of("test")) >= 5 and of("ci")
 
 
@@ -113,7 +114,8 @@ def test_a_gpu_block_says_so_without_a_gpu(block, tmp_path):
     for command in block.commands():
         done = _run(block, tmp_path, command)
         errors = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("kvtool: error: "), (command, done.stderr)
+        assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("kvtool: error: "), \
+            (command, done.stderr)
         assert "CUDA" in errors[0] or "cannot run here" in errors[0], errors
 
 

@@ -98,14 +98,16 @@ def test_trace_run_with_drafts_replays_in_fewer_iterations_with_right_bytes(tmp_
     for k in (0, 3):
         out = tmp_path / f"k{k}"
         done = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--connector", "host",
-                                   "--no-local-reuse", "--draft-tokens", str(k), "--acceptance", "0.7", "--output", str(out)])
+                                   "--no-local-reuse", "--draft-tokens", str(k), "--acceptance", "0.7",
+                                   "--output", str(out)])
         assert done.exit_code == 0, done.output
         summaries[k] = json.loads((out / "summary.json").read_text())
     assert summaries[3]["iterations"] < summaries[0]["iterations"]
     assert summaries[3]["generated_tokens"] == summaries[0]["generated_tokens"]
     assert summaries[3]["integrity_errors"] == 0 and summaries[3]["failed_requests"] == 0
     assert summaries[3]["connector_hit_tokens"] > 0
-    bad = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--draft-tokens", "2", "--acceptance", "1.5"])
+    bad = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--draft-tokens", "2",
+                              "--acceptance", "1.5"])
     assert bad.exit_code == 2 and "--acceptance is a probability" in bad.output
 
 

@@ -46,7 +46,7 @@ def verify(manager, cache, sequence):
 
 def lcp(a, b):
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

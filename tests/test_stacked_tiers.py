@@ -64,7 +64,8 @@ def test_the_remote_tiers_loads_cost_its_own_rate(trace, server, tmp_path):
                          f"url={server.url}", "--connector-opt", f"prefix=stack-{gbps}", "--cost-model",
                          "--remote-gbps", gbps, output=tmp_path / gbps)
         ttft[gbps] = summary["ttft"]["with_connector"]["mean"]
-        assert json.loads((tmp_path / gbps / "meta.json").read_text())["cost_model"]["tier_gbps"]["remote"] == float(gbps)
+        meta = json.loads((tmp_path / gbps / "meta.json").read_text())
+        assert meta["cost_model"]["tier_gbps"]["remote"] == float(gbps)
     assert ttft["1"] > ttft["1000"]
 
 

@@ -255,7 +255,8 @@ def _row(label: str, model: str, tpb: int, load: MatmulLoad, loaded: _Loaded) ->
     return ComputeRow(label, model, tpb, load.describe(), _ms(alone), _ms(beside_saves), _ms(engine_only),
                       _slowdown(beside_saves, engine_only), _slowdown(engine_only, alone),
                       len(saving), loaded.dropped,
-                      four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio, loaded.issue is None)
+                      four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio,
+                      loaded.issue is None)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -274,7 +274,7 @@ def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: in
     line, when a hook raised or a request failed."""
     ids = list(range(first_id, first_id + len(prompts)))
     start, in_connector = time.perf_counter(), recorder.connector_time() if recorder else 0.0
-    for request_id, prompt in zip(ids, prompts):
+    for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(Request(request_id, prompt, max_new_tokens=1))
     engine.run()
     seconds = time.perf_counter() - start
@@ -338,7 +338,7 @@ def check_bytes(engine: Engine, cold: Round, warm: Round) -> str | None:
     if engine.integrity_errors:
         first = engine.fake.issues[0].describe() if engine.fake.issues else ""
         return f"{engine.integrity_errors} integrity error(s) in the KV bytes ({first})"
-    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens)) if a != b]
+    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens, strict=True)) if a != b]
     if differ:
         return f"{len(differ)} of {len(cold.tokens)} warm prompts generated other tokens than cold"
     return None

@@ -2,7 +2,8 @@
 driven through the engine and the connector protocol only, never through its internals.
 
 Per block size, one engine (bytes fidelity, pages poisoned when handed out, no local prefix reuse,
-up to `Workload.per_pass` requests per pass: all of a round's by default) runs a cold round (N distinct prompts of K full blocks plus half a block,
+up to `Workload.per_pass` requests per pass: all of a round's by default) runs a cold round (N distinct
+prompts of K full blocks plus half a block,
 max_new_tokens 1: the connector saves the K blocks of each) then a warm round (the same prompts,
 fresh request ids: the connector loads them), each to completion.
 

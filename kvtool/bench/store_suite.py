@@ -195,7 +195,7 @@ def _raw_files(payloads: list[bytes], repeats: int, options: dict[str, str], wor
     paths = [folder / f"{i}.bin" for i in range(len(payloads))]
 
     def write() -> None:
-        for path, payload in zip(paths, payloads):
+        for path, payload in zip(paths, payloads, strict=True):
             with path.open("wb") as handle:
                 handle.write(payload)
                 handle.flush()
@@ -214,7 +214,7 @@ def _raw_redis(payloads: list[bytes], repeats: int, options: dict[str, str], wor
 
     def write() -> None:
         pipe = client.pipeline(transaction=False)
-        for key, payload in zip(keys, payloads):
+        for key, payload in zip(keys, payloads, strict=True):
             pipe.set(key, payload)
         pipe.execute()
 

@@ -79,7 +79,7 @@ class TransferSuite:
         directions = (Direction.SAVE, Direction.LOAD) if case.direction is Direction.BOTH else (case.direction,)
         runs = [self._runner(ws, d, case.backend, i) for i, d in enumerate(directions)]
         verified = True
-        for direction, run in zip(directions, runs):
+        for direction, run in zip(directions, runs, strict=True):
             ws.poison(direction)
             run()
             self._sync()
@@ -160,7 +160,7 @@ class TransferSuite:
 
         def run() -> None:
             main = torch.cuda.current_stream()
-            for side, call in zip(sides, calls):
+            for side, call in zip(sides, calls, strict=True):
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     call()

@@ -68,11 +68,12 @@ def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what
 
 @clean_errors
 def bench(
-    model: Annotated[list[str], typer.Option(metavar="NAME", help=f"Model preset (repeatable) [default: {_sweep_models()}].")] = [],
-    tokens_per_block: Annotated[list[int], typer.Option(metavar="N", help="Tokens per block (repeatable) [default: per model, "
-                                                                         "as listed for --model].")] = [],
-    granularity: Annotated[list[str], typer.Option(metavar="slot|layer", help="slot (whole pages) or layer (one layer's "
-                                                   "buffers) (repeatable) [default: both].")] = [],
+    model: Annotated[list[str], typer.Option(metavar="NAME",
+                                             help=f"Model preset (repeatable) [default: {_sweep_models()}].")] = [],
+    tokens_per_block: Annotated[list[int], typer.Option(metavar="N", help="Tokens per block (repeatable) [default: "
+                                                        "per model, as listed for --model].")] = [],
+    granularity: Annotated[list[str], typer.Option(metavar="slot|layer", help="slot (whole pages) or layer (one "
+                                                   "layer's buffers) (repeatable) [default: both].")] = [],
     direction: Annotated[list[str], typer.Option(metavar="save|load|both|gather",
                                                  help="Repeatable [default: all four].")] = [],
     backend: Annotated[list[str], typer.Option(metavar="NAME", help=f"Transfer backend: {', '.join(backend_names())} "
@@ -80,7 +81,8 @@ def bench(
     batch_bytes: Annotated[str | None, typer.Option(metavar="SIZE", help="Bytes per batch, e.g. 64MiB [default: 64MiB "
                                                        "on a GPU, 16MiB on a CPU or with --quick].")] = None,
     repeats: Annotated[int | None, typer.Option(metavar="N", help="Timed repeats per case, median reported [default: "
-                                                   f"{GPU_DEFAULT['repeats']} on a GPU, {CPU_DEFAULT['repeats']} on a CPU, "
+                                                   f"{GPU_DEFAULT['repeats']} on a GPU, "
+                                                   f"{CPU_DEFAULT['repeats']} on a CPU, "
                                                    f"{QUICK['repeats']} with --quick]; a connector through the "
                                                    "engine: rounds per block size, each a fresh engine [default: 3, "
                                                    "1 with --quick].")] = None,
@@ -168,7 +170,8 @@ def bench(
         raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available)})")
     choice = SweepChoice(tuple(model) or None, tuple(tokens_per_block) or None,
                          _check_choices(granularity, GRANULARITIES, "granularity") or GRANULARITIES,
-                         tuple(map(Direction, _check_choices(direction, DIRECTIONS, "direction"))) or DIRECTIONS, backends,
+                         tuple(map(Direction, _check_choices(direction, DIRECTIONS, "direction"))) or DIRECTIONS,
+                         backends,
                          parse_size(batch_bytes) if batch_bytes else None, repeats, quick)
     cases, num_repeats = plan(choice, cuda)
     for case in {(c.model, c.tokens_per_block, c.granularity) for c in cases}:

@@ -30,7 +30,8 @@ def inspect_layout(
     model: Annotated[str, typer.Option(help="Preset name or path to a Hugging Face config.json.")] = "llama-3.1-8b",
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (32: TensorRT-LLM's default; "
                                                   "validate uses 4 so that short prompts span many blocks).")] = 32,
-    dtype: Annotated[str | None, typer.Option(help="KV dtype (bf16, fp16, fp32, fp8, int8); default: the model's.")] = None,
+    dtype: Annotated[str | None,
+                     typer.Option(help="KV dtype (bf16, fp16, fp32, fp8, int8); default: the model's.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="Memory for all pools, e.g. 8GiB "
                                                       "[default: 8GiB].")] = None,
     num_slots: Annotated[int | None, typer.Option(help="Slots per pool group (instead of --gpu-memory).")] = None,

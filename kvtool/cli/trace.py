@@ -82,8 +82,8 @@ def trace_run(
     json_out: Annotated[Path | None, typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     instances: Annotated[int, typer.Option(metavar="N", help="Engine instances, each in its own process with its "
-                                           "own GPU pool and connector (a shared store: redis, mooncake, or their -index "
-                                           "tiers for block fidelity).")] = 1,
+                                           "own GPU pool and connector (a shared store: redis, mooncake, or their "
+                                           "-index tiers for block fidelity).")] = 1,
     route: Annotated[Route, typer.Option(help="How requests reach instances: round-robin, or prefix "
                                          "(cache-aware).")] = Route.ROUND_ROBIN,
     sync_window: Annotated[float, typer.Option(metavar="SECONDS", help="No instance runs more than this many "
@@ -147,8 +147,8 @@ def trace_run(
         recorder.write(timeline)
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
-                           {"workload": str(options.workload), "workload_format": replay.workload.format, "seed": options.seed,
-                            "connector_options": replay.options, **replay_meta(replay)})
+                           {"workload": str(options.workload), "workload_format": replay.workload.format,
+                            "seed": options.seed, "connector_options": replay.options, **replay_meta(replay)})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
 

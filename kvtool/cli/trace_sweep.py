@@ -67,7 +67,8 @@ from kvtool.units import Capacity, format_gib, parse_capacity, parse_size
 from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
-SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes", "host-reserve": "bytes"}
+SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes",
+               "host-reserve": "bytes"}
 """The connectors whose `capacity` the sweep sets at each point, and its unit there."""
 
 
@@ -139,7 +140,7 @@ def trace_sweep(
     sizes = workload_sizes(build_replay(options).workload)
     notes: dict[str, None] = dict.fromkeys(c.si_note for c in capacities if c is not None and c.si_note)
     kept = []
-    for point, each in zip(points, point_options):
+    for point, each in zip(points, point_options, strict=True):
         replay = build_replay(each)   # every InputError now, before any replay
         check_pools_fit_memory(replay)
         check_cache_holds(replay, sizes)
@@ -287,7 +288,8 @@ def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: li
                 and p.capacity_tokens < point.capacity_tokens]
         advice = f"--capacity up to {_tokens(max(fits))}" if fits else "a smaller --capacity"
         raise OutOfMemoryError(f"the {options.connector} tier at {_tokens(point.capacity_tokens)} tokens does not "
-                               f"fit: {shortfall}: give {advice}, or sweep --fidelity blocks (the index tier, no bytes)")
+                               f"fit: {shortfall}: give {advice}, or sweep --fidelity blocks (the index tier, "
+                               "no bytes)")
 
 
 def _tokens(count: int) -> str:
@@ -317,13 +319,13 @@ def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs:
     rows: list[dict[str, Any] | None] = [None] * len(points)
     with progress_bar("sweep", len(points), console) as update:
         if jobs == 1 or len(points) == 1:
-            for i, (point, each) in enumerate(zip(points, point_options)):
+            for i, (point, each) in enumerate(zip(points, point_options, strict=True)):
                 rows[i] = run_point(point, each, prepared)
                 update(advance=1)
         else:
             with ProcessPoolExecutor(min(jobs, len(points)), mp_context=get_context("spawn")) as pool:
                 futures = {pool.submit(run_point, p, o, prepared): i
-                           for i, (p, o) in enumerate(zip(points, point_options))}
+                           for i, (p, o) in enumerate(zip(points, point_options, strict=True))}
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
                     update(advance=1)

@@ -65,7 +65,8 @@ _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verd
 @clean_errors
 def validate(
     target: Annotated[str, typer.Argument(help=f"{CONNECTOR_CHOICES}.")] = "host",
-    model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
+    model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, "
+                                                  "tiny-vswa).")] = [],
     runtime: Annotated[list[str], typer.Option(metavar="NAME", help=RUNTIME_HELP)] = [],
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (small, so that every "
                                                   "scenario spans many blocks).")] = 4,
@@ -160,7 +161,8 @@ def validate(
     if not math.isfinite(timeout) or timeout <= 0:
         raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
     if num_ranks < 1 or tp < 1 or tp not in (1, num_ranks):
-        raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} --tp {tp}")
+        raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} "
+                         f"--tp {tp}")
     jobs_at_once = _jobs(jobs, num_ranks)
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
@@ -422,8 +424,9 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     remote = [] if all_rows else [r for r in results if _needs_remote(r)]
     not_here = [] if all_rows else [r for r in results if _not_run_here(r)]
     folded = {id(r) for r in remote + not_here}
-    rows: list[tuple[str, ...]] = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
-             f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
+    rows: list[tuple[str, ...]] = [
+        (r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
+         f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
     for runtime in dict.fromkeys(r.runtime for r in not_here):
         rows.append(_folded_row([r for r in not_here if r.runtime == runtime], "not run here",
                                 f"their case cannot happen under {runtime} (--all-rows shows each, and why)"))

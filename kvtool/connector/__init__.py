@@ -13,4 +13,5 @@ from kvtool.connector.request import Request
 from kvtool.group_pages import GroupPages
 
 __all__ = ["GroupPages", "HostStream", "KvCacheConfig", "KvCacheConnectorConfig", "KvCacheConnectorScheduler",
-           "KvCacheConnectorWorker", "LayerGroupInfo", "LlmArgs", "Request", "RequestData", "SchedulerOutput", "valid_page_slots"]
+           "KvCacheConnectorWorker", "LayerGroupInfo", "LlmArgs", "Request", "RequestData", "SchedulerOutput",
+           "valid_page_slots"]

@@ -124,7 +124,7 @@ def reservation_hooks(scheduler_class: type, worker_class: type) -> tuple[str, .
     """Which of `RESERVATION_HOOKS` the connector's classes implement (override)."""
     owners = (scheduler_class, scheduler_class, worker_class)
     bases = (KvCacheConnectorScheduler, KvCacheConnectorScheduler, KvCacheConnectorWorker)
-    return tuple(name for name, owner, base in zip(RESERVATION_HOOKS, owners, bases)
+    return tuple(name for name, owner, base in zip(RESERVATION_HOOKS, owners, bases, strict=True)
                  if getattr(owner, name, None) is not getattr(base, name))
 
 

@@ -96,7 +96,8 @@ def _class_names(module, base: type) -> list[str]:
 
 def _looks_like(cls: type, base: type) -> bool:
     """A class written against another runtime's base classes (same method names) is accepted."""
-    names = [n for n in vars(base) if not n.startswith("_") and getattr(getattr(base, n), "__isabstractmethod__", False)]
+    names = [n for n in vars(base)
+             if not n.startswith("_") and getattr(getattr(base, n), "__isabstractmethod__", False)]
     return all(callable(getattr(cls, n, None)) for n in names)
 
 

@@ -145,7 +145,7 @@ class DiskConnectorWorker(BlockStoreWorker):
     def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         if layer_id is not None and layer_id != self._last_layer:
             return   # a file holds every layer of its block: write it once the last layer is done
-        for t, payload in zip(transfers, self.saved_payloads(transfers)):
+        for t, payload in zip(transfers, self.saved_payloads(transfers), strict=True):
             write_block(self._own(t), t.key, t.layer_group_id, payload)
 
     def _own(self, transfer: PageTransfer) -> Path:

@@ -6,7 +6,8 @@ worker only moves bytes: one batched copy per layer group and region, never a lo
 (`layer_copies`), a save after the layer's compute and a load before it, on a stream of the
 worker's own where the pages are on a GPU. `async` on a GPU: each pass's batch is launched on that
 stream after the forward's work, and reported once an event behind it has passed (no thread).
-Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `eviction` (`lru`, `lfu`: `slot_index`), `mode`
+Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `eviction` (`lru`,
+`lfu`: `slot_index`), `mode`
 (`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `auto`: `staged` for GPU
 pages where PyCUDA runs, else `torch`).
 """

@@ -16,7 +16,6 @@ from typing import cast
 import torch
 
 from kvtool.connector.api import HostStream
-
 from kvtool.errors import LogicError
 from kvtool.transfer.api import CopyOp, TransferBackend
 from kvtool.transfer.torch_backend import TorchBackend

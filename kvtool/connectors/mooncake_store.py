@@ -112,7 +112,9 @@ class MooncakeBlockStore(RemoteBlockStore):
                 failures = [c for c in codes if c < 0 and c != OBJECT_NOT_FOUND]
                 if failures and all(c < 0 for c in codes):   # nothing came back: the store failed
                     raise StoreUnavailable(f"batch_get_into: error {failures[0]}")
-                values += [self._registered()[o:o + c].tobytes() if c >= 0 else None for o, c in zip(offsets, codes)]
+                buffer = self._registered()
+                values += [buffer[o:o + c].tobytes() if c >= 0 else None
+                           for o, c in zip(offsets, codes, strict=True)]
         return values
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
@@ -120,7 +122,7 @@ class MooncakeBlockStore(RemoteBlockStore):
         with self._lock:
             client = self._connected()
             for chunk, offsets in self._chunks(sizes):
-                for i, offset in zip(chunk, offsets):
+                for i, offset in zip(chunk, offsets, strict=True):
                     self._registered()[offset:offset + sizes[i]] = np.frombuffer(items[i][1], dtype=np.uint8)
                 codes = client.batch_put_from([items[i][0] for i in chunk], self._addresses(offsets),
                                               [sizes[i] for i in chunk])

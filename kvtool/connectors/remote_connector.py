@@ -110,7 +110,7 @@ class RemoteStoreWorker(BlockStoreWorker):
             return   # a value holds every layer of its page: write it once the last layer is done
         if transfers:
             self.store.put(((t.key, t.layer_group_id), payload)
-                           for t, payload in zip(transfers, self.saved_payloads(transfers)))
+                           for t, payload in zip(transfers, self.saved_payloads(transfers), strict=True))
 
 
 class RemoteIndexScheduler(RemoteStoreScheduler):

@@ -35,7 +35,7 @@ class OutputReservation:
         growth = self._growth(state)
         table = self._manager.page_table
         fits = all(table.num_available(PoolGroupIndex(pg)) >= reserved + need
-                   for pg, (reserved, need) in enumerate(zip(self._reserved, growth)))
+                   for pg, (reserved, need) in enumerate(zip(self._reserved, growth, strict=True)))
         if fits or alone:
             self._add(growth)
         return fits or alone
@@ -50,4 +50,4 @@ class OutputReservation:
         return growth
 
     def _add(self, growth: list[int]) -> None:
-        self._reserved = [r + g for r, g in zip(self._reserved, growth)]
+        self._reserved = [r + g for r, g in zip(self._reserved, growth, strict=True)]

@@ -37,8 +37,8 @@ def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCa
     scheduler, workers = _construct(factory, manager, config, num_local_ranks)
     driver.workers = [_ready(factory, rank, worker) for rank, worker in enumerate(workers)]
     runtime = ConnectorRuntime(scheduler, workers, config.num_ranks, flat_hooks=profile.flat_hooks,
-                               refuse_zero_async=profile.refuses_zero_async, calls_cancel_load=profile.calls_cancel_load,
-                               past_the_prompt=profile.past_the_prompt)
+                               refuse_zero_async=profile.refuses_zero_async,
+                               calls_cancel_load=profile.calls_cancel_load, past_the_prompt=profile.past_the_prompt)
     ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
     if not ok:
         raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")

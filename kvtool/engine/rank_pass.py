@@ -61,7 +61,8 @@ class RankPass:
     """One rank's fake engine (`fake`: bytes, blocks or tokens) driven by its `PassDriver`.
     `after_forward` runs once the pass's hooks are done (rank 0 closes its async gate there)."""
 
-    def __init__(self, rank: int, fake: KvBytesModel, driver: PassDriver, after_forward: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, rank: int, fake: KvBytesModel, driver: PassDriver,
+                 after_forward: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
         self.fake = fake
         self.driver = driver

@@ -44,7 +44,8 @@ def _request_data(state: RequestState, computed: int, scheduled: int, iteration:
     state.reported_tokens = len(tokens)
     state.reported_blocks = pages.lengths()
     request = state.request
-    data = RequestData(request_id=state.request_id, new_tokens=cast("list[int]", tokens[start_tokens:]),   # a list from __post_init__
+    # new_tokens: a compact prompt's slice is an array until RequestData.__post_init__ makes it a list
+    data = RequestData(request_id=state.request_id, new_tokens=cast("list[int]", tokens[start_tokens:]),
                        new_block_ids=by_group.flat(), computed_position=computed,
                        num_scheduled_tokens=scheduled, cache_salt=request.cache_salt,
                        new_block_ids_by_layer_group=by_group.as_lists(), cache_salt_id=request.cache_salt_id)

@@ -93,7 +93,8 @@ class KvCache:
         self._pages: dict[LayerGroupId, np.ndarray] = {}
         """Slots (int64) per block ordinal, BAD_PAGE_INDEX where none."""
         self._pool_group = {g.layer_group_id: self._table.pool_group_of(g.layer_group_id) for g in self._groups}
-        self._cells: dict[LayerGroupId, PageCells] = {gid: self._table.cells(pg) for gid, pg in self._pool_group.items()}
+        self._cells: dict[LayerGroupId, PageCells] = {gid: self._table.cells(pg)
+                                                      for gid, pg in self._pool_group.items()}
         self._shared_partial: dict[LayerGroupId, int] = {}
         """Slot of a partial block still shared read-only with the tree, per layer group."""
         self._scratch_idle: dict[LayerGroupId, list[int]] = {g.layer_group_id: [] for g in self._groups}

@@ -101,7 +101,8 @@ class KvCacheManager:
                         priority: Priority = DEFAULT_PRIORITY) -> KvCache:
         """A SUSPENDED cache holding the longest usable prefix of `input_tokens` found in the tree."""
         match = self.match(input_tokens, reuse_scope)
-        cache = KvCache(self._cache_context, cache_id, reuse_scope, match, input_tokens, expected_prompt_length, priority)
+        cache = KvCache(self._cache_context, cache_id, reuse_scope, match, input_tokens, expected_prompt_length,
+                        priority)
         self._caches[id(cache)] = cache
         return cache
 

@@ -106,10 +106,8 @@ def settle_run_folders(failed: bool) -> None:
                 os.replace(path, target)
         shutil.rmtree(aside, ignore_errors=True)
     for directory in reversed(_CREATED if failed else []):
-        try:
+        with contextlib.suppress(OSError):
             directory.rmdir()             # only an empty folder: anything written stays
-        except OSError:
-            pass
     forget_run_folders()
 
 

@@ -81,7 +81,8 @@ class CostModel:
 
     def _flops(self, start: int, end: int) -> float:
         attended = (end * (end + 1) - start * (start + 1)) / 2
-        return 2 * self.model.active_params * (end - start) + 4 * self.num_layers * self.model.attention_width * attended
+        return (2 * self.model.active_params * (end - start)
+                + 4 * self.num_layers * self.model.attention_width * attended)
 
     def pass_seconds(self, spans: Iterable[tuple[int, int]]) -> float:
         """Seconds of one pass computing each [start, end) of `spans` (a request each)."""

@@ -186,7 +186,7 @@ def with_load_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the fleet's mean, as `load_ratio` (1.0: its fair share)."""
     work = [r["prompt_tokens"] - r["local_hit_tokens"] - r["connector_hit_tokens"] for r in rows]
     mean = sum(work) / len(work) if work else 0
-    return [{**r, "load_ratio": round(w / mean, 4) if mean else None} for r, w in zip(rows, work)]
+    return [{**r, "load_ratio": round(w / mean, 4) if mean else None} for r, w in zip(rows, work, strict=True)]
 
 
 def fleet_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -297,8 +297,8 @@ def check_cache_holds(replay: Replay, sizes: dict[int, RequestSize]) -> None:
     manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
     needs = _pages_needed(manager, sizes)
     have = plan_num_slots(manager)
-    short = [(need - slots, pg, need, slots, size) for pg, ((need, size), slots) in enumerate(zip(needs, have))
-             if need > slots]
+    short = [(need - slots, pg, need, slots, size)
+             for pg, ((need, size), slots) in enumerate(zip(needs, have, strict=True)) if need > slots]
     if not short:
         return
     _, pg, need, slots, size = max(short, key=lambda s: s[:2])
@@ -330,7 +330,7 @@ def _smallest_memory(manager: KvCacheManagerConfig, needs: list[int]) -> str:
                                            memory_bytes=num_bytes))
         except OutOfMemoryError:
             return False
-        return all(s >= n for s, n in zip(slots, needs))
+        return all(s >= n for s, n in zip(slots, needs, strict=True))
 
     low, high = 0, 1 << 20
     while not holds(high):

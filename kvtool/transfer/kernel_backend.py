@@ -81,9 +81,10 @@ class KernelBackend(CudaBackendBase):
         threads = self.host_threads if host else self.device_threads
         cap = self.max_sms if host else (self.device_max_blocks or self.device_blocks_per_sm * rt.num_sms())
         per_shift: list[list[Launch]] = [[] for _ in shifts]
-        for function, table in zip((self._vector, self._bytes), tables_for(ops, self.unroll)):
+        for function, table in zip((self._vector, self._bytes), tables_for(ops, self.unroll), strict=True):
             if len(table):
-                for launches, launch in zip(per_shift, self._upload_shifted(function, table, shifts, threads, cap)):
+                shifted = self._upload_shifted(function, table, shifts, threads, cap)
+                for launches, launch in zip(per_shift, shifted, strict=True):
                     launches.append(launch)
         return per_shift
 

@@ -125,7 +125,8 @@ def judge_warm_hit(scenario: str, ctx: Context, r: RunRecord, warm_ids: list[int
     served = {rid: served_intact(r, rid) for rid in warm_ids if rid in r.outcomes or not ctx.cut}   # a cut drops some
     cold = [rid for rid, n in served.items() if n == 0]
     if not cold:
-        return result(scenario, ctx, "warm-hit", True, [f"request {rid}: {n} tokens served" for rid, n in served.items()])
+        return result(scenario, ctx, "warm-hit", True,
+                      [f"request {rid}: {n} tokens served" for rid, n in served.items()])
     evidence = [_why_not_served(r, rid) for rid in cold]
     check = result(scenario, ctx, "warm-hit", False, evidence)
     return check if ctx.strict else replace(check, verdict=Verdict.MISS)

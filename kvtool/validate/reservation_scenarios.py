@@ -120,11 +120,14 @@ _NOT_HERE = "prefix reservations exist on main's KVCacheManagerV2 only"
 
 RESERVATION_SCENARIOS = (
     Scenario("prefix-rejected", "a reserved candidate whose first chunk finds no pages: released whole, a fresh "
-                                "reservation id at every later attempt", candidate_rejected, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                "reservation id at every later attempt", candidate_rejected, exercises=_EXERCISES,
+             runs_on=_ONLY_V2, not_here=_NOT_HERE),
     Scenario("prefix-shortened", "promises cut to whole blocks below the last prompt token: the tail released "
-                                 "before the load", offer_shortened, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                 "before the load", offer_shortened, exercises=_EXERCISES, runs_on=_ONLY_V2,
+             not_here=_NOT_HERE),
     Scenario("prefix-cancelled-in-flight", "a request aborted while its prefix load is in flight keeps its "
-                                           "allocation until the load retires", cancelled_in_flight, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                           "allocation until the load retires", cancelled_in_flight,
+             exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
     Scenario("prefix-every-rank", "a prefix load retires only when every worker reported it (--num-ranks 2+)",
              every_rank, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:   # harness imports this module: its types are named for the type checker only
     from kvtool.validate.harness import Context, Req
@@ -51,11 +51,12 @@ class Cut:
 
     def describe(self) -> str:
         requests = f"first {self.max_requests} requests" if self.max_requests is not None else "all requests"
-        outputs = f"at most {self.max_new_tokens} new token{'s' * (self.max_new_tokens != 1)}" if self.max_new_tokens is not None else "full outputs"
+        outputs = (f"at most {self.max_new_tokens} new token{'s' * (self.max_new_tokens != 1)}"
+                   if self.max_new_tokens is not None else "full outputs")
         return f"{requests} of each run, {outputs}"
 
 
-RunOne = Callable[[Context], list[CheckResult]]
+RunOne: TypeAlias = "Callable[[Context], list[CheckResult]]"
 
 
 def reproduces(results: Iterable[CheckResult], scenario: str, checks: Sequence[str]) -> bool:
@@ -79,8 +80,8 @@ def shrink(ctx: Context, scenario: str, checks: Sequence[str], run_one: RunOne) 
 
     cut = Cut()
     for _ in range(MAX_ROUNDS):
-        requests = _smallest(lambda k: fails(Cut(k, cut.max_new_tokens)))
-        tokens = _smallest(lambda m: fails(Cut(requests, m)), limit=MAX_PROBED_TOKENS)
+        requests = _smallest(lambda k, now=cut: fails(Cut(k, now.max_new_tokens)))
+        tokens = _smallest(lambda m, k=requests: fails(Cut(k, m)), limit=MAX_PROBED_TOKENS)
         if Cut(requests, tokens) == cut:
             break
         cut = Cut(requests, tokens)

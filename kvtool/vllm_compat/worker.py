@@ -67,7 +67,8 @@ class VllmWorker:
         kv_config = built.worker_kv_configs[rank]
         layout = KVCacheLayout[built.vllm_config.cache_config.kv_cache_layout]
         self.tensors = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
-        self.pages = FingerprintPages(self.tensors, layer_geometry(built.worker_models[rank].spec), built.shape.block_size, rank)
+        self.pages = FingerprintPages(self.tensors, layer_geometry(built.worker_models[rank].spec),
+                                      built.shape.block_size, rank)
         self.pages.poison(range(kv_config.num_blocks))
         self._layers = {name: _Layer(tensor) for name, tensor in self.tensors.items()}
         set_current_worker(rank)

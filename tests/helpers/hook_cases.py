@@ -65,7 +65,8 @@ def sharing_case(new: list[int], old: list[int], tpb: int) -> str:
     if c == len(new) == len(old):
         return "prompts: identical"
     if c == len(new):
-        return "prompts: the new one is a prefix " + ("ending on a block boundary" if c % tpb == 0 else "ending mid-block")
+        return "prompts: the new one is a prefix " + ("ending on a block boundary" if c % tpb == 0
+                                                      else "ending mid-block")
     if c == len(old):
         return "prompts: the new one extends one that " + ("ended on a block boundary" if c % tpb == 0
                                                            else "ended mid-block")
