@@ -84,7 +84,8 @@ class Scheduler:
             if not self._room(batch, budget):
                 break
             first_alone = alone and not batch.num_requests
-            n = self.admission.first_chunk(state, budget, lambda s, alone_now=first_alone: self._admits(s, alone_now))
+            # first_chunk calls it before this loop goes on: the closure reads this iteration's first_alone
+            n = self.admission.first_chunk(state, budget, lambda s: self._admits(s, first_alone))  # noqa: B023
             if n:
                 batch.context.append((state, n))
                 batch.first_chunks.append(state)

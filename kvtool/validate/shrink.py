@@ -80,8 +80,9 @@ def shrink(ctx: Context, scenario: str, checks: Sequence[str], run_one: RunOne) 
 
     cut = Cut()
     for _ in range(MAX_ROUNDS):
-        requests = _smallest(lambda k, now=cut: fails(Cut(k, now.max_new_tokens)))
-        tokens = _smallest(lambda m, k=requests: fails(Cut(k, m)), limit=MAX_PROBED_TOKENS)
+        # _smallest calls them before the loop goes on: each closure reads this round's cut and requests
+        requests = _smallest(lambda k: fails(Cut(k, cut.max_new_tokens)))  # noqa: B023
+        tokens = _smallest(lambda m: fails(Cut(requests, m)), limit=MAX_PROBED_TOKENS)  # noqa: B023
         if Cut(requests, tokens) == cut:
             break
         cut = Cut(requests, tokens)
