@@ -129,9 +129,9 @@ class HostConnectorWorker(BlockStoreWorker):
     def open_store(self, layout: KvCacheLayout) -> None:
         size = entries_per_group(self._llm_args)
         pin = torch.cuda.is_available()
-        self.store = {g.layer_group_id: PageSpace.contiguous(zeroed_host_bytes(size * g.bytes_per_page, pin),
-                                                             g.bytes_per_page)
-                      for g in layout.layer_groups}
+        self.store: dict[int, PageSpace] = {
+            g.layer_group_id: PageSpace.contiguous(zeroed_host_bytes(size * g.bytes_per_page, pin), g.bytes_per_page)
+            for g in layout.layer_groups}
         storage = layout.group(0).regions[0].storage
         self._side = SideStream(storage is not None and storage.is_cuda)
 
