@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+
 HOOK_GRACE_S = 0.02
 """How long the runtime's thread must be seen asleep without a break, inside a connector hook run
 while the gate is closed, before the connector's threads are let through (Linux: its state in

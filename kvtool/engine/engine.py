@@ -11,22 +11,22 @@ import time
 from dataclasses import replace
 from typing import Iterable
 
-from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.runtime import HookResult
 from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.connector.runtime import HookResult
 from kvtool.engine.async_gate import AsyncGate
 from kvtool.engine.connector_attach import attach_connector
 from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
 from kvtool.engine.events import Arrived, EngineEvent, EventStream, Evicted, LoadFinished, PassDone
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fidelity import bytes_model, require_fidelity
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.pass_driver import PassDriver, PassPlan
 from kvtool.engine.pass_items import batch_items, idle_pages, padding, received_item
 from kvtool.engine.pass_results import PassResults
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.rank_group import rank_group, start_followers
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, rank_manager_config
 from kvtool.engine.rank_pass import RankPass

@@ -20,8 +20,8 @@ from kvtool.engine.byte_origin import Coordinate, Origins, found_bytes
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
 from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
-from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
+from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
 from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000

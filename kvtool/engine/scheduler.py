@@ -9,7 +9,7 @@ waiting request's first chunk, at a later chunk's growth and once the batch is f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtool.engine.admission import OutputReservation
@@ -49,7 +49,7 @@ class Scheduler:
         self.iteration = 0
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
 
-    def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int,
+    def schedule(self, running: list[RequestState], waiting: Iterable[RequestState], iteration: int,
                  loading: Sequence[RequestState] = ()) -> Batch:
         """One iteration's batch. `loading`: requests holding pages outside the batch (an
         asynchronous load in flight), which output reservation counts as still growing."""

@@ -9,13 +9,14 @@ digest for digest. It is for reference runs, whose only product is their tokens
 
 from __future__ import annotations
 
+
 import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, digest
-from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.engine.pass_types import PagesByGroup, PassItem
+from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec
 
 
