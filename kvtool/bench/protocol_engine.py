@@ -104,7 +104,9 @@ class Recorder:
         connector = self.engine.connector
         assert connector is not None   # the bench runs engines with a connector
         connector.around_hook = self._clocked(connector.around_hook)
-        self.engine.idle_for_connector = self._clocked_call(self.engine.idle_for_connector)
+        # this engine's idle waits for the connector's copies, clocked as the connector's (wrapped on purpose)
+        self.engine.idle_for_connector = self._clocked_call(  # type: ignore[method-assign]
+            self.engine.idle_for_connector)
         self._mark_forward_layers(self.engine.driver)
         self.engine.driver.observe(self)
 
