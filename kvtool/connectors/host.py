@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ def zeroed_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 class HostConnectorScheduler(BlockStoreScheduler):
-    kvtool_options = STORE_OPTIONS + (
+    kvtool_options: ClassVar[tuple[ConnectorOption, ...]] = STORE_OPTIONS + (
         ConnectorOption("capacity", "host memory for stored blocks, e.g. 1GiB", DEFAULT_CAPACITY, check=parse_size),
         EVICTION_OPTION, SYNC_HEAD_OPTION,
     )
