@@ -126,11 +126,13 @@ def test_the_package_ships_no_study_tool_and_imports_no_test():
 
 # ---- private names stay in their module --------------------------------------------------------
 OUTSIDE_PRIVATE_NAMES = {"_exit", "_C", "_get_sm_carveout_experimental", "_replace", "_registry",
-                         "_KV_CONNECTOR_AGENT"}
+                         "_KV_CONNECTOR_AGENT", "_worker", "_sleep"}
 """Private names of other packages that kvtool uses on purpose: `os._exit` in a forked child,
 torch's SM carve-out switch, a NamedTuple's `_replace`; vLLM's connector factory's registry (the
 names it registers, which vLLM lists nowhere public) and its KV transfer agent (several workers
-played in one process each become the agent in turn, where vLLM sets it once a process)."""
+played in one process each become the agent in turn, where vLLM sets it once a process);
+`concurrent.futures.thread._worker` (a connector's pool thread is known by its target, to hold it)
+and `torch.cuda._sleep` (the device-side spin that makes the forward stream lose its races)."""
 
 
 def private_names_defined(tree: ast.Module) -> set[str]:

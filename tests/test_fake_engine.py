@@ -243,9 +243,9 @@ def test_bytes_no_known_coordinate_wrote_are_shown_as_bytes(setup):
 
 
 def test_parts_moved_to_another_device_keep_their_shapes_order_and_bytes_in_one_copy(monkeypatch):
-    """`_moved` puts a layer's buffers side by side for one copy (on a GPU each copy synchronises).
+    """`moved` puts a layer's buffers side by side for one copy (on a GPU each copy synchronises).
     Here the copy to the other device is a clone on the host, so the bytes can be compared."""
-    from kvtool.engine.fake_engine import _moved
+    from kvtool.engine.integrity import moved as _moved
     parts = [torch.arange(24, dtype=torch.uint8).view(3, 2, 4), torch.arange(100, 118, dtype=torch.uint8).view(3, 2, 3)]
     assert _moved(parts, torch.device("cpu")) is parts
     copies = []

@@ -1,5 +1,5 @@
 """Issue 27's GPU false alarm, made certain on any machine: host-async whose background saves land
-a quarter second late. A repeated prompt asked while its save is still in flight is offered
+a second late. A repeated prompt asked while its save is still in flight is offered
 nothing; that is legal (a miss), never a failure, and --strict still catches it."""
 
 from __future__ import annotations

@@ -414,7 +414,11 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             for location in tracker.planned.values():
                 self.unpin(location)
             self._release_pins(tracker)
-        return saving
+        # A request that ended early may end while its background load still writes into its
+        # pages: they are kept until the worker reports that load landed (as a save).
+        loading = self.mode is StoreMode.ASYNC and tracker is not None and tracker.loads_emitted_at >= 0 \
+            and not request.is_finished
+        return saving or loading
 
     def _release_pins(self, tracker: _Tracker) -> None:
         for location in tracker.held_pins:

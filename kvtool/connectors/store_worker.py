@@ -138,8 +138,18 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         # request_finished); one whose pass failed before wait_for_save has nothing in flight. So was
         # every load (in start_load_kv, before this call): a request the runtime waits for with
         # nothing in flight had nothing honoured (`main`'s V2 parks an asynchronous answer even so).
+        loaded = self._done(self._loading, self._given_loads, nothing_pending_is_done=True)
+        # A request that ended while its background load ran is reported once that load landed
+        # too (its scheduler kept the pages for it: `request_finished`).
+        loading = {rid for rid in self._given_saves if rid in self._loading and not self._loading[rid].done()}
+        self._given_saves -= loading
         saved = self._done(self._saving, self._given_saves, nothing_pending_is_done=True)
-        return saved, self._done(self._loading, self._given_loads, nothing_pending_is_done=True)
+        self._given_saves |= loading
+        for rid in saved:
+            load = self._loading.pop(rid, None)
+            if load is not None:
+                load.result()
+        return saved, loaded
 
     def _finished_prefix_loads(self) -> list[int]:
         """`get_finished_prefix_loads` (`PrefixReservingWorker`): prefix loads landed here, the

@@ -14,15 +14,19 @@ copy thread wait for a core. (A thread in uninterruptible I/O, or waiting on a s
 counts as idle; one that never goes quiet costs DRAIN_LIMIT_S an iteration.)
 
 Threads are stopped only at Python function calls: work already inside one C call (one torch
-copy, a CUDA stream's queue) runs on; threads started before `install` are not gated.
+copy, a CUDA stream's queue) runs on; threads started before `install` are not gated, nor are
+those `exempt` names (a thread pool's workers, whose work `held_work` holds task by task, and a
+thread a release waits for): "held" means held at the next Python call, never inside native code.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 HOOK_GRACE_S = 0.02
@@ -50,7 +54,13 @@ class AsyncGate:
     """Closed (`close`, or a save hook: `before_hook`) until `open`; a hook that runs longer than
     HOOK_GRACE_S meanwhile opens it for the rest of its run."""
 
-    def __init__(self) -> None:
+    def __init__(self, exempt: Callable[[threading.Thread], bool] = lambda thread: False,
+                 untraced: Callable[[threading.Thread], bool] = lambda thread: False) -> None:
+        """`exempt(thread)`: let it through now (asked at each call); `untraced(thread)`: never
+        gate it (asked at its first call, its tracing then switched off)."""
+        self._exempt = exempt
+        self._untraced = untraced
+        self._seen: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._open = threading.Event()
         self._open.set()
         self._closed_by_runtime = False
@@ -79,6 +89,10 @@ class AsyncGate:
     def close(self) -> None:
         self._closed_by_runtime = True
         self._open.clear()
+
+    @property
+    def is_closed(self) -> bool:
+        return not self._open.is_set()
 
     def before_hook(self, hook: str) -> None:
         """Told the worker hook about to run: a save hook closes the gate."""
@@ -110,6 +124,8 @@ class AsyncGate:
 
     def _trace(self, frame, event: str, arg):
         if event == "call" and threading.get_ident() != self._owner:
+            if self._skips(threading.current_thread()):
+                return None
             self._last_call = time.monotonic()
             self._gated_native_ids.add(threading.get_native_id())
             if not self._open.is_set():
@@ -122,6 +138,15 @@ class AsyncGate:
                         self._num_held -= 1
                     self._last_call = time.monotonic()
         return None
+
+    def _skips(self, thread: threading.Thread) -> bool:
+        """Whether `thread` goes ungated (an untraced one is no longer traced at all)."""
+        if thread not in self._seen:
+            self._seen.add(thread)
+            if self._untraced(thread):
+                sys.settrace(None)
+                return True
+        return self._exempt(thread)
 
     def _hold(self) -> None:
         """Wait until the gate opens, or the runtime's thread sleeps in a hook for HOOK_GRACE_S."""
@@ -136,18 +161,25 @@ class AsyncGate:
     def _owner_asleep(self) -> bool:
         """Whether the runtime's thread sleeps (waits for a lock, a future, I/O): True where the
         kernel does not say (no /proc)."""
-        return _thread_state(self._owner_native) in (b"S", b"D", None)
+        return thread_state(self._owner_native) in (b"S", b"D", None)
 
     def _any_gated_runnable(self) -> bool:
         """Whether a gated thread is running or waiting for a core (a thread that ended, or where
         the kernel does not say, is not; an ended one is forgotten, so a connector that starts a
         thread per copy does not make every later check read more files)."""
-        states = {tid: _thread_state(tid) for tid in list(self._gated_native_ids)}
+        states = {tid: thread_state(tid) for tid in list(self._gated_native_ids)}
         self._gated_native_ids.difference_update(tid for tid, state in states.items() if state is None)
         return b"R" in states.values()
 
 
-def _thread_state(native_id: int) -> bytes | None:
+    def has_live_threads(self) -> bool:
+        """Whether a gated thread (one of the connector's own, seen making calls) is still alive."""
+        states = {tid: thread_state(tid) for tid in list(self._gated_native_ids)}
+        self._gated_native_ids.difference_update(tid for tid, state in states.items() if state is None)
+        return bool(self._gated_native_ids)
+
+
+def thread_state(native_id: int) -> bytes | None:
     """This process's thread's one-letter state from /proc (R running or runnable, S/D asleep);
     None where it ended or the kernel does not say."""
     try:

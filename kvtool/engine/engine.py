@@ -16,7 +16,7 @@ from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.engine.async_gate import AsyncGate
+from kvtool.engine.connector_work import connector_work_for
 from kvtool.engine.connector_attach import attach_connector
 from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
@@ -79,21 +79,22 @@ class Engine:
         followers = start_followers(config, self.manager, connector, options)
         self.stream = forward_stream(self.manager.device)
         set_process_rank(0, config.num_ranks)
-        self.gate = AsyncGate() if config.gate_async_work and connector else None
+        self.work = connector_work_for(config, connector is not None, self.emit, lambda: self.iteration,
+                                       self.manager.device, self.fake)
         self.driver = PassDriver([], self.fake.layer_ids, self.fake.forward_layer, self.stream, self._guarded,
-                                 on_hook=self.gate.before_hook if self.gate is not None else lambda hook: None)
-        rank0 = RankPass(0, self.fake, self.driver, self.gate.close if self.gate is not None else lambda: None)
+                                 on_hook=self.work.before_hook if self.work is not None else lambda hook: None)
+        rank0 = RankPass(0, self.fake, self.driver, self.work.after_forward if self.work is not None else lambda: None)
         self.group = rank_group(rank0, followers, config, self.manager)
-        if self.gate is not None:
-            self.gate.install()
+        if self.work is not None:
+            self.work.install()
         try:
             self.connector = attach_connector(connector, options, self.manager, config, self.driver,
                                               self.group.num_local_ranks, self.profile) if connector else None
         except Exception:
             self.close()
             raise
-        if self.gate is not None:
-            self.connector.around_hook = self.gate.hook
+        if self.work is not None:
+            self.connector.around_hook = self.work.hook
         self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
         self.admission = self.profile.admission(AdmissionHost.of(
             self.manager, self.connector, connector, config.scheduler.local_reuse, config.scheduler.chunk_size,
@@ -101,15 +102,15 @@ class Engine:
         self.lifecycle = Lifecycle(self.connector, self.manager, self.queues, self.stats, self.emit, self.admission)
         self.scheduler = Scheduler(self.manager, config.scheduler, self.admission, self.pause, self.drafts)
         self.results = PassResults(self.fake, self.stats, self.lifecycle)
-        self.watchdogs = Watchdogs(config, self.fail)
+        self.watchdogs = Watchdogs(config, self.fail, self.work.clock.now if self.work is not None else time.monotonic)
 
     def llm_args(self, spec: ConnectorSpec, options: dict[str, str], rank: int) -> LlmArgs:
         return rank_llm_args(self.manager, spec, options, rank, self.config.num_ranks, self.config.tp_size)
 
     def close(self) -> None:
-        """Stop the follower ranks, if any, and the async gate (idempotent)."""
-        if self.gate is not None:
-            self.gate.uninstall()
+        """Stop the follower ranks, if any, and the hold on the connector's work (idempotent)."""
+        if self.work is not None:
+            self.work.uninstall()
         self.group.close()
 
     # ---- events ------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ class Engine:
     def step(self) -> Batch:
         """One iteration: schedule -> the pass on every rank -> its tokens -> get_finished and checks."""
         self._start_iteration()
-        progress_before = self.queues.progress_mark()
+        progress_before = (self.queues.progress_mark(), len(self.lifecycle.holds))   # a hold released: progress
         batch = self._schedule()
         dummies = padding(self.manager, batch, self.iteration, self.config.pad_generation_batch_to)
         items = batch_items(batch, self.drafts) + [item for _, item in dummies]
@@ -264,8 +265,8 @@ class Engine:
     def _end_iteration(self, batch: Batch) -> None:
         """`get_finished` on every rank and its reports acted on, then the iteration's checks."""
         self._collect_finished(batch)
-        if self.gate is not None:
-            self.gate.open()
+        if self.work is not None:
+            self.work.at_gate()
         self.watchdogs.check(self.queues, self.iteration)
         if self.config.verify_all_after_iteration:
             self.verify_all()
@@ -296,14 +297,18 @@ class Engine:
 
     def idle_for_connector(self) -> None:
         """Nothing can run until the connector's background copies land: let them run a moment
-        (`idle_wait_seconds`; the store bench books this time to the connector)."""
+        (`idle_wait_seconds`; the store bench books this time to the connector); held work runs instead."""
+        if self.work is not None:
+            return self.work.idle(self.config.idle_wait_seconds)
         time.sleep(self.config.idle_wait_seconds)
 
     def _check_progress(self, batch: Batch, progress_before: tuple) -> None:
         """Raise when nothing ran, nothing changed and nothing is in flight: the cache is too small."""
-        if batch.num_requests or batch.received or progress_before != self.queues.progress_mark():
+        mark = (self.queues.progress_mark(), len(self.lifecycle.holds))
+        if batch.num_requests or batch.received or progress_before != mark:
             return
-        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING) or self.admission.unretired_since():
+        if self.queues.started_in(Phase.TRANSMISSION, Phase.SAVING) or self.admission.unretired_since() \
+                or self.lifecycle.holds:
             self.idle_for_connector()
             return
         arrived = [s for s in self.live_states if s.request.arrival <= self.clock]

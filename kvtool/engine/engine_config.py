@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvtool.engine.hold_policy import HoldPolicy
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.runtimes.names import DEFAULT_RUNTIME, RuntimeName
 from kvtool.engine.scheduler import Batch, SchedulerConfig
@@ -61,8 +62,16 @@ class EngineConfig:
     acceptance: float = 0.7
     """With drafts: the probability a draft is accepted, given the ones before it were."""
     gate_async_work: bool = False
-    """The connector's threads wait from a pass's first save hook until the reports of that
-    iteration's `get_finished` are acted on (`async_gate`): kvtool validate's deterministic race."""
+    """kvtool decides when the connector's background work runs (`connector_work`): work it hands
+    to a pool or a thread is held as `hold_policy` says, its other threads wait from a pass's first
+    save hook until the reports of that iteration's `get_finished` are acted on: kvtool validate's
+    deterministic races."""
+    hold_policy: HoldPolicy = HoldPolicy()
+    """With `gate_async_work`: how long each piece of background work is held (`hold_policy`)."""
+    stream_races: bool = False
+    """With `gate_async_work` on device pages: each layer's writes delayed on the forward stream and
+    the connector's own streams spun at its load hooks (`stream_races`): kvtool validate's races of
+    copies not ordered against the hooks' stream."""
     idle_wait_seconds: float = 0.0005
     """How long an iteration in which nothing ran waits for the connector's background work
     before `get_finished` is polled again."""

@@ -154,6 +154,20 @@ class SaveFinished(EngineEvent):
 
 
 @dataclass(frozen=True)
+class WorkRan(EngineEvent):
+    """Background work the connector started (a pool task, a thread), held by kvtool, ran at this
+    iteration (`engine.held_work`)."""
+
+    started_by: str
+    """The hook whose call started it ("a connector thread": one of the connector's own)."""
+    started_at: int
+    """The iteration it was started in."""
+    reason: str
+    """What released it: its point of the schedule ("AFTER_HOOK", "GET_FINISHED", "GATE",
+    "NEXT_GATE"), "waited" (the connector waited for it), "idle", "end"."""
+
+
+@dataclass(frozen=True)
 class Finished(EngineEvent):
     """The request is over: `failure` None when it completed, the reason when it failed."""
 

@@ -8,10 +8,9 @@ have written. Mismatches are counted and the first ones recorded with their coor
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 from kvtool.engine.byte_origin import Coordinate, Origins, found_bytes
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
+from kvtool.engine.integrity import CHECKSUM_MASK, digest, moved
 from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
 from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
@@ -26,7 +26,6 @@ from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
 MAX_RECORDED_ISSUES = 50
-CHECKSUM_MASK = (1 << 64) - 1
 HOST_COMPARE_BYTES = 1 << 20
 """A layer's read of at most this many bytes from GPU pages is compared on the host: one copy
 costs less than the compare's kernels and a synchronisation per buffer, and under validate's
@@ -57,6 +56,11 @@ class FakeEngine:
     model_heads: int = 0
     """Heads per buffer of the whole model, every tensor-parallel rank's (`models.heads_across_ranks`),
     traced in wrong bytes (`byte_origin`); 0: this shard's last head."""
+    delay_writes: Callable[[], None] | None = None
+    """Device pages under validate (`stream_races`): called before a layer's writes are enqueued,
+    after its reads of earlier positions (so loaded pages are read as early as stream order allows,
+    and the writes land as late as it allows; the positions a pass writes are read back by the
+    next pass and the end-of-iteration check, not by the pass itself)."""
 
     def __post_init__(self) -> None:
         self._hashes: dict[int, PrefixHashes] = {}
@@ -90,7 +94,11 @@ class FakeEngine:
             hashes.truncate(length)
 
     def forward_layer(self, layer_id: int, items: list[PassItem]) -> None:
-        """Write positions [start, end) of `layer_id` for each item, then verify what it attends to."""
+        """Write positions [start, end) of `layer_id` for each item, then verify what it attends to
+        (with `delay_writes`: read first, then the delay, then every item's writes)."""
+        if self.delay_writes is not None:
+            self._read_then_write(layer_id, items, self.delay_writes)
+            return
         group = self._group_of[layer_id]
         for item in items:
             hashes = self._prefix_hashes(item)
@@ -102,6 +110,38 @@ class FakeEngine:
                 last = item.sampled_after
                 item.checksum = (item.checksum + self._checksum(found, readable, self._positions_in_live_blocks(
                     group, pages, last, last), layer_id)) & CHECKSUM_MASK
+
+    def _read_then_write(self, layer_id: int, items: list[PassItem], delay: Callable[[], None]) -> None:
+        """`forward_layer` on device pages under validate: each item's earlier positions read and
+        verified, then `delay()`, then every item's writes enqueued with no synchronisation after
+        them; a sampling item's checksum takes the bytes it writes as written."""
+        group = self._group_of[layer_id]
+        writes = []
+        for item in items:
+            hashes = self._prefix_hashes(item)
+            pages = item.pages[group.layer_group_id]
+            readable = self._positions_in_live_blocks(group, pages, item.end, item.start)
+            earlier = readable[readable < item.start]
+            found = self._verify(layer_id, group, item.request_id, pages, hashes, earlier)
+            writes.append(self._prepared_write(layer_id, group, item, hashes, np.arange(item.start, item.end,
+                                                                                         dtype=np.int64)))
+            if item.samples and (found is not None or not len(earlier)):
+                rows = self._with_written(layer_id, item, hashes, found, readable[readable >= item.start])
+                last = item.sampled_after
+                item.checksum = (item.checksum + self._checksum(rows, readable, self._positions_in_live_blocks(
+                    group, pages, last, last), layer_id)) & CHECKSUM_MASK
+        delay()
+        for write in writes:
+            for view, index, where, part in write:
+                view[where[0], index, where[1]] = part
+
+    def _with_written(self, layer_id: int, item: PassItem, hashes: PrefixHashes, found: torch.Tensor | None,
+                      fresh: np.ndarray) -> torch.Tensor:
+        """`found` (rows of the earlier positions) followed by the rows `fresh` positions are written with."""
+        buffers = self._buffers[layer_id]
+        written = self._expected_at(item.request_id, buffers, layer_id, hashes, fresh)
+        rows = torch.cat([part.reshape(len(fresh), -1) for part in written], dim=1)
+        return rows if found is None else torch.cat([found, rows.to(found.device)], dim=0)
 
     @staticmethod
     def _checksum(found: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
@@ -165,18 +205,24 @@ class FakeEngine:
 
     def _write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
                positions: np.ndarray) -> None:
+        for view, index, where, part in self._prepared_write(layer_id, group, item, hashes, positions):
+            view[where[0], index, where[1]] = part
+
+    def _prepared_write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
+                        positions: np.ndarray) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+        """The writes of `positions` as (view, buffer index, where, bytes), every operand already on
+        the pages' device (what remains is one indexed store each)."""
         if not len(positions):
-            return
+            return []
         pages = item.pages[group.layer_group_id]
         page_ids = self._page_ids(group, item.request_id, pages, positions, layer_id, "write")
         if page_ids is None:
-            return
+            return []
         buffers = self._buffers[layer_id]
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
-        expected = _moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
-        for view, lb, part in zip(views, buffers, expected):
-            view[where[0], lb.index, where[1]] = part
+        expected = moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
+        return [(view, lb.index, where, part) for view, lb, part in zip(views, buffers, expected)]
 
     def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
         """[2, n] on `device`: each position's page and its offset in the block, moved in one copy
@@ -197,8 +243,8 @@ class FakeEngine:
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
         found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers)]
         if found[0].device.type != "cpu" and sum(part.numel() for part in found) <= HOST_COMPARE_BYTES:
-            found = _moved(found, torch.device("cpu"))
-        expected = _moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
+            found = moved(found, torch.device("cpu"))
+        expected = moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
         for lb, found_part, expected_part in zip(buffers, found, expected):
             if torch.equal(found_part, expected_part):
                 continue
@@ -268,26 +314,3 @@ class FakeEngine:
         if len(self.issues) < MAX_RECORDED_ISSUES:
             self.issues.append(IntegrityIssue(request_id, group.layer_group_id, ordinal, layer_id, role,
                                               position, head, "-", "-", what))
-
-
-def digest(rows: torch.Tensor, positions: np.ndarray, attended: np.ndarray, layer_id: int) -> int:
-    """Order-sensitive digest of the bytes the last position attends to, from `rows` (int64: each
-    of `positions`' byte sum over the layer's buffers), over those of `positions` in `attended`: a
-    block moved to another position changes it, as it would change a real model's output. A sum
-    over the bytes modulo 2**64, so the digests of tensor-parallel shards add up to the whole model's."""
-    if len(attended) != len(positions):   # a window slid during the pass: attended is a subset
-        keep = np.isin(positions, attended)
-        rows, positions = rows[torch.from_numpy(keep).to(rows.device)], positions[keep]
-    weights = torch.from_numpy(positions * 2654435761 + 2 * layer_id + 1).to(rows.device)
-    return int((rows * weights).sum()) & CHECKSUM_MASK
-
-
-def _moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """`parts` (same first dimension) on `device`, in one copy side by side when they are elsewhere:
-    on a GPU every copy is a synchronisation (`HOST_COMPARE_BYTES`)."""
-    if parts[0].device == device:
-        return parts
-    rows = len(parts[0])
-    moved = torch.cat([part.reshape(rows, -1) for part in parts], dim=1).to(device)
-    widths = [math.prod(part.shape[1:]) for part in parts]
-    return [piece.view(part.shape) for part, piece in zip(parts, torch.split(moved, widths, dim=1))]

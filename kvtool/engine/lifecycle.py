@@ -44,6 +44,10 @@ class SaveHolds:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._holds
 
+    def __len__(self) -> int:
+        """Requests whose pages wait for a report (the engine waits for the connector meanwhile)."""
+        return len(self._holds)
+
 
 class Lifecycle:
     """The ends of requests: finished, failed, paused, saved, loaded. `connector` None: a run

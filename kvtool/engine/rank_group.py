@@ -17,7 +17,7 @@ from typing import Protocol
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.runtime import HookFailure, HookResult
 from kvtool.engine.engine_config import EngineConfig
-from kvtool.engine.fake_engine import CHECKSUM_MASK
+from kvtool.engine.integrity import CHECKSUM_MASK
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup
 from kvtool.engine.rank_pass import RankPass

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
-from kvtool.engine.fake_engine import CHECKSUM_MASK, FakeEngine, digest
+from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.integrity import CHECKSUM_MASK, digest
 from kvtool.engine.pass_types import PagesByGroup, PassItem
 from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec

@@ -13,8 +13,13 @@ from kvtool.engine.request_state import FailureReason, Phase, RequestState
 
 
 class Watchdogs:
-    def __init__(self, config: EngineConfig, fail: Callable[[RequestState, FailureReason, str], None]) -> None:
+    def __init__(self, config: EngineConfig, fail: Callable[[RequestState, FailureReason, str], None],
+                 now: Callable[[], float] = time.monotonic) -> None:
+        """`now`: the clock the waits are measured by (`connector_clock`: skips what a quiet
+        connector would only be waited on for)."""
         self._config = config
+        self._now = now
+        self._loading_since: dict[int, float] = {}
         self._fail = fail
         self._saving_since: dict[int, float] = {}
         """Request id -> when this check first saw it saving."""
@@ -22,9 +27,11 @@ class Watchdogs:
     def check(self, queues: RequestQueues, iteration: int) -> None:
         """Fail the stuck ones among the started requests (at the end of each iteration)."""
         seconds, limit = self._config.max_transmission_seconds, self._config.max_transmission_iterations
-        now = time.monotonic()
-        for state in queues.started_in(Phase.TRANSMISSION):
-            if seconds is not None and now - state.transmission_started_at > seconds:
+        now = self._now()
+        loading = queues.started_in(Phase.TRANSMISSION)
+        since = _since(self._loading_since, loading, now)
+        for state in loading:
+            if seconds is not None and now - since[state.request_id] > seconds:
                 self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {seconds:g} s")
             elif seconds is None and iteration - state.transmission_since > limit:
                 self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"for more than {limit} iterations")
@@ -44,13 +51,20 @@ class Watchdogs:
         seconds = self._config.max_saving_seconds
         if seconds is None:
             return
-        since = self._saving_since
-        for request_id in set(since) - {s.request_id for s in saving}:
-            del since[request_id]
+        since = _since(self._saving_since, saving, now)
         for state in saving:
-            if now - since.setdefault(state.request_id, now) > seconds:
+            if now - since[state.request_id] > seconds:
                 self._fail(state, FailureReason.STUCK_IN_TRANSMISSION, f"request {state.request_id} waits for its "
                            f"asynchronous save, which get_finished never reported within {seconds:g} s")
+
+
+def _since(since: dict[int, float], states: list[RequestState], now: float) -> dict[int, float]:
+    """`since` (request id -> when a check first saw it waiting) kept to `states`, `now` for new ones."""
+    for request_id in set(since) - {s.request_id for s in states}:
+        del since[request_id]
+    for state in states:
+        since.setdefault(state.request_id, now)
+    return since
 
 
 def stuck_description(live: list[RequestState]) -> str:

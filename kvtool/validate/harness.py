@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +25,7 @@ from kvtool.models import load_model
 from kvtool.validate.cause_evidence import computed_blocks, note_engine_blocks
 from kvtool.validate.results import CheckResult
 from kvtool.validate.run_record import RunRecord, record_run
-from kvtool.validate.schedule import schedule_for, settle
+from kvtool.validate.schedule import schedule_for
 from kvtool.validate.shrink import Cut
 from kvtool.types import Fidelity
 
@@ -134,7 +133,8 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                         runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
                         verify_all_after_iteration=not reference, fidelity=Fidelity.TOKENS if reference else Fidelity.BYTES,
                         max_transmission_seconds=ctx.load_timeout,
-                        max_saving_seconds=ctx.save_timeout, gate_async_work=True,
+                        max_saving_seconds=ctx.save_timeout, gate_async_work=True, hold_policy=schedule.hold_policy,
+                        stream_races=not reference,
                         idle_wait_seconds=schedule.idle_wait_seconds, warmup_seconds=ctx.warmup,
                         num_ranks=ctx.num_ranks, tp_size=ctx.tp_size, ranks_as_processes=True)
 
@@ -149,7 +149,7 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
     """Replay `requests`; the connector under test is attached unless `connector` is False;
     `pause_to_grow`: TensorRT-LLM's MAX_UTILIZATION (running requests paused to let others grow).
     A run that leaves its shape free (pool, chunks and batch as defaulted) takes the seed's batch
-    cap and chunk size; async work is let run where the seed's schedule says (`schedule.settle`).
+    cap and chunk size; background work runs where the seed's schedule says (`engine.hold_policy`).
     `setup` and `on_iteration` are the scenario's hands on the engine (`interventions`); what the
     judges get is the record, filled once the engine has closed."""
     schedule = schedule_for(ctx.seed)
@@ -177,9 +177,6 @@ def run(ctx: Context, requests: list[Req], *, num_slots: int = DEFAULT_SLOTS, ch
             check_canary()
         if on_iteration:
             on_iteration(e)
-        pause = settle(schedule, e.iteration)
-        if pause:
-            time.sleep(pause)   # the gate is open: the connector's threads run meanwhile
 
     error = None
     try:

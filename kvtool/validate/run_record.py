@@ -77,6 +77,8 @@ class RunRecord:
     """`(request_id, start, end)` of every `cancel_load`-style cancellation the runtime made."""
     introspection: Introspection | None = None
     """What the connector's scheduler said of itself at the end (None: it cannot say)."""
+    stream_races: bool = False
+    """The run's pages were on a GPU with the streams made to lose (`engine.stream_races`)."""
 
     def outcome(self, request_id: int) -> RequestOutcome:
         return self.outcomes[request_id]
@@ -90,4 +92,5 @@ def record_run(engine: Engine, events: EventLog, error: str | None, run_id: int)
     return RunRecord(run_id, error, events, {rid: RequestOutcome.of(s) for rid, s in engine.states.items()},
                      engine.manager.tokens_per_block, findings,
                      tuple(runtime.failures) if runtime else (), tuple(runtime.violations) if runtime else (),
-                     tuple(runtime.cancels) if runtime else (), introspect(runtime.scheduler) if runtime else None)
+                     tuple(runtime.cancels) if runtime else (), introspect(runtime.scheduler) if runtime else None,
+                     engine.work is not None and engine.work.races is not None)

@@ -2,9 +2,10 @@
 
 Seed 0 (the default) is the canonical schedule: the slot a request gets is the one released last
 (LIFO: the next request gets exactly the pages the last one released), the batch and chunk sizes
-each scenario chose, idle polls of `get_finished` every 0.5 ms, async work let run only where the
-runtime's gate is open (`engine.async_gate`), and `pause-replay`'s pool as sized. Every other seed
-draws each of these from `random.Random(seed)`: `--explore N` runs several.
+each scenario chose, idle polls of `get_finished` every 0.5 ms, every piece of background work the
+connector starts held to the latest point the contract allows (`engine.hold_policy`), and
+`pause-replay`'s pool as sized. Every other seed draws each of these from `random.Random(seed)`
+(background work: a point between the earliest and the latest per task): `--explore N` runs several.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import random
 from dataclasses import dataclass
 
+from kvtool.engine.hold_policy import HoldPolicy
 from kvtool.manager.slot_order import SLOT_ORDERS
 
 DEFAULT_SEED = 0
@@ -29,18 +31,20 @@ class SeedSchedule:
     """Chunked prefill for runs whose scenario leaves its shape free (None: not chunked)."""
     idle_wait_seconds: float = 0.0005
     """How long an idle iteration waits for background work before get_finished is polled again."""
-    settle_every: int = 0
-    """Async work let run for `settle_seconds` after every `settle_every`-th iteration (0: never)."""
-    settle_seconds: float = 0.0
+    holds_to_latest: bool = True
+    """Background work held to the latest point (else to a point drawn per task from the seed)."""
     pause_room_delta: int = 0
     """Blocks fewer in `pause-replay`'s pool: other preemption points."""
 
     def describe(self) -> str:
         """One line: what this seed's schedule is."""
         shape = f"batch <= {self.max_batch_size or 'scenario'}, chunks {self.chunk_size or 'none'}"
-        settle = f"settle {self.settle_seconds * 1e3:g} ms every {self.settle_every}" if self.settle_every else "no settle"
         return (f"seed {self.seed}: slots {self.slot_order}, {shape}, idle poll {self.idle_wait_seconds * 1e3:g} ms, "
-                f"{settle}, pause room -{self.pause_room_delta}")
+                f"background work {self.hold_policy.describe()}, pause room -{self.pause_room_delta}")
+
+    @property
+    def hold_policy(self) -> HoldPolicy:
+        return HoldPolicy(self.seed, self.holds_to_latest)
 
 
 @functools.lru_cache(maxsize=256)
@@ -49,13 +53,12 @@ def schedule_for(seed: int) -> SeedSchedule:
     if seed == DEFAULT_SEED:
         return SeedSchedule(seed)
     rng = random.Random(seed)
-    settle_every = rng.choice((0, 1, 3))
-    return SeedSchedule(seed, slot_order=rng.choice(SLOT_ORDERS), max_batch_size=rng.choice((None, 2, 3, 5)),
-                    chunk_size=rng.choice((None, 3, 5, 9)), idle_wait_seconds=rng.choice((0.0001, 0.0005, 0.002)),
-                    settle_every=settle_every, settle_seconds=rng.choice((0.0001, 0.001)) if settle_every else 0.0,
-                    pause_room_delta=rng.choice((0, 0, 1)))
+    # Two draws of an earlier schedule (a wall-clock settle, replaced by held work) stay drawn, so
+    # that every seed keeps the rest of the schedule it had.
+    settled = rng.choice((0, 1, 3))
+    schedule = dict(slot_order=rng.choice(SLOT_ORDERS), max_batch_size=rng.choice((None, 2, 3, 5)),
+                    chunk_size=rng.choice((None, 3, 5, 9)), idle_wait_seconds=rng.choice((0.0001, 0.0005, 0.002)))
+    if settled:
+        rng.choice((0.0001, 0.001))
+    return SeedSchedule(seed, holds_to_latest=False, pause_room_delta=rng.choice((0, 0, 1)), **schedule)
 
-
-def settle(schedule: SeedSchedule, iteration: int) -> float:
-    """Seconds to let async work run after `iteration` (0: none)."""
-    return schedule.settle_seconds if schedule.settle_every and iteration % schedule.settle_every == 0 else 0.0

@@ -256,9 +256,9 @@ class SavesUnwrittenAnswer(HostConnectorScheduler):
 
     def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):
         tracker = self._trackers.get(request.request_id)
-        super().request_finished_by_layer_group(request, cache_block_ids_by_layer_group)
+        kept = super().request_finished_by_layer_group(request, cache_block_ids_by_layer_group)
         if tracker is None or not request.is_finished:
-            return False
+            return kept    # a load still in flight keeps the pages of a request that ended early
         tracker.pages = GroupPages(cache_block_ids_by_layer_group)
         tracker.tokens = request.get_tokens(0)
         tracker.extend_keys(self.tokens_per_block)
