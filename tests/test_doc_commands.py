@@ -152,7 +152,8 @@ def test_the_commands_run_nowhere_are_few():
     """Each says why; there are no more than these."""
     reasons = {str(b): b.why for b in of("not-run")}
     assert all(len(why.split()) >= 4 for why in reasons.values()), reasons
-    assert len(reasons) <= 6, reasons   # the fifth: vLLM's CPU build, an extra CI does not install; the sixth: the GPU session of held work
+    # the fifth: vLLM's CPU build, an extra CI does not install; the sixth: the GPU session of held work
+    assert len(reasons) <= 6, reasons
 
 
 def test_a_block_without_a_mark_is_found(tmp_path):

@@ -153,8 +153,8 @@ class HostConnectorWorker(BlockStoreWorker):
         """One launch (on a GPU: a head, then the rest prepared while the head crosses), landed on return."""
         for part in head_and_rest(transfers, self._sync_head if self._side.stream is not None else 0):
             slots = [t.location[1] for t in part]
-            self.backend.copy(self.page_ops(part, self.store, slots, to_store, layer_id))
-        self.backend.synchronize()
+            self.transfer_backend.copy(self.page_ops(part, self.store, slots, to_store, layer_id))
+        self.transfer_backend.synchronize()
 
     # ---- layerwise: one launch per layer and direction ------------------------------------------
     def start_load_kv(self, stream: torch.cuda.Stream | HostStream) -> None:
@@ -164,7 +164,7 @@ class HostConnectorWorker(BlockStoreWorker):
             self._wait_for_background_saves()
             self._layer_loads = self._layer_batches(self.meta.loads, to_store=False)
             self._side.follow(stream)              # after the work that handed the pages out
-            self._layer_loads.launch_all(self.backend, self._side)
+            self._layer_loads.launch_all(self.transfer_backend, self._side)
 
     def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is not StoreMode.LAYERWISE:
@@ -179,25 +179,25 @@ class HostConnectorWorker(BlockStoreWorker):
         if self._layer_saves is None or self._layer_saves[0] is not meta:
             self._layer_saves = (meta, self._layer_batches(meta.saves, to_store=True))
         self._side.follow(stream)                  # after this layer's compute
-        self._layer_saves[1].launch(layer_idx, self.backend, self._side)
+        self._layer_saves[1].launch(layer_idx, self.transfer_backend, self._side)
 
     def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         if self._layer_saves is not None:
             self._layer_saves = None
-            self._side.drain(self.backend)         # every layer's bytes in the store
+            self._side.drain(self.transfer_backend)         # every layer's bytes in the store
         self._layer_loads = None
         super().wait_for_save(stream)
 
     def _layer_batches(self, transfers: Sequence[PageTransfer], to_store: bool) -> LayerBatches:
         """Every layer's copies of `transfers`, prepared together (pages of all requests coalesced)."""
-        layer_ids = sorted(layer for group in self.layout.layer_groups for layer in group.layer_ids)
+        layer_ids = sorted(layer for group in self.registered_layout.layer_groups for layer in group.layer_ids)
         slots = [t.location[1] for t in transfers]
         ops = self.layer_page_ops(transfers, self.store, slots, to_store, layer_ids)
-        return LayerBatches.prepare(self.backend, layer_ids, ops)
+        return LayerBatches.prepare(self.transfer_backend, layer_ids, ops)
 
     # ---- async on a GPU: launched on the side stream, reported by an event ----------------------
     def start_background(self, transfers: list[PageTransfer], to_store: bool,
-                         stream: torch.cuda.Stream | None):
+                         stream: torch.cuda.Stream | HostStream | None):
         """A save on GPU pages: the batch launched on the worker's stream after the forward's
         work (no thread, no wait for the forward), done once an event behind its copies has
         passed. Loads stay on the store's thread: on one H100 they measured 0.82-0.86 of the link
@@ -206,10 +206,10 @@ class HostConnectorWorker(BlockStoreWorker):
         if self._side.stream is None or not to_store:
             return super().start_background(transfers, to_store, stream)
         slots = [t.location[1] for t in transfers]
-        prepared = self.backend.prepare(self.page_ops(transfers, self.store, slots, to_store, None))
+        prepared = self.transfer_backend.prepare(self.page_ops(transfers, self.store, slots, to_store, None))
         self._side.follow(stream)
-        self._side.launch(self.backend, prepared)
-        self.backend.join(self._side.stream)       # a staged save's copies to the host included
+        self._side.launch(self.transfer_backend, prepared)
+        self.transfer_backend.join(self._side.stream)       # a staged save's copies to the host included
         return Landed(self._side.mark())
 
 

@@ -26,6 +26,7 @@ from kvtool.validate.sizing import squeeze_slots
 
 
 def _require_reservations(ctx: Context) -> None:
+    assert ctx.spec is not None   # a scenario runs a connector
     if not takes_part_in_reservations(ctx.spec.scheduler_class, ctx.spec.worker_class):
         raise NotRunHere("the connector does not take part in prefix reservations (reserve_prefix, "
                          "release_prefix_reservation, get_finished_prefix_loads): main's V2 asks it on the final "

@@ -107,6 +107,7 @@ def _setup(ctx: Context) -> list[CheckResult]:
     """The registration check: FAIL when the connector cannot take this model's cache; SKIP (its
     model's scenarios not run) where the runtime refuses the model, or where the connector was
     written for another runtime and this one was not asked for by name (`--runtime`)."""
+    assert ctx.spec is not None   # a scenario runs a connector
     foreign = profile_of(ctx.runtime).cannot_host(ctx.spec.scheduler_class, ctx.spec.worker_class)
     if foreign is not None and not ctx.runtime_chosen:
         raise NotRunHere(f"not run under {ctx.runtime}: {foreign} (--runtime {ctx.runtime} makes this a failure)")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.metadata import PageTransfer
