@@ -16,12 +16,12 @@ from pathlib import Path
 
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.engine.pass_driver import PassPlan
 from kvtool.engine.ranks import Followers, PassOrder, RankSetup
-from kvtool.workloads.source import load_workload
+from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
+from kvtool.workloads.source import load_workload
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.engine.events import Finished
-from kvtool.trace.replay import run_trace
 from kvtool.report.run_folder import prepare_run_folder, settled_run_folders, write_file, write_json, write_meta
+from kvtool.trace.replay import run_trace
+from kvtool.trace.setup import ReplayOptions, build_replay
 
 SHIPPED = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         heads = [head_of(args.trace, fraction, Path(scratch)) for fraction in fractions]
         for repeat in range(args.repeats):
-            for fraction, (path, count) in zip(fractions, heads):
+            for fraction, (path, count) in zip(fractions, heads, strict=True):
                 options = ReplayOptions(path, prefill_only=True, fidelity="blocks",
                                         tokens_per_block=args.tokens_per_block, connector="index",
                                         connector_opt=(f"capacity={args.capacity}",))

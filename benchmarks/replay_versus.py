@@ -8,10 +8,12 @@ of its own (`replay_child`, run under each tree's PYTHONPATH), the two trees alt
 
 A row per (fraction, tree): wall and CPU seconds, tokens/s, µs per block, peak RSS, and whether its
 counts are the baseline's (they must be: exit 1 when any differs). CPU seconds (user and system)
-are what the replay cost itself, which a busy machine's other work on the same core does not add to. Each tree also replays the same slice the
+are what the replay cost itself, which a busy machine's other work on the same core does not add to. Each
+tree also replays the same slice the
 way a user does, `python -m kvtool trace run SLICE --prefill-only --fidelity blocks ...` (imports,
 the size check, the progress bar, the report and all): its wall and CPU seconds and peak RSS are
-the row's `cli_seconds`, `cli_cpu_seconds` and `cli_peak_rss_mb` (`--no-cli` skips it). `--core` pins every replay to that core
+the row's `cli_seconds`, `cli_cpu_seconds` and `cli_peak_rss_mb` (`--no-cli` skips it). `--core` pins every
+replay to that core
 (taskset), and the load average is sampled each second through the run and recorded, so a row
 measured on a shared machine says how shared it was. With --output: results.csv, results.json
 and meta.json (machine, both commits, command, load).
@@ -33,8 +35,14 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.replay_speed import head_of
-from kvtool.report.run_folder import (git_commit, prepare_run_folder, settled_run_folders, write_file, write_json,
-                                      write_meta)
+from kvtool.report.run_folder import (
+    git_commit,
+    prepare_run_folder,
+    settled_run_folders,
+    write_file,
+    write_json,
+    write_meta,
+)
 
 THIS_TREE = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("replay_child.py")
@@ -52,7 +60,7 @@ class LoadSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self._thread.start()
         return self
 
@@ -101,7 +109,8 @@ def cli_under(tree: Path, head: Path, args: argparse.Namespace) -> dict:
     peak RSS (of that process alone: `wait4`'s usage)."""
     command = [sys.executable, "-P", "-m", "kvtool", "trace", "run", str(head), "--prefill-only", "--fidelity",
                "blocks", "--tokens-per-block", str(args.tokens_per_block), "--num-slots", str(args.num_slots),
-               "--connector", args.connector, *(["--connector-opt", f"capacity={args.capacity}"] if args.capacity else [])]
+               "--connector", args.connector,
+               *(["--connector-opt", f"capacity={args.capacity}"] if args.capacity else [])]
     if args.core is not None and shutil.which("taskset"):
         command = ["taskset", "-c", str(args.core), *command]
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                              "cpu_seconds": row["cpu_seconds"],
                              "tokens_per_second": row["tokens_per_second"], "us_per_block": row["us_per_block"],
                              "peak_rss_mb": row["peak_rss_mb"], "cli_seconds": row.get("cli_seconds"),
-                             "cli_cpu_seconds": row.get("cli_cpu_seconds"), "cli_peak_rss_mb": row.get("cli_peak_rss_mb"),
+                             "cli_cpu_seconds": row.get("cli_cpu_seconds"),
+                             "cli_peak_rss_mb": row.get("cli_peak_rss_mb"),
                              "hit_rate": row["counts"]["hit_rate"],
                              "counts_match": row["counts"] == measured["baseline"]["counts"],
                              "speedup": round(measured["baseline"]["seconds"] / row["seconds"], 3)})

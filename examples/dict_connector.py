@@ -33,8 +33,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 try:   # TensorRT-LLM's modules (real, or kvtool's under --compat trtllm)
-    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (KvCacheConnectorScheduler,
-                                                                               KvCacheConnectorWorker)
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+    )
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import valid_page_slots
 except ImportError:
     from kvtool.connector import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots
@@ -181,7 +183,7 @@ class DictConnectorWorker(KvCacheConnectorWorker):
 
     def start_load_kv(self, stream):
         for key, group, page in self._metadata.loads:
-            for region, saved in zip(self._regions[group], self._blocks[(key, group)]):
+            for region, saved in zip(self._regions[group], self._blocks[(key, group)], strict=True):
                 region.slot_tensor(page).copy_(saved)
 
     def wait_for_layer_load(self, layer_idx, stream):

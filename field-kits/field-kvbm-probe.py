@@ -15,6 +15,7 @@ def main(device):
     install_compat("trtllm")
     t0 = time.perf_counter()
     from kvbm.trtllm_integration.connector import DynamoKVBMConnectorLeader, DynamoKVBMConnectorWorker
+
     from kvtool.connector.loader import ConnectorSpec
     from kvtool.engine.engine import Engine, EngineConfig
     from kvtool.manager import KvCacheManagerConfig

@@ -20,8 +20,8 @@ import argparse
 import collections
 import cProfile
 import io
-import pstats
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -33,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvtool.bench import protocol_suite  # noqa: E402
-from kvtool.bench.protocol_engine import Workload  # noqa: E402
-from kvtool.bench.protocol_engine import block_bytes  # noqa: E402
+from kvtool.bench.protocol_engine import Workload, block_bytes  # noqa: E402
 from kvtool.connectors import store_worker  # noqa: E402
 from kvtool.connectors.registry import BUILTIN_CONNECTORS  # noqa: E402
 from kvtool.connectors.store_scheduler import BlockStoreScheduler  # noqa: E402
@@ -139,10 +138,10 @@ def raw_batches(out: Path, backends: list[str], page_sizes: list[int], counts: l
             pool = torch.randint(0, 256, (2 * count * page_bytes,), dtype=torch.uint8, device="cuda")
             store = torch.zeros(count * page_bytes, dtype=torch.uint8, pin_memory=True)
             flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            link = {"save": median_seconds(lambda: (store.copy_(flat_gpu, non_blocking=True),
-                                                    torch.cuda.synchronize()), 10),
-                    "load": median_seconds(lambda: (flat_gpu.copy_(store, non_blocking=True),
-                                                    torch.cuda.synchronize()), 10)}
+            link = {"save": median_seconds(lambda s=store, g=flat_gpu: (s.copy_(g, non_blocking=True),
+                                                                        torch.cuda.synchronize()), 10),
+                    "load": median_seconds(lambda s=store, g=flat_gpu: (g.copy_(s, non_blocking=True),
+                                                                        torch.cuda.synchronize()), 10)}
             gpu, host = PageSpace.contiguous(pool, page_bytes), PageSpace.contiguous(store, page_bytes)
             generator = torch.Generator().manual_seed(count)
             for layout, gpu_slots in (("consecutive", tuple(range(count))),
@@ -160,7 +159,7 @@ def raw_batches(out: Path, backends: list[str], page_sizes: list[int], counts: l
                         op = (CopyOp(gpu, host, gpu_slots, host_slots, page_bytes) if direction == "save" else
                               CopyOp(host, gpu, host_slots, gpu_slots, page_bytes))
 
-                        def once() -> None:
+                        def once(backend=backend, op=op) -> None:   # timed now, bound all the same
                             backend.copy([op])
                             backend.synchronize()
                         seconds = median_seconds(once, 10)

@@ -8,7 +8,6 @@ import os
 import tempfile
 from pathlib import Path
 
-
 TEMPORARY_GLOB = ".*.tmp"
 """What `publish`'s temporary files match, whatever file they stand for (a folder's sweep)."""
 

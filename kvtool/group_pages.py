@@ -12,7 +12,7 @@ keeping every list positionally aligned to block ordinals.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvtool.types import BAD_PAGE_INDEX
 
@@ -59,7 +59,7 @@ class GroupPages(Sequence[tuple[int, ...]]):
             return self._lists == other._lists
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
-        return len(other) == len(self._lists) and all(tuple(o) == p for o, p in zip(other, self._lists))
+        return len(other) == len(self._lists) and all(tuple(o) == p for o, p in zip(other, self._lists, strict=True))
 
     def __hash__(self) -> int:
         return hash(self._lists)
@@ -87,11 +87,11 @@ class GroupPages(Sequence[tuple[int, ...]]):
         return tuple(len(p) for p in self._lists)
 
     # ---- append-deltas -----------------------------------------------------------------------
-    def since(self, seen: Sequence[int]) -> "GroupPages":
+    def since(self, seen: Sequence[int]) -> GroupPages:
         """The delta after the first `seen[g]` entries of each group (a group not seen: all of it)."""
         return GroupPages(p[seen[g]:] if g < len(seen) else p for g, p in enumerate(self._lists))
 
-    def extended(self, delta: Sequence[Sequence[int]]) -> "GroupPages":
+    def extended(self, delta: Sequence[Sequence[int]]) -> GroupPages:
         """These lists with `delta[g]` appended to group `g` (the receiving side of `since`)."""
         # Tuples joined, not lists rebuilt: a decode step's delta is a page or none, and converting
         # every earlier entry again would cost a long request O(blocks) a step.

@@ -7,9 +7,10 @@ style `config.json`. Buffer bytes per block = tokens_per_block x num_heads x hea
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def with_dtype(self, dtype: DType) -> "ModelSpec":
+    def with_dtype(self, dtype: DType) -> ModelSpec:
         return replace(self, dtype=dtype)
 
     def buffer_bytes(self, buffer: BufferSpec, tokens_per_block: int) -> int:

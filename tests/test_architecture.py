@@ -38,7 +38,7 @@ def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE_ROOT.rglob("*.py")}
     known = set(paths)
     # A package's __init__ re-exports its own modules; that is not a loop between modules.
-    return {name: {m for m in imported_modules(path, known) if not path.name == "__init__.py"
+    return {name: {m for m in imported_modules(path, known) if path.name != "__init__.py"
                    or not m.startswith(name + ".")} - {name}
             for name, path in paths.items()}
 
@@ -84,7 +84,8 @@ def test_kvtool_has_no_import_loop():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer", "connector",
+LAYERS = ("types", "errors", "blocks", "atomic_file", "group_pages", "units", "models", "manager", "transfer",
+          "connector",
           "connectors", "inputs", "workloads", "engine", "bench", "validate", "report", "trace", "vllm_compat", "cli",
           "__main__")
 """Bottom-up, as ARCHITECTURE.md lists them: a module imports only from its own layer or one below."""

@@ -59,7 +59,8 @@ def test_plan_uses_the_defaults_and_the_options():
     assert repeats == 5 and {c.model for c in cases} == {"llama-3.1-8b", "gpt-oss-20b"}
     chosen = SweepChoice(("tiny",), (8, 16), ("layer",), (Direction.LOAD,), ("torch",), 1 << 20, 2, quick=False)
     cases, repeats = plan(chosen, cuda=True)
-    assert [(c.model, c.tokens_per_block, c.batch_bytes) for c in cases] == [("tiny", 8, 1 << 20), ("tiny", 16, 1 << 20)]
+    assert [(c.model, c.tokens_per_block, c.batch_bytes) for c in cases] == \
+        [("tiny", 8, 1 << 20), ("tiny", 16, 1 << 20)]
     assert repeats == 2
 
 
@@ -125,8 +126,10 @@ def _plot_rows() -> list[dict]:
     """Two models x two granularities x two block sizes: each layout has chunk sizes of its own, and
     GB/s that fall with the chunk in one layout and rise in another (one line across them zig-zags)."""
     rows = []
-    for model, granularity, chunk, slope in [("llama-3.1-8b", "slot", 1 << 19, 1), ("llama-3.1-8b", "layer", 1 << 14, -1),
-                                             ("gpt-oss-20b", "slot", 3 << 16, 2), ("gpt-oss-20b", "layer", 1 << 13, -1)]:
+    for model, granularity, chunk, slope in [("llama-3.1-8b", "slot", 1 << 19, 1),
+                                             ("llama-3.1-8b", "layer", 1 << 14, -1),
+                                             ("gpt-oss-20b", "slot", 3 << 16, 2),
+                                             ("gpt-oss-20b", "layer", 1 << 13, -1)]:
         for direction in ("save", "load"):
             for tpb in (4, 16):
                 for backend, scale in (("torch", 1.0), ("kernel", 10.0)):
@@ -152,7 +155,7 @@ def test_the_plot_draws_a_line_per_backend_in_a_panel_per_model_granularity_and_
         mine = [r for r in rows if (r["direction"], r["model"], r["granularity"]) == (direction, model, granularity)]
         for line in lines[:2]:
             points = sorted((r["chunk_bytes"], r["gbps"]) for r in mine if r["backend"] == line.get_label())
-            assert list(zip(line.get_xdata(), line.get_ydata())) == points and len(points) == 2
+            assert list(zip(line.get_xdata(), line.get_ydata(), strict=True)) == points and len(points) == 2
             assert colours.setdefault(line.get_label(), line.get_color()) == line.get_color()
         peak = lines[2]
         assert peak.get_linestyle() == "--" and list(peak.get_ydata()) == [504.0, 516.0]

@@ -75,7 +75,7 @@ def test_the_cpu_load_records_back_to_back_products_until_stopped():
     assert products and load.describe() == "fp32 256³ on cpu"
     assert before <= products[0].start and products[-1].end <= after
     assert all(p.seconds > 0 for p in products)
-    assert all(a.end <= b.start for a, b in zip(products, products[1:]))
+    assert all(a.end <= b.start for a, b in zip(products, products[1:], strict=False))
 
 
 def test_a_failing_product_is_raised_by_stop():

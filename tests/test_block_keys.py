@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.manager.block_keys import (
-    ReuseScope,
     _PACK_WINDOW_BLOCKS,
+    ReuseScope,
     block_key,
     chain_keys,
     chained_block_keys,

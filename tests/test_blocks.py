@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.blocks import ceil_div, num_live_blocks, stale_block_range
 from kvtool.connectors.registry import load_connector
@@ -71,7 +72,7 @@ def test_connector_view_and_manager_cannot_disagree(window, sinks, tpb, historie
     engine = Engine(config)
     args = engine.llm_args(load_connector("host"), {}, rank=0)
     assert len(args.layer_groups) == len(engine.manager.layer_groups)
-    for info, group in zip(args.layer_groups, engine.manager.layer_groups):
+    for info, group in zip(args.layer_groups, engine.manager.layer_groups, strict=True):
         assert (info.window_size, info.num_sink_tokens) == (group.window_size, group.num_sink_tokens)
         for h in histories:
             assert info.stale_range(h, tpb) == group.stale_range(h, tpb)

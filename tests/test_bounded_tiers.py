@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from typer.testing import CliRunner
-
 from helpers.servers import RedisServer, need_redis
 from helpers.traces import random_mooncake_trace
+from typer.testing import CliRunner
+
 from kvtool.cli import app
 from kvtool.trace.replay import run_trace
 from kvtool.trace.setup import ReplayOptions, build_replay

@@ -7,9 +7,9 @@ import json
 
 import pandas as pd
 import pytest
+from helpers.traces import random_mooncake_trace
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace
 from kvtool.cli import app
 from kvtool.report.study_figure import gib_tick, tokens_label
 from kvtool.trace.study import knee, recommendation, slo_attainment

@@ -134,7 +134,8 @@ def test_a_mistyped_builtin_connector_gets_a_suggestion():
 
 
 def test_a_mistyped_class_names_your_file_and_the_closest_class():
-    result = runner.invoke(app, ["trace", "run", SHIPPED, "--connector", f"{EXAMPLE}:DictSchedular:DictConnectorWorker"])
+    result = runner.invoke(app, ["trace", "run", SHIPPED, "--connector",
+                                 f"{EXAMPLE}:DictSchedular:DictConnectorWorker"])
     assert result.exit_code == 2, result.output
     assert f"{EXAMPLE} has no class DictSchedular (did you mean 'DictConnectorScheduler'?)" in result.stderr
     assert "kvtool_connector_" not in result.stderr
@@ -464,6 +465,7 @@ def test_default_capacities_that_cannot_fit_are_left_out_and_said(tmp_path, monk
 def test_fewer_sweep_replays_run_at_once_when_their_host_tiers_would_not_fit_together(capsys):
     import importlib
     import os
+
     from kvtool.trace.setup import ReplayOptions
     sweep = importlib.import_module("kvtool.cli.trace_sweep")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

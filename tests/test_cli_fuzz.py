@@ -6,7 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtool.cli import app

@@ -18,6 +18,7 @@ from kvtool.manager.droppable import DroppablePages
 from kvtool.manager.page_cells import PageCells
 from kvtool.manager.radix_tree import RadixTree
 
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["release", "take", "evict"]), st.integers(0, 15), st.integers(0, 2)),
                 max_size=60))

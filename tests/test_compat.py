@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from kvtool.connector import rank_context
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
-from kvtool.connector.loader import ConnectorSpec
 from tests.helpers.engines import make_engine
 
 IMPORTS = """
@@ -65,4 +65,5 @@ def test_every_hook_runs_as_its_rank_and_the_mapping_agrees():
     assert sorted(set(_RankRecorder.seen)) == [(0, 0, 2), (1, 1, 2)]
     assert rank_context.current_rank() == 0
     args = engine.llm_args(spec, {}, 1)
-    assert (args.tensor_parallel_size, args.enable_attention_dp, args.parallel_config.to_mapping().tp_rank) == (1, False, 0)
+    assert (args.tensor_parallel_size, args.enable_attention_dp,
+            args.parallel_config.to_mapping().tp_rank) == (1, False, 0)

@@ -166,7 +166,7 @@ def test_C3_build_once_per_scheduling_iteration_bound_before_start_load_kv():
     run(engine, Request(1, PROMPT, 3))
     builds, binds, starts = at("build_connector_meta"), at("bind"), at("start_load_kv")
     assert len(builds) == len(starts) == 3 == engine.stats.iterations   # prefill + 2 decode steps
-    assert all(b < bind < s for b, bind, s in zip(builds, binds, starts))
+    assert all(b < bind < s for b, bind, s in zip(builds, binds, starts, strict=True))
 
 
 def test_C4_each_pass_loads_then_waits_and_saves_layer_by_layer_then_waits_for_save():
@@ -174,8 +174,9 @@ def test_C4_each_pass_loads_then_waits_and_saves_layer_by_layer_then_waits_for_s
     run(engine, Request(1, PROMPT, 2))
     worker_hooks = [(h, a) for h, a in LOG if h in ("start_load_kv", "wait_for_layer_load", "save_kv_layer",
                                                     "wait_for_save")]
-    one_pass = [("start_load_kv", None)] + [(h, i) for i in range(LAYERS)
-                                            for h in ("wait_for_layer_load", "save_kv_layer")] + [("wait_for_save", None)]
+    one_pass = ([("start_load_kv", None)]
+                + [(h, i) for i in range(LAYERS) for h in ("wait_for_layer_load", "save_kv_layer")]
+                + [("wait_for_save", None)])
     assert worker_hooks == one_pass * 2
 
 

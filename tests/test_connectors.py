@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 
-from kvtool.connector.loader import ConnectorSpec
-from kvtool.connectors.registry import load_connector
-from kvtool.connector.request import Request
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex, zeroed_host_bytes
 from kvtool import atomic_file
+from kvtool.connector.loader import ConnectorSpec
+from kvtool.connector.request import Request
 from kvtool.connectors.disk import DiskConnectorScheduler, block_path, read_block, write_block
+from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, SlotIndex, zeroed_host_bytes
+from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import Phase
 from kvtool.engine.scheduler import SchedulerConfig

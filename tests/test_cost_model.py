@@ -102,14 +102,15 @@ def test_vllms_published_latency_run_replayed(tmp_path):
 
 def rows(arrivals, scheduled, first_tokens, ends):
     return [RequestRow(i, a, 100, first_scheduled=s, first_token=f, finished=e)
-            for i, (a, s, f, e) in enumerate(zip(arrivals, scheduled, first_tokens, ends))]
+            for i, (a, s, f, e) in enumerate(zip(arrivals, scheduled, first_tokens, ends, strict=True))]
 
 
 def test_an_engine_that_falls_behind_its_arrivals_is_said_to_be_overloaded():
     behind = load_check(rows([0, 1, 2, 3], [0, 4, 8, 12], [3, 7, 11, 15], [3, 7, 11, 15]))
     assert behind == LoadCheck(arrival_rate=4 / 3, served_rate=4 / 15, prompt_tokens_per_s=400 / 3,
                                queue_p50_s=4.5, ttft_p50_s=7.5)       # queued 0, 3, 6, 9; TTFT 3, 6, 9, 12
-    assert behind.overloaded and "requests arrive at 1.33/s (133 prompt tokens/s) and it served 0.267/s" in behind.note()
+    assert behind.overloaded
+    assert "requests arrive at 1.33/s (133 prompt tokens/s) and it served 0.267/s" in behind.note()
     keeping_up = load_check(rows([0, 1, 2, 3], [0, 1, 2, 3], [0.5, 1.5, 2.5, 3.5], [0.5, 1.5, 2.5, 3.5]))
     assert not keeping_up.overloaded and keeping_up.note() is None
     assert load_check(rows([0, 0], [0, 1], [1, 2], [1, 2])) is None                 # a batch: no rate

@@ -11,8 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.transfer import CopyOp, PageSpace, get_backend
-from kvtool.transfer.descriptors import (PitchedCopy, direct_copies, paired_runs, reference_pitched_copies,
-                                        reference_run_batch, run_batch)
+from kvtool.transfer.descriptors import (
+    PitchedCopy,
+    direct_copies,
+    paired_runs,
+    reference_pitched_copies,
+    reference_run_batch,
+    run_batch,
+)
 
 
 def test_runs_are_taken_in_host_order_and_break_where_either_side_jumps():

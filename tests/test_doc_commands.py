@@ -69,7 +69,8 @@ def of(kind: str) -> list[Block]:
 
 def test_every_block_says_where_it_runs():
     unmarked = [str(b) for b in blocks() if b.where not in KINDS or (b.where == "not-run") != bool(b.why)]
-    assert not unmarked, f"mark these bash blocks with <!-- doc-commands: test|redis|gpu|ci|not-run (why) -->: {unmarked}"
+    assert not unmarked, \
+        f"mark these bash blocks with <!-- doc-commands: test|redis|gpu|ci|not-run (why) -->: {unmarked}"
     assert len(of("test")) >= 5 and of("ci")
 
 
@@ -113,7 +114,8 @@ def test_a_gpu_block_says_so_without_a_gpu(block, tmp_path):
     for command in block.commands():
         done = _run(block, tmp_path, command)
         errors = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("kvtool: error: "), (command, done.stderr)
+        assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("kvtool: error: "), \
+            (command, done.stderr)
         assert "CUDA" in errors[0] or "cannot run here" in errors[0], errors
 
 
@@ -150,7 +152,8 @@ def test_the_commands_run_nowhere_are_few():
     """Each says why; there are no more than these."""
     reasons = {str(b): b.why for b in of("not-run")}
     assert all(len(why.split()) >= 4 for why in reasons.values()), reasons
-    assert len(reasons) <= 6, reasons   # the fifth: vLLM's CPU build, an extra CI does not install; the sixth: the GPU session of held work
+    # the fifth: vLLM's CPU build, an extra CI does not install; the sixth: the GPU session of held work
+    assert len(reasons) <= 6, reasons
 
 
 def test_a_block_without_a_mark_is_found(tmp_path):

@@ -4,7 +4,8 @@ the radix tree commits accepted blocks only, and connectors see `num_scheduled_t
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.connector.compat import get_draft_token_length
 from kvtool.connector.loader import load_connector
@@ -12,7 +13,7 @@ from kvtool.connector.request import Request
 from kvtool.engine.drafts import DraftModel
 from kvtool.validate.draft_scenarios import draft_tokens
 from kvtool.validate.harness import Context
-from tests.helpers.engines import make_engine, scripted, sched
+from tests.helpers.engines import make_engine, sched, scripted
 
 EXAMPLE = "examples/dict_connector.py:DictConnectorScheduler:DictConnectorWorker"
 BROKEN = "tests/helpers/broken_draft_connectors.py:SavesWhatDraftsWouldComplete:StagingWorker"
@@ -89,20 +90,24 @@ def test_the_draft_scenario_passes_the_example_and_catches_saving_before_accepta
 
 def test_trace_run_with_drafts_replays_in_fewer_iterations_with_right_bytes(tmp_path):
     import json
+
     from typer.testing import CliRunner
+
     from kvtool.cli import app
     runner, summaries = CliRunner(), {}
     for k in (0, 3):
         out = tmp_path / f"k{k}"
         done = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--connector", "host",
-                                   "--no-local-reuse", "--draft-tokens", str(k), "--acceptance", "0.7", "--output", str(out)])
+                                   "--no-local-reuse", "--draft-tokens", str(k), "--acceptance", "0.7",
+                                   "--output", str(out)])
         assert done.exit_code == 0, done.output
         summaries[k] = json.loads((out / "summary.json").read_text())
     assert summaries[3]["iterations"] < summaries[0]["iterations"]
     assert summaries[3]["generated_tokens"] == summaries[0]["generated_tokens"]
     assert summaries[3]["integrity_errors"] == 0 and summaries[3]["failed_requests"] == 0
     assert summaries[3]["connector_hit_tokens"] > 0
-    bad = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--draft-tokens", "2", "--acceptance", "1.5"])
+    bad = runner.invoke(app, ["trace", "run", "workloads/shared_prefix.jsonl", "--draft-tokens", "2",
+                              "--acceptance", "1.5"])
     assert bad.exit_code == 2 and "--acceptance is a probability" in bad.output
 
 

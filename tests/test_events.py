@@ -5,8 +5,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.connector.request import Request
-from kvtool.engine.events import (Arrived, Ask, Cancel, Deliver, EventLog, EventStream, Evicted, Finished, LoadFinished,
-                                  LoadStarted, PassDone, Reserve, SaveFinished, SaveStarted)
+from kvtool.engine.events import (
+    Arrived,
+    Ask,
+    Cancel,
+    Deliver,
+    EventLog,
+    EventStream,
+    Evicted,
+    Finished,
+    LoadFinished,
+    LoadStarted,
+    PassDone,
+    Reserve,
+    SaveFinished,
+    SaveStarted,
+)
 from kvtool.engine.request_state import FailureReason
 from tests.helpers.engines import make_engine, scripted
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
 
@@ -32,7 +33,7 @@ def test_every_lookup_equals_a_fresh_computation(ops, budget):
         positions = np.unique(np.arange(len(hashes[request]))[::1 + salt])
         got = cache.at(request, 3, hashes[request], positions, compute)
         want = compute(hashes[request][positions])
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_each_position_is_computed_once_while_the_hashes_only_grow():

@@ -53,7 +53,8 @@ def test_a_failure_is_named_while_the_run_is_still_going(tmp_path, workers):
     release = tmp_path / "release"
     (tmp_path / "test_cases.py").write_text(CASES.format(release=str(release)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONPATH": str(REPO)}
-    run = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-ra", "-p", "xdist",
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-ra",
+                            "-p", "xdist",
                             "-n", workers, "--rootdir", str(tmp_path), str(tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
     wanted = {"FAILED test_cases.py::test_fails", "ERROR test_cases.py::test_setup_fails (at setup)"}

@@ -1,14 +1,15 @@
 """The fake engine catches what a single-byte fill cannot: wrong slot, swapped layer or role, shifts."""
 
 import numpy as np
-import torch
-from hypothesis import given, strategies as st
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvtool.engine.fake_engine import FakeEngine
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.byte_origin import Coordinate, Origins
+from kvtool.engine.fake_engine import FakeEngine
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, mix64, unmix64
+from kvtool.engine.pass_types import PassItem
 from kvtool.group_pages import GroupPages
 from kvtool.manager.manager import POISON_BYTE, RELEASED_POISON_BYTE
 from kvtool.types import BAD_PAGE_INDEX, Role
@@ -73,7 +74,8 @@ def test_swapped_layers_are_caught(setup):
     region = manager.layout.group(0).regions[0]
     view = region.as_tensor()
     page = cache.get_page_indices(0)[0]
-    layer0, layer1 = view[page, :2 * region.buffer_bytes].clone(), view[page, 2 * region.buffer_bytes:4 * region.buffer_bytes].clone()
+    layer0 = view[page, :2 * region.buffer_bytes].clone()
+    layer1 = view[page, 2 * region.buffer_bytes:4 * region.buffer_bytes].clone()
     view[page, :2 * region.buffer_bytes] = layer1
     view[page, 2 * region.buffer_bytes:4 * region.buffer_bytes] = layer0
     fake.verify_cache(1, list(range(40, 52)), cache.page_indices_by_group(), 12)
@@ -253,4 +255,4 @@ def test_parts_moved_to_another_device_keep_their_shapes_order_and_bytes_in_one_
     moved = _moved(parts, torch.device("meta"))
     assert copies == [torch.device("meta")]
     assert [tuple(m.shape) for m in moved] == [(3, 2, 4), (3, 2, 3)]
-    assert all(torch.equal(m, p) for m, p in zip(moved, parts))
+    assert all(torch.equal(m, p) for m, p in zip(moved, parts, strict=True))

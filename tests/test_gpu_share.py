@@ -87,7 +87,8 @@ def test_under_pytest_xdist_an_alone_test_overlaps_no_other_and_shared_ones_over
                            "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr
-    spans = {name: (float(start), float(end)) for name, start, end in (line.split() for line in log.read_text().splitlines())}
+    spans = {name: (float(start), float(end))
+             for name, start, end in (line.split() for line in log.read_text().splitlines())}
     alone = spans.pop("alone")
     assert len(spans) == 4
     assert all(end <= alone[0] or start >= alone[1] for start, end in spans.values()), spans

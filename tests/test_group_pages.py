@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtool.group_pages import GroupPages
 from kvtool.types import BAD_PAGE_INDEX as B

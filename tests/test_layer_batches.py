@@ -142,6 +142,7 @@ def test_a_shifted_table_and_shifted_runs_equal_those_built_at_the_other_offsets
     """What staged's `build_layers` relies on: layer k's descriptors and copy-engine runs are layer
     0's moved by layer k's offsets (built once, shifted 31 times on a 32-layer model)."""
     import torch
+
     from kvtool.transfer.api import CopyOp, PageSpace
     from kvtool.transfer.descriptors import direct_copies, op_descriptors, shifted_copy, shifted_descriptors
     pages = PageSpace.contiguous(torch.zeros(16 * 4096, dtype=torch.uint8), 4096)
@@ -184,6 +185,7 @@ def test_a_layer_launched_twice_in_a_pass_is_a_logic_error():
 
 def test_stacked_shifts_equal_one_shifted_table_after_another():
     import numpy as np
+
     from kvtool.transfer.descriptors import DESC_DTYPE, shifted_descriptors, stacked_shifted_descriptors
     descs = np.zeros(5, dtype=DESC_DTYPE)
     descs["src"], descs["dst"], descs["nbytes"] = np.arange(5) * 4096 + 2**40, np.arange(5) * 512 + 2**41, 512

@@ -126,7 +126,7 @@ def test_allocated_and_virtual_layouts_agree_but_for_bases():
     config = KvCacheManagerConfig(load_model("gemma-3-27b"), 4, num_slots=3, device="cpu")
     virtual = compute_layout(config)
     manager = make_manager("gemma-3-27b", 4, num_slots=3)
-    for v, a in zip(virtual.layer_groups, manager.layout.layer_groups):
+    for v, a in zip(virtual.layer_groups, manager.layout.layer_groups, strict=True):
         assert [(r.size, r.stride, r.num_slots, r.buffers) for r in v.regions] == \
                [(r.size, r.stride, r.num_slots, r.buffers) for r in a.regions]
     assert not manager.layout.is_virtual and virtual.is_virtual

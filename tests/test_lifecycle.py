@@ -9,9 +9,9 @@ from pathlib import Path
 from kvtool.connector.request import Request
 from kvtool.engine.events import Paused, SaveFinished
 from kvtool.engine.fake_engine import FakeEngine
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.lifecycle import SaveHolds
 from kvtool.engine.pass_driver import PassDriver, PassPlan
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.rank_group import LocalRankGroup
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder
 from kvtool.engine.rank_pass import RankPass

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtool.manager import ReuseScope
-from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus
 from kvtool.manager.integrity import check_manager
+from kvtool.types import BAD_PAGE_INDEX, KvCacheStatus
 from tests.helpers.managers import make_manager
 
 TPB = 4
@@ -46,7 +46,7 @@ def verify(manager, cache, sequence):
 
 def lcp(a, b):
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -49,7 +49,8 @@ def test_hf_llama_config_matches_the_preset_shape():
 
 def test_hf_gemma3_uses_text_config_and_the_window_pattern():
     spec = load_model(f"{DATA}/gemma3-like/config.json")
-    assert [layer.window_size for layer in spec.layers] == [layer.window_size for layer in load_model("gemma-3-27b").layers]
+    assert [layer.window_size for layer in spec.layers] == \
+        [layer.window_size for layer in load_model("gemma-3-27b").layers]
 
 
 def test_hf_layer_types_and_mla():

@@ -137,7 +137,7 @@ def test_the_cells_agree_with_a_model_of_pages(operations, callbacks):
             chosen = [s for s in in_use if model.pages[s][2] == NO_NODE][:count]
             nodes = list(range(next_node, next_node + len(chosen)))
             next_node += len(chosen)
-            for slot, node in zip(chosen, nodes):
+            for slot, node in zip(chosen, nodes, strict=True):
                 model.pages[slot][2:] = [node, priority]
             table.attach(GROUP, np.array(chosen, dtype=np.int64), np.array(nodes, dtype=np.int64), priority)
         cells = table.cells(PG)

@@ -54,7 +54,7 @@ def test_a_pass_of_four_requests_is_one_copy_call_per_direction(mode, model):
         saves = [(it, ops) for it, ops in calls if all(id(op.dst.tensor) in store for op in ops)]
         loads = [(it, ops) for it, ops in calls if all(id(op.src.tensor) in store for op in ops)]
         assert len(saves) + len(loads) == len(calls)
-        for batches, expected in zip((saves, loads), SLOTS_PER_CALL[model, mode]):
+        for batches, expected in zip((saves, loads), SLOTS_PER_CALL[model, mode], strict=True):
             assert len({it for it, _ in batches}) == 1          # one pass
             assert [[len(op.src_slots) for op in ops] for _, ops in batches] == expected
     finally:

@@ -11,7 +11,7 @@ from kvtool.engine.events import EventLog, Paused
 from kvtool.engine.request_state import Phase
 from kvtool.validate.harness import Context
 from kvtool.validate.pause_scenarios import pause_replay
-from tests.helpers.engines import make_engine, scripted, sched
+from tests.helpers.engines import make_engine, sched, scripted
 
 PAUSING = "tests/helpers/broken_pause_connectors.py:KeepsPagesAcrossPause:DictConnectorWorker"
 
@@ -56,6 +56,7 @@ def test_the_connector_hears_request_finished_early_and_the_replay_is_asked_agai
 
 def test_without_pausing_greedy_admission_runs_out_of_pages():
     import pytest
+
     from kvtool.errors import OutOfPagesError
     engine = make_engine(scripted(lambda r, n: (0, False)), num_slots=12)
     _growing(engine)
@@ -80,6 +81,7 @@ def test_pause_replay_catches_a_worker_page_table_that_keeps_a_replayed_requests
     saves its recomputed block from the old page (someone else's now) under its key, and the repeat
     of its conversation loads those bytes. Every other scenario passes as the example does."""
     import re
+
     from kvtool.validate.runner import run_all
     from kvtool.validate.scenarios import SCENARIOS
     spec = load_connector(PAGE_TABLE, {})

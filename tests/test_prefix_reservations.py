@@ -30,8 +30,15 @@ from kvtool.connector.request import Request
 from kvtool.connectors.host import ReservingHostScheduler
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.events import EventLog, Finished, LoadFinished, PassDone, PrefixLoadRetired, ReservationReleased, \
-    Reserved
+from kvtool.engine.events import (
+    EventLog,
+    Finished,
+    LoadFinished,
+    PassDone,
+    PrefixLoadRetired,
+    ReservationReleased,
+    Reserved,
+)
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import FailureReason, Phase
 from kvtool.engine.runtimes import RuntimeName
@@ -451,7 +458,7 @@ def workloads(draw):
     prompts = [draw(st.lists(st.integers(1, 6), min_size=1, max_size=30)) for _ in range(n)]
     offers = [(draw(st.integers(0, 34)), draw(st.booleans())) for _ in range(n)]
     new_tokens = [draw(st.integers(1, 4)) for _ in range(n)]
-    need = max(-(-(len(p) + t) // tpb) for p, t in zip(prompts, new_tokens))
+    need = max(-(-(len(p) + t) // tpb) for p, t in zip(prompts, new_tokens, strict=True))
     num_slots = need + draw(st.integers(0, 12))
     lags = draw(st.lists(st.integers(0, 3), min_size=2, max_size=2))
     num_ranks = draw(st.sampled_from([1, 2]))
@@ -480,7 +487,7 @@ def test_every_promise_is_released_exactly_once_whatever_the_workload(workload):
     for worker in engine.connector.workers:
         worker.fake = engine.fake
     log = logged(engine)
-    for i, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
+    for i, (prompt, tokens) in enumerate(zip(prompts, new_tokens, strict=True)):
         engine.add_request(Request(i, [t + 10 * (i % 2) for t in prompt], tokens))   # some share prefixes
     try:   # Engine.is_done waits for the last prefix load to retire
         while not engine.is_done() and engine.iteration < 400:

@@ -17,16 +17,16 @@ from kvtool.connectors.metadata import StoreMetadata
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import EventLog, SaveFinished, SaveStarted
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.pass_driver import PassPlan
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.ranks import FinishedOrder, PassOrder, RankExecutor, RankGroupError, RankSetup
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.trace.replay import run_trace
-from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
+from kvtool.trace.replay import run_trace
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_all
+from kvtool.workloads.source import load_workload
 from tests.helpers.rank_connectors import SlowRank1
 
 runner = CliRunner()

@@ -10,16 +10,15 @@ import pytest
 
 from kvtool.connectors.block_codec import encode_block
 from kvtool.connectors.redis_store import RedisBlockStore
-from kvtool.engine.request_state import Phase
-from kvtool.errors import InputError
-from kvtool.manager import ReuseScope
-from kvtool.manager.block_keys import chained_block_keys
-from tests.helpers.servers import CuttingProxy, RedisServer, need_redis
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import Engine, EngineConfig
+from kvtool.engine.request_state import Phase
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.manager import KvCacheManagerConfig
+from kvtool.errors import InputError
+from kvtool.manager import KvCacheManagerConfig, ReuseScope
+from kvtool.manager.block_keys import chained_block_keys
 from kvtool.models import load_model
+from tests.helpers.servers import CuttingProxy, RedisServer, need_redis
 from tests.test_connectors import SHARED, requests, tokens_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvtool redis connector")
@@ -353,8 +352,8 @@ def test_tensor_parallel_ranks_each_save_and_are_served_their_own_shard(server, 
 
 def test_the_index_tier_saves_in_every_mode(server):
     """Block fidelity's redis-index writes its headers whether saves come per pass or per layer."""
-    from kvtool.engine.engine import Engine, EngineConfig
     from kvtool.connectors.registry import load_connector as load
+    from kvtool.engine.engine import Engine, EngineConfig
     for mode in ("sync", "layerwise"):
         config = EngineConfig(KvCacheManagerConfig(load_model("tiny"), 4, num_slots=64, device="cpu"),
                               SchedulerConfig(local_reuse=False), fidelity="blocks")

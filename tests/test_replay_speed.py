@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from helpers.traces import random_mooncake_trace
+
 from benchmarks.replay_speed import main
 
 

@@ -10,11 +10,11 @@ from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.request_state import FailureReason, Offer, Phase
 from kvtool.errors import ConnectorError, InputError, IterationLimitError, LogicError
 from kvtool.manager import KvCacheManagerConfig
+from kvtool.manager.integrity import check_manager
 from kvtool.models import load_model
 from kvtool.types import BAD_PAGE_INDEX
-from kvtool.manager.integrity import check_manager
 from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
-from tests.helpers.engines import make_engine, scripted, sched
+from tests.helpers.engines import make_engine, sched, scripted
 
 B = BAD_PAGE_INDEX
 
@@ -310,11 +310,13 @@ def test_a_tensor_only_worker_gets_the_pool_for_a_single_region_layout():
     _TensorOnly.tensors.clear()
     make_engine(scripted(lambda r, n: (0, False), worker=_TensorOnly), num_slots=8)
     (tensor,) = _TensorOnly.tensors
-    assert tuple(tensor.shape) == (8, 4, 2, 4 * 2 * 16) and str(tensor.dtype) == "torch.bfloat16"   # TensorRT-LLM's pool
+    # TensorRT-LLM's pool
+    assert tuple(tensor.shape) == (8, 4, 2, 4 * 2 * 16) and str(tensor.dtype) == "torch.bfloat16"
 
 
 def test_a_tensor_only_worker_gets_the_actionable_error_for_vswa():
-    with pytest.raises(InputError, match="does not implement register_kv_cache_layout, and this KV cache is not one pool"):
+    with pytest.raises(InputError,
+                       match="does not implement register_kv_cache_layout, and this KV cache is not one pool"):
         make_engine(scripted(lambda r, n: (0, False), worker=_TensorOnly), model="tiny-vswa")
 
 

@@ -6,14 +6,14 @@ prompt, an empty background load on the release V2)."""
 from __future__ import annotations
 
 from kvtool.connector.request import Request
-from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.manager import KvCacheManagerConfig
-from kvtool.models import load_model
 from kvtool.connectors.registry import load_connector
+from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import Finished, PassDone, PrefixLoadRetired
 from kvtool.engine.request_state import FailureReason
 from kvtool.engine.runtimes import RuntimeName
+from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.manager import KvCacheManagerConfig
+from kvtool.models import load_model
 from tests.helpers.engines import make_engine, scripted
 from tests.test_prefix_reservations import ReservingScheduler, logged, released_once, reserving
 

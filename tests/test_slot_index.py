@@ -4,7 +4,8 @@ reference model of both policies under random operations."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.connectors.slot_index import LfuSlotIndex, SlotIndex, check_eviction, slot_index
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from helpers.servers import RedisServer, need_redis
 from helpers.traces import random_mooncake_trace
+from typer.testing import CliRunner
+
 from kvtool.cli import app
 
 runner = CliRunner()
@@ -64,7 +64,8 @@ def test_the_remote_tiers_loads_cost_its_own_rate(trace, server, tmp_path):
                          f"url={server.url}", "--connector-opt", f"prefix=stack-{gbps}", "--cost-model",
                          "--remote-gbps", gbps, output=tmp_path / gbps)
         ttft[gbps] = summary["ttft"]["with_connector"]["mean"]
-        assert json.loads((tmp_path / gbps / "meta.json").read_text())["cost_model"]["tier_gbps"]["remote"] == float(gbps)
+        meta = json.loads((tmp_path / gbps / "meta.json").read_text())
+        assert meta["cost_model"]["tier_gbps"]["remote"] == float(gbps)
     assert ttft["1"] > ttft["1000"]
 
 

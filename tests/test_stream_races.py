@@ -58,7 +58,8 @@ def test_reading_first_still_finds_a_page_never_written():
 
 def test_writes_are_delayed_on_the_forward_stream_and_connector_streams_only_at_load_hooks():
     spins = []
-    races = StreamRaces(0.001, {"start_load_kv": 0.002}, spin_on=lambda seconds, stream: spins.append((seconds, stream)))
+    races = StreamRaces(0.001, {"start_load_kv": 0.002},
+                        spin_on=lambda seconds, stream: spins.append((seconds, stream)))
     races.install()
     try:
         assert torch.cuda.Stream.__new__ is not stream_races._ORIGINAL_NEW   # streams made now are noted

@@ -16,8 +16,9 @@ ROW = {"connector": LONG, "direction": "save", "model": "llama-3.1-8b", "tokens_
 
 
 def rendered(table, width=80) -> list[str]:
-    console = Console(width=width, record=True, file=open("/dev/null", "w"))
-    console.print(table)
+    with open("/dev/null", "w") as sink:
+        console = Console(width=width, record=True, file=sink)
+        console.print(table)
     return console.export_text().splitlines()
 
 
@@ -64,4 +65,5 @@ def test_the_validate_table_at_80_columns_cuts_no_name_and_keeps_the_evidence():
 def test_the_validate_table_at_140_columns_has_a_column_each():
     results = [CheckResult("cold-warm", "tiny", "integrity", Verdict.PASS, 0.5, ["ok"])]
     (header,) = [line for line in rendered(_table(results, "host", width=140), 140) if "scenario" in line]
-    assert [h.strip() for h in header.split("┃")[1:-1]] == ["scenario", "model / runtime", "check", "verdict", "time", "evidence"]
+    assert [h.strip() for h in header.split("┃")[1:-1]] == \
+        ["scenario", "model / runtime", "check", "verdict", "time", "evidence"]

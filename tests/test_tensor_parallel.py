@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app
 from kvtool.engine.fake_engine import FakeEngine
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fingerprint import expected_bytes
+from kvtool.engine.pass_types import PassItem
 from kvtool.errors import InputError
 from kvtool.manager import KvCacheManager, KvCacheManagerConfig, compute_layout
 from kvtool.models import load_model, shard_model
@@ -31,7 +31,8 @@ def test_a_rank_holds_its_slice_of_the_heads():
     assert shard.shard_name == "llama-3.1-8b tp1/2"
     whole = KvCacheManagerConfig(model, 32, num_slots=4)
     half = KvCacheManagerConfig(shard, 32, num_slots=4)
-    assert compute_layout(half).layer_groups[0].bytes_per_page * 2 == compute_layout(whole).layer_groups[0].bytes_per_page
+    assert compute_layout(half).layer_groups[0].bytes_per_page * 2 == \
+        compute_layout(whole).layer_groups[0].bytes_per_page
 
 
 def test_an_mla_latent_is_whole_on_every_rank():
@@ -41,7 +42,8 @@ def test_an_mla_latent_is_whole_on_every_rank():
         assert (latent.num_heads, latent.first_head, latent.latent) == (1, 0, True)
 
 
-@pytest.mark.parametrize(("tp", "rank", "words"), [(3, 0, "does not divide the 8 KV heads"), (2, 2, "--rank must be in [0, 2)"),
+@pytest.mark.parametrize(("tp", "rank", "words"), [(3, 0, "does not divide the 8 KV heads"),
+                                                   (2, 2, "--rank must be in [0, 2)"),
                                                    (0, 0, "--tp must be at least 1")])
 def test_impossible_shards_are_input_errors(tp, rank, words):
     with pytest.raises(InputError, match=words.replace("[", r"\[").replace(")", r"\)")):
@@ -100,8 +102,8 @@ def test_a_rank_holding_another_ranks_heads_is_caught_with_the_global_head():
     tokens = list(range(5, 19))
     (m0, rank0), (m1, rank1) = _engine(shard_model(model, 2, 0)), _engine(shard_model(model, 2, 1))
     _forward(rank1, tokens)
-    for g0, g1 in zip(m0.layout.layer_groups, m1.layout.layer_groups):
-        for r0, r1 in zip(g0.regions, g1.regions):
+    for g0, g1 in zip(m0.layout.layer_groups, m1.layout.layer_groups, strict=True):
+        for r0, r1 in zip(g0.regions, g1.regions, strict=True):
             r0.as_tensor().copy_(r1.as_tensor())     # rank 0's pages now hold rank 1's heads
     rank0.verify_cache(1, tokens, [list(range(4))], len(tokens))
     assert rank0.num_integrity_errors > 0

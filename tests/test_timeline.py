@@ -4,9 +4,9 @@ import json
 from collections import defaultdict
 
 import pytest
+from helpers.traces import random_mooncake_trace
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace
 from kvtool.cli import app
 
 runner = CliRunner()
@@ -43,7 +43,8 @@ def test_every_requests_spans_nest_inside_its_track(tmp_path, args):
     for event in events:
         if event["ph"] in ("X", "i") and event["pid"] == 1:
             tracks[event["tid"]].append(event)
-    num_requests = sum(1 for _ in open(args[0]))
+    with open(args[0]) as workload:
+        num_requests = sum(1 for _ in workload)
     assert sorted(tracks) == list(range(num_requests))
     for request_id, track in tracks.items():
         (whole,) = [e for e in track if e["name"] == f"request {request_id}"]

@@ -4,7 +4,8 @@ no connector, on every model shape, with chunked prefill, local reuse, drafts an
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.engine.engine import Engine

@@ -3,12 +3,12 @@
 import json
 
 import pytest
+from helpers.traces import random_mooncake_trace, reusable_tokens
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace, reusable_tokens
 from kvtool.cli import app
-from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.trace.replay import run_trace
+from kvtool.trace.setup import ReplayOptions, build_replay
 
 runner = CliRunner()
 TINY_BLOCK_BYTES_PER_TOKEN = 2 * 4 * 2 * 16 * 2   # K and V x 4 layers x 2 heads x 16 dims x bf16

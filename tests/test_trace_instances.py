@@ -9,14 +9,21 @@ import threading
 import time
 from pathlib import Path
 
-
 import pandas as pd
 import pytest
-
 from helpers.traces import random_mooncake_trace
-from kvtool.trace.instances import (LATENCIES, ROUTE_BLOCK_TOKENS, Route, _lockstep, assign_requests, fleet_rows,
-                                    latency_columns, with_load_ratios)
+
 from kvtool.connector.request import Request
+from kvtool.trace.instances import (
+    LATENCIES,
+    ROUTE_BLOCK_TOKENS,
+    Route,
+    _lockstep,
+    assign_requests,
+    fleet_rows,
+    latency_columns,
+    with_load_ratios,
+)
 from tests.helpers.servers import RedisServer, need_redis
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "shared_prefix.jsonl"
@@ -103,8 +110,10 @@ def test_an_instance_that_dies_is_reported_not_waited_for():
 
 def test_the_fleet_row_has_percentiles_over_every_request_and_the_busiest_load():
     rows = with_load_ratios([
-        {"instance": 0, "prompt_tokens": 300, "local_hit_tokens": 0, "connector_hit_tokens": 0, LATENCIES: ([1.0, 2.0, 3.0], [0.1])},
-        {"instance": 1, "prompt_tokens": 200, "local_hit_tokens": 50, "connector_hit_tokens": 50, LATENCIES: ([4.0], [])}])
+        {"instance": 0, "prompt_tokens": 300, "local_hit_tokens": 0, "connector_hit_tokens": 0,
+         LATENCIES: ([1.0, 2.0, 3.0], [0.1])},
+        {"instance": 1, "prompt_tokens": 200, "local_hit_tokens": 50, "connector_hit_tokens": 50,
+         LATENCIES: ([4.0], [])}])
     for row in rows:
         row.update(num_requests=1, computed_tokens=0, cancelled_tokens=0, integrity_errors=0, failed_requests=0,
                    iterations=1, evictions=0, wall_seconds=1.0, failed_checks="")

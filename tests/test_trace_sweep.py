@@ -4,9 +4,9 @@ import json
 
 import pandas as pd
 import pytest
+from helpers.traces import random_mooncake_trace, reusable_tokens
 from typer.testing import CliRunner
 
-from helpers.traces import random_mooncake_trace, reusable_tokens
 from kvtool.cli import app
 
 runner = CliRunner()
@@ -21,7 +21,7 @@ def test_a_sweep_in_processes_rises_to_the_bound_and_writes_its_files(tmp_path):
                                  "--tokens-per-block", "16,32", "--jobs", "2", "--output", str(out)])
     assert result.exit_code == 0, result.output
     frame = pd.read_csv(out / "sweep.csv")
-    assert list(zip(frame["tokens_per_block"], frame["capacity_tokens"])) == [
+    assert list(zip(frame["tokens_per_block"], frame["capacity_tokens"], strict=True)) == [
         (16, 64), (16, 1000), (16, 10**9), (32, 64), (32, 1000), (32, 10**9)]
     prompt = sum(r["input_length"] for r in records)
     for tpb, part in frame.groupby("tokens_per_block"):

@@ -15,8 +15,16 @@ from hypothesis import strategies as st
 
 from kvtool.errors import InputError, LogicError
 from kvtool.transfer import CopyOp, PageSpace, available_backends, get_backend
-from kvtool.transfer.descriptors import (build_table, chunk_bytes, grid_blocks, op_descriptors, reference_copy,
-                                         slot_runs, split_by_alignment, tables_for)
+from kvtool.transfer.descriptors import (
+    build_table,
+    chunk_bytes,
+    grid_blocks,
+    op_descriptors,
+    reference_copy,
+    slot_runs,
+    split_by_alignment,
+    tables_for,
+)
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.connector.runtime import ConnectorRuntime
-from kvtool.connector.loader import ConnectorSpec
 from kvtool.errors import ConstructionError
 from kvtool.group_pages import GroupPages
 from tests.helpers.connectors import NoOpWorker, OracleWorker, ScriptedScheduler
-from tests.helpers.engines import make_engine, scripted, sched
+from tests.helpers.engines import make_engine, sched, scripted
 from tests.helpers.mock_connector import mock_connector
 
 _PAGES = GroupPages([[0, 1]])

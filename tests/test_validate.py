@@ -19,11 +19,11 @@ from kvtool.cli import app
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
 from kvtool.connectors.registry import load_connector
+from kvtool.engine.runtimes import DEFAULT_RUNTIME
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CHECKS, Verdict
 from kvtool.validate.runner import run_all, run_isolated
 from kvtool.validate.scenarios import SCENARIOS
-from kvtool.engine.runtimes import DEFAULT_RUNTIME
 from tests.helpers.broken_connectors import BROKEN, RUNTIME_OF
 
 runner = CliRunner()
@@ -75,7 +75,8 @@ def test_serving_nothing_is_a_miss_unless_strict(tmp_path):
                                                                                      ("tiny-vswa", "miss")}
     assert not [r for r in results if r.failed]
     one = ["--runtime", "trtllm-v2-release"]
-    relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", *one, "--output", str(tmp_path / "run")])
+    relaxed = runner.invoke(app, ["validate", target, "--scenario", "cold-warm", *one,
+                                  "--output", str(tmp_path / "run")])
     assert relaxed.exit_code == 0, relaxed.output
     assert "6 checks under trtllm-v2-release: 4 passed, 2 missed" in relaxed.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["num_missed"] == 2
@@ -106,7 +107,8 @@ def test_the_reference_connectors_pass_everything(target):
 
 
 def test_evidence_names_the_coordinates():
-    results = validate_in_process("tests.helpers.broken_connectors:HostConnectorScheduler:WrongSlotWorker", ["cold-warm"])
+    results = validate_in_process("tests.helpers.broken_connectors:HostConnectorScheduler:WrongSlotWorker",
+                                  ["cold-warm"])
     (bad,) = [r for r in results if r.check == "integrity" and r.model == "tiny"]
     assert "request 1, layer group 0, block" in bad.evidence[0] and "expected" in bad.evidence[0]
 
@@ -127,8 +129,8 @@ def test_cli_exit_codes_junit_and_json(tmp_path):
     assert doc["passed"] is True and {r["check"] for r in doc["results"]} >= {"integrity", "warm-hit"}
     assert doc["runtimes"] == ["trtllm-v1", "trtllm-v2", "trtllm-v2-release"]
     assert {r["runtime"] for r in doc["results"]} == set(doc["runtimes"])
-    bad = runner.invoke(app, ["validate", "tests.helpers.broken_connectors:NeverServes:Worker", "--scenario", "cold-warm",
-                              "--junit", str(junit), "--strict"])
+    bad = runner.invoke(app, ["validate", "tests.helpers.broken_connectors:NeverServes:Worker",
+                              "--scenario", "cold-warm", "--junit", str(junit), "--strict"])
     assert bad.exit_code == 1 and "2 failed" in bad.stderr
     failures = ET.parse(junit).getroot().findall("./testsuite/testcase/failure")
     assert failures and "offered nothing" in failures[0].get("message")

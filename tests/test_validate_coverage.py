@@ -13,7 +13,7 @@ from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_all
 from kvtool.validate.scenarios import SCENARIOS
 from tests.helpers import hook_cases
-from tests.test_validate import SMALL_STORE     # a host store of 8 MiB: nothing evicted, the same hooks called
+from tests.test_validate import SMALL_STORE  # a host store of 8 MiB: nothing evicted, the same hooks called
 
 
 @pytest.fixture(scope="module")

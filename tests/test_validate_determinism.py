@@ -10,15 +10,21 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.host import HostConnectorScheduler
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_scenario
 from kvtool.validate.schedule import schedule_for
-from tests.helpers.early_report_connectors import (ClaimsOneBlockMore, EarlyReport, EarlyReportWorker, RecordsAllocations,
-                                                   ReplaysIntoOldPages, ReportsLanded,
-                                                   WaitsInGetFinished, Worker)
+from tests.helpers.early_report_connectors import (
+    ClaimsOneBlockMore,
+    EarlyReport,
+    EarlyReportWorker,
+    RecordsAllocations,
+    ReplaysIntoOldPages,
+    ReportsLanded,
+    WaitsInGetFinished,
+    Worker,
+)
 
 MODULE = "tests.helpers.early_report_connectors"
 cli = CliRunner()
@@ -38,7 +44,8 @@ def test_an_early_reported_save_fails_every_run_at_one_seed_with_one_verdict_set
 
 
 def test_an_early_reported_save_fails_on_every_seed():
-    failed = [seed for seed in range(20) if ("async-save", "tiny", "integrity", "fail") in verdicts(EARLY, "async-save", seed)]
+    failed = [seed for seed in range(20)
+              if ("async-save", "tiny", "integrity", "fail") in verdicts(EARLY, "async-save", seed)]
     assert failed == list(range(20))
 
 
@@ -77,7 +84,8 @@ def test_a_paused_request_replays_in_other_pages_and_is_served_by_the_connector(
     first, replay = [pages for rid, pages in RecordsAllocations.latest.allocations if rid == paused]
     assert set(replay[0][:len(first[0])]) != set(first[0])
     assert r.outcome(paused).num_external > 0 and r.outcome(paused).num_local_hit == 0
-    assert any(line.startswith(f"exercised: request {paused}'s replay ran in pages other") for line in results[0].evidence)
+    assert any(line.startswith(f"exercised: request {paused}'s replay ran in pages other")
+               for line in results[0].evidence)
 
 
 def test_loads_planned_into_the_pages_a_pause_took_back_fail_integrity():

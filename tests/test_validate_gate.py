@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.engine import connector_clock
-
 from kvtool.connectors.registry import load_connector
+from kvtool.engine import connector_clock
 from kvtool.validate.harness import Context
 from kvtool.validate.runner import run_all, run_isolated, run_scenario
 from kvtool.validate.scenarios import MAX_SIZED_POOL_BYTES, SCENARIOS, window_sized
@@ -32,8 +31,8 @@ def _failed(results):
 def test_a_save_one_pass_late_is_caught_on_blocks_of_the_last_pass(model):
     """The worker copies each pass's saves at the next start_load_kv: harmless while the request
     runs on, wrong for the blocks its last pass completed (their pages are released)."""
-    late = run_scenario("final-pass-blocks", Context(load_connector(f"{BROKEN}:HostConnectorScheduler:DefersSavesWorker"),
-                                                     model))
+    late = run_scenario("final-pass-blocks",
+                        Context(load_connector(f"{BROKEN}:HostConnectorScheduler:DefersSavesWorker"), model))
     (integrity,) = [r for r in late if r.check == "integrity"]
     assert integrity.failed
     assert "loaded a released page's bytes: the connector copied a block after its request's last pass" \

@@ -27,8 +27,17 @@ from kvtool.validate import runner as runner_module
 from kvtool.validate.harness import MAX_SLOTS, Context
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
 from kvtool.validate.results import CheckResult, Verdict
-from kvtool.validate.runner import (SCENARIO_GPU_OVERHEAD_BYTES, SETUP, Schedule, Task, gpu_jobs_cap, max_jobs,
-                                   next_task, plan, run_all)
+from kvtool.validate.runner import (
+    SCENARIO_GPU_OVERHEAD_BYTES,
+    SETUP,
+    Schedule,
+    Task,
+    gpu_jobs_cap,
+    max_jobs,
+    next_task,
+    plan,
+    run_all,
+)
 from tests.helpers.broken_connectors import BROKEN
 from tests.helpers.lingering_child import lingering_child, lingering_options
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import shlex
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtool.cli import app

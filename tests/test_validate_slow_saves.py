@@ -16,7 +16,8 @@ TARGET = "tests/helpers/slow_async_host.py:SlowSaves:SlowSavingWorker"
 
 def _validate(*extra: str):
     return runner.invoke(app, ["validate", TARGET, "--connector-opt", "mode=async", "--model", "tiny",
-                               "--scenario", "local-prefix", "--runtime", "trtllm-v2-release", "--format", "json", *extra])
+                               "--scenario", "local-prefix", "--runtime", "trtllm-v2-release", "--format", "json",
+                               *extra])
 
 
 def test_a_repeat_asked_while_its_save_is_in_flight_is_a_miss_not_a_failure():
@@ -25,7 +26,8 @@ def test_a_repeat_asked_while_its_save_is_in_flight_is_a_miss_not_a_failure():
     assert "4 checks under trtllm-v2-release: 3 passed, 1 missed" in result.stderr
     rows = json.loads(result.stdout)["results"]
     (hit,) = [r for r in rows if r["check"] == "warm-hit"]
-    assert hit["verdict"] == "miss" and "repeats a prompt the connector saw, but it offered nothing" in hit["evidence"][0]
+    assert hit["verdict"] == "miss"
+    assert "repeats a prompt the connector saw, but it offered nothing" in hit["evidence"][0]
     assert [r["check"] for r in rows if r["verdict"] == "pass"] == ["registration", "integrity", "finished-ids"]
 
 

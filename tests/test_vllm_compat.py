@@ -17,8 +17,8 @@ HELPERS = Path(__file__).parent / "helpers" / "broken_vllm_connectors.py"
 
 
 def run(target: str, scenario: str, model: str, tmp_path: Path, **options: str):
-    from kvtool.vllm_compat.target import parse_target
     from kvtool.vllm_compat.scenarios import VllmContext
+    from kvtool.vllm_compat.target import parse_target
     from kvtool.vllm_compat.validation import run_here
 
     ctx = VllmContext(parse_target(target, options), model, folder=tmp_path)

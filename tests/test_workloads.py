@@ -77,10 +77,13 @@ GOOD = json.dumps(MOONCAKE[0])
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 1, "input_length": -5, "output_length": 1, "hash_ids": []}', "input_length must be an integer >= 1"),
+    ('{"timestamp": 1, "input_length": -5, "output_length": 1, "hash_ids": []}',
+     "input_length must be an integer >= 1"),
     ('{"timestamp": 1, "input_length": 5, "output_length": -1, "hash_ids": [1]}', "output_length must be"),
-    ('{"timestamp": 1, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}', "2 hash_ids for input_length 1025"),
-    ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "hash_ids must be a list of integers"),
+    ('{"timestamp": 1, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
+     "2 hash_ids for input_length 1025"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [-1]}',
+     "hash_ids must be a list of integers"),
     ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "timestamp must be a finite"),
     ('{"timestamp": 1, "input_length": 5, "output_length": 1}', "missing field 'hash_ids'"),
     ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1], "x": 1}', "unknown field(s) x"),

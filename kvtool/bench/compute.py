@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 
@@ -117,7 +118,8 @@ def measure(variant: Variant, model: str, tokens_per_block: int, granularity: st
                       round(peak_gbps, 3), round(gbps / peak_gbps, 4), sms, rounds)
 
 
-def _round(variant: Variant, compute_stream, transfer_caller, calls, a, b, num_matmuls: int, batch_s: float,
+def _round(variant: Variant, compute_stream, transfer_caller,
+           calls: tuple[Callable[[], object], Callable[[], object]], a, b, num_matmuls: int, batch_s: float,
            ws: Workspace) -> _Round:
     """Products alone, then products with saves running for their whole duration."""
     alone = _matmuls(compute_stream, a, b, num_matmuls)
@@ -132,7 +134,7 @@ def _round(variant: Variant, compute_stream, transfer_caller, calls, a, b, num_m
     return _Round(alone.elapsed(), with_matmul.elapsed(), ws.batch_bytes * repeats / under_load.elapsed() / 1e9)
 
 
-def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], Callable[[], None], int]:
+def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], object], Callable[[], object], int]:
     """(launch one batch on the current stream, order the current stream after every byte landed,
     SMs the path occupies; 0 for a whole-GPU gather that runs only between the products' kernels)."""
     if variant.backend == FLOOR:
@@ -141,7 +143,7 @@ def _launcher(variant: Variant, ws: Workspace) -> tuple[Callable[[], None], Call
         return (lambda: host.copy_(source, non_blocking=True)), (lambda: None), 0
     backend = get_backend(variant.backend, **dict(variant.options))
     prepared = backend.prepare(ws.ops(Direction.SAVE))
-    sms = getattr(backend, "gather_sms", None) or getattr(backend, "max_sms", 0)
+    sms = cast(int, getattr(backend, "gather_sms", None) or getattr(backend, "max_sms", 0))   # CUDA backends' SMs
     return (lambda: backend.launch(prepared)), backend.join, sms
 
 
@@ -178,7 +180,7 @@ def _matmuls(stream: torch.cuda.Stream, a: torch.Tensor, b: torch.Tensor, count:
     return span
 
 
-def _transfers(caller: torch.cuda.Stream, launch: Callable[[], None], finish: Callable[[], None],
+def _transfers(caller: torch.cuda.Stream, launch: Callable[[], object], finish: Callable[[], object],
                count: int) -> _Span:
     """`count` batches back to back; the span ends when the last byte has landed."""
     span = _Span()

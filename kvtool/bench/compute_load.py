@@ -127,6 +127,7 @@ class MatmulLoad:
     def _gpu_loop(self, anchor: torch.cuda.Event, anchor_host: float) -> list[Product]:
         """(begin, end, host time after the batch's last launch) per batch, on the host clock;
         batches whose begin ran before that time are dropped (module docstring)."""
+        assert self._stream is not None   # anchored: this runs on a GPU only
         batches: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         with torch.cuda.stream(self._stream):
             while not self._stop.is_set():
@@ -162,6 +163,7 @@ def _anchor(stream: torch.cuda.Stream, tries: int = 20) -> tuple[torch.cuda.Even
             best = (after - before, anchor, (before + after) / 2)
         if after - before < ANCHOR_BRACKET_S:
             break
+    assert best is not None   # tries >= 1: the first try sets it
     return best[1], best[2]
 
 

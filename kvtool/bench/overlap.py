@@ -10,8 +10,8 @@ that has none.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
 
 from kvtool.connector.loader import ConnectorSpec
 

@@ -31,12 +31,21 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtool.bench.compute_load import MatmulLoad, Product, during, median_seconds
-from kvtool.bench.protocol_engine import (Recorder, Workload, build_engine, check_bytes, four_digits, measure_round,
-                                          one_line_errors, run_round, union)
-from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
+from kvtool.bench.protocol_engine import (
+    Recorder,
+    Workload,
+    build_engine,
+    check_bytes,
+    four_digits,
+    measure_round,
+    one_line_errors,
+    run_round,
+    union,
+)
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 
 ALONE_SECONDS = 0.3
 """Products alone before and after the loaded round: enough for a stable median on either device."""
@@ -53,7 +62,7 @@ class ComputeRow:
     tokens_per_block: int
     products: str
     """What ran beside the connector (`MatmulLoad.describe`)."""
-    matmul_ms_alone: float
+    matmul_ms_alone: float | None
     matmul_ms_during_saves: float | None
     matmul_ms_engine_only: float | None
     slowdown_during_saves: float | None
@@ -246,7 +255,8 @@ def _row(label: str, model: str, tpb: int, load: MatmulLoad, loaded: _Loaded) ->
     return ComputeRow(label, model, tpb, load.describe(), _ms(alone), _ms(beside_saves), _ms(engine_only),
                       _slowdown(beside_saves, engine_only), _slowdown(engine_only, alone),
                       len(saving), loaded.dropped,
-                      four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio, loaded.issue is None)
+                      four_digits(loaded.save_gbps), four_digits(loaded.unloaded_save_gbps), ratio,
+                      loaded.issue is None)
 
 
 def _ms(seconds: float | None) -> float | None:

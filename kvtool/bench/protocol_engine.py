@@ -26,9 +26,10 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Iterable, Iterator
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,9 +37,9 @@ import torch
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.events import Deliver, Finished, LoadFinished, LoadStarted, PassDone, SaveFinished, SaveStarted
 from kvtool.engine.fake_engine import VOCAB_SIZE
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConnectorError, KvToolError
 from kvtool.manager import KvCacheManagerConfig
@@ -85,7 +86,7 @@ class Recorder:
     """Inside any call into the connector so far (the runtime's `around_hook`), less `runtime_waits`."""
     runtime_waits: float = 0.0
     """Waiting, before timed worker hooks, for the GPU work the engine had queued."""
-    _forward_done: object = None
+    _forward_done: torch.cuda.Event | None = None
     """The CUDA event recorded after the last layer's fake forward (GPU pages)."""
     computed_in: dict[int, int] = field(default_factory=dict)
     load_start: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
@@ -100,8 +101,12 @@ class Recorder:
         """Subscribe to the engine's events, clock every call into the connector and observe every
         worker's load and save hooks (through the pass driver)."""
         self.engine.events.subscribe(self)
-        self.engine.connector.around_hook = self._clocked(self.engine.connector.around_hook)
-        self.engine.idle_for_connector = self._clocked_call(self.engine.idle_for_connector)
+        connector = self.engine.connector
+        assert connector is not None   # the bench runs engines with a connector
+        connector.around_hook = self._clocked(connector.around_hook)
+        # this engine's idle waits for the connector's copies, clocked as the connector's (wrapped on purpose)
+        self.engine.idle_for_connector = self._clocked_call(  # type: ignore[method-assign]
+            self.engine.idle_for_connector)
         self._mark_forward_layers(self.engine.driver)
         self.engine.driver.observe(self)
 
@@ -271,13 +276,15 @@ def run_round(engine: Engine, label: str, prompts: list[list[int]], first_id: in
     line, when a hook raised or a request failed."""
     ids = list(range(first_id, first_id + len(prompts)))
     start, in_connector = time.perf_counter(), recorder.connector_time() if recorder else 0.0
-    for request_id, prompt in zip(ids, prompts):
+    for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(Request(request_id, prompt, max_new_tokens=1))
     engine.run()
     seconds = time.perf_counter() - start
     in_connector = recorder.connector_time() - in_connector if recorder else 0.0
-    if engine.connector.failures:
-        raise ConnectorError(_one_line(f"connector {label}: {engine.connector.failures[0].describe()}"))
+    connector = engine.connector
+    assert connector is not None   # the bench runs engines with a connector
+    if connector.failures:
+        raise ConnectorError(_one_line(f"connector {label}: {connector.failures[0].describe()}"))
     if engine.stats.failures:                   # e.g. an asynchronous load never reported
         raise ConnectorError(_one_line(f"connector {label}: {engine.stats.failures[0]}"))
     return Round(ids, [engine.states[i].request.generated_token_ids for i in ids], seconds, in_connector)
@@ -333,7 +340,7 @@ def check_bytes(engine: Engine, cold: Round, warm: Round) -> str | None:
     if engine.integrity_errors:
         first = engine.fake.issues[0].describe() if engine.fake.issues else ""
         return f"{engine.integrity_errors} integrity error(s) in the KV bytes ({first})"
-    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens)) if a != b]
+    differ = [i for i, (a, b) in enumerate(zip(cold.tokens, warm.tokens, strict=True)) if a != b]
     if differ:
         return f"{len(differ)} of {len(cold.tokens)} warm prompts generated other tokens than cold"
     return None

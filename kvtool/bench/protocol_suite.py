@@ -2,7 +2,8 @@
 driven through the engine and the connector protocol only, never through its internals.
 
 Per block size, one engine (bytes fidelity, pages poisoned when handed out, no local prefix reuse,
-up to `Workload.per_pass` requests per pass: all of a round's by default) runs a cold round (N distinct prompts of K full blocks plus half a block,
+up to `Workload.per_pass` requests per pass: all of a round's by default) runs a cold round (N distinct
+prompts of K full blocks plus half a block,
 max_new_tokens 1: the connector saves the K blocks of each) then a warm round (the same prompts,
 fresh request ids: the connector loads them), each to completion.
 
@@ -28,12 +29,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtool.bench.protocol_engine import (QUICK, Measured, Recorder, Workload, build_engine, check_bytes,
-                                          four_digits, measure_round, one_line_errors, run_round)
+from kvtool.bench.protocol_engine import (
+    QUICK,
+    Measured,
+    Recorder,
+    Workload,
+    build_engine,
+    check_bytes,
+    four_digits,
+    measure_round,
+    one_line_errors,
+    run_round,
+)
 from kvtool.bench.timing import time_repeats
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName
 
 __all__ = ["QUICK", "Workload", "run_protocol_suite", "reference_connector", "reference_label", "connector_label"]
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.store_namespace import store_namespace
 from kvtool.connectors.metadata import PageTransfer
+from kvtool.connectors.store_scheduler import BlockStoreScheduler
+from kvtool.connectors.store_worker import BlockStoreWorker
 from kvtool.engine.worker_setup import rank_llm_args
 from kvtool.errors import InputError
 from kvtool.manager import KvCacheManager, KvCacheManagerConfig
@@ -63,8 +66,8 @@ class _Bench:
     """One connector, one block size: the manager, both halves, the pages to save and to load into."""
 
     manager: KvCacheManager
-    scheduler: object
-    worker: object
+    scheduler: BlockStoreScheduler
+    worker: BlockStoreWorker
     keys: list[bytes]
     """The blocks saved last (what a load reads)."""
     source_pages: list[int]
@@ -126,7 +129,9 @@ def _setup(spec: ConnectorSpec, options: dict[str, str], model: str, tpb: int, b
     blocks = max(1, batch_bytes // probe.layout.bytes_per_block)
     manager = KvCacheManager(KvCacheManagerConfig(load_model(model), tpb, num_slots=2 * blocks, device="cpu"))
     llm_args = rank_llm_args(manager, spec, options, 0, 1)
-    scheduler, worker = spec.scheduler_class(llm_args), spec.worker_class(llm_args)
+    # the store suite's connectors are block stores (STORE_CONNECTORS): their ask and transfer calls are timed
+    scheduler = cast(BlockStoreScheduler, spec.scheduler_class(llm_args))
+    worker = cast(BlockStoreWorker, spec.worker_class(llm_args))
     worker.register_kv_cache_layout(manager.layout)
     commit_stores([worker])
     generator = torch.Generator().manual_seed(tpb)
@@ -173,7 +178,7 @@ def _digits(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def _timed(run: Callable[[], None], repeats: int) -> Timing:
+def _timed(run: Callable[[], object], repeats: int) -> Timing:
     run()                                   # warm-up: the first call opens files and connections
     return time_repeats(run, repeats, cuda=False)
 
@@ -190,7 +195,7 @@ def _raw_files(payloads: list[bytes], repeats: int, options: dict[str, str], wor
     paths = [folder / f"{i}.bin" for i in range(len(payloads))]
 
     def write() -> None:
-        for path, payload in zip(paths, payloads):
+        for path, payload in zip(paths, payloads, strict=True):
             with path.open("wb") as handle:
                 handle.write(payload)
                 handle.flush()
@@ -209,7 +214,7 @@ def _raw_redis(payloads: list[bytes], repeats: int, options: dict[str, str], wor
 
     def write() -> None:
         pipe = client.pipeline(transaction=False)
-        for key, payload in zip(keys, payloads):
+        for key, payload in zip(keys, payloads, strict=True):
             pipe.set(key, payload)
         pipe.execute()
 
@@ -262,14 +267,15 @@ def _raw_mooncake(payloads: list[bytes], repeats: int, options: dict[str, str],
     offsets = [int(o) for o in np.cumsum([0] + sizes)[:-1]]
     keys = [f"kvtool-bench-raw-{os.getpid()}-{i}" for i in range(len(payloads))]
     counter = iter(range(1_000_000))
+    written: list[str] = []   # the keys of the last write
 
     def write() -> None:
         round_keys = [f"{k}-{next(counter)}" for k in keys]   # a put of an existing key is not a write
         client.batch_put_from(round_keys, [source.ctypes.data + o for o in offsets], sizes)
-        write.last = round_keys
+        written[:] = round_keys
 
     def read() -> None:
-        client.batch_get_into(write.last, [target.ctypes.data + o for o in offsets], sizes)
+        client.batch_get_into(written, [target.ctypes.data + o for o in offsets], sizes)
     try:
         return _timed(write, repeats), _timed(read, repeats)
     finally:

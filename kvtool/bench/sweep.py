@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+from typing import TypedDict
 
 from kvtool.bench.transfer_suite import Case
 from kvtool.bench.workspace import Direction
 
-GPU_DEFAULT = {"models": {"llama-3.1-8b": (4, 16, 64), "gpt-oss-20b": (8,), "deepseek-v3": (64,)},
-               "batch_bytes": 64 << 20, "repeats": 10}
-CPU_DEFAULT = {"models": {"llama-3.1-8b": (4, 32), "gpt-oss-20b": (8,)}, "batch_bytes": 16 << 20, "repeats": 5}
-QUICK = {"models": {"llama-3.1-8b": (4,)}, "batch_bytes": 16 << 20, "repeats": 3}
+
+class SweepDefaults(TypedDict):
+    models: dict[str, tuple[int, ...]]
+    """Model preset: tokens per block swept."""
+    batch_bytes: int
+    repeats: int
+
+
+GPU_DEFAULT: SweepDefaults = {"models": {"llama-3.1-8b": (4, 16, 64), "gpt-oss-20b": (8,), "deepseek-v3": (64,)},
+                              "batch_bytes": 64 << 20, "repeats": 10}
+CPU_DEFAULT: SweepDefaults = {"models": {"llama-3.1-8b": (4, 32), "gpt-oss-20b": (8,)}, "batch_bytes": 16 << 20,
+                              "repeats": 5}
+QUICK: SweepDefaults = {"models": {"llama-3.1-8b": (4,)}, "batch_bytes": 16 << 20, "repeats": 3}
 
 
 @dataclass(frozen=True)

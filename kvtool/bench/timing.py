@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ class Timing:
         return float(np.percentile(np.array(self.seconds) * 1e6, q))
 
 
-def time_repeats(run: Callable[[], None], repeats: int, cuda: bool) -> Timing:
+def time_repeats(run: Callable[[], object], repeats: int, cuda: bool) -> Timing:
     """Seconds of each of `repeats` runs of `run` (the caller warms up first)."""
     if not cuda:
         seconds = []
@@ -34,8 +34,8 @@ def time_repeats(run: Callable[[], None], repeats: int, cuda: bool) -> Timing:
         return Timing(seconds)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize()
-    for start, end in events:
-        start.record()
+    for begin, end in events:
+        begin.record()
         run()
         end.record()
     torch.cuda.synchronize()

@@ -7,8 +7,8 @@ memory copy. `verified`: the bytes moved by a poisoned warm-up run equal the sou
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -79,7 +79,7 @@ class TransferSuite:
         directions = (Direction.SAVE, Direction.LOAD) if case.direction is Direction.BOTH else (case.direction,)
         runs = [self._runner(ws, d, case.backend, i) for i, d in enumerate(directions)]
         verified = True
-        for direction, run in zip(directions, runs):
+        for direction, run in zip(directions, runs, strict=True):
             ws.poison(direction)
             run()
             self._sync()
@@ -92,7 +92,7 @@ class TransferSuite:
                    moved, round(gbps, 3), round(timing.percentile_us(50), 1), round(timing.percentile_us(99), 1),
                    round(peak, 3), round(spread, 3), round(gbps / peak, 4), verified)
 
-    def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], None]:
+    def _runner(self, ws: Workspace, direction: Direction, backend_name: str, lane: int) -> Callable[[], object]:
         backend = self._backend(backend_name, lane)
         prepared = backend.prepare(ws.ops(direction))
         if self.cuda:      # joined: a staged save's bytes reach the host after its launch's ordering
@@ -130,7 +130,7 @@ class TransferSuite:
         size = ws.batch_bytes
         if not self.cuda:
             src, dst = torch.empty(size, dtype=torch.uint8).random_(0, 256), torch.empty(size, dtype=torch.uint8)
-            copies = [lambda: dst.copy_(src)]
+            copies: list[Callable[[], object]] = [lambda: dst.copy_(src)]
         else:
             device_buf = ws.region.tensor[:size]
             host = torch.empty(size, dtype=torch.uint8).pin_memory()
@@ -148,10 +148,10 @@ class TransferSuite:
         return size * len(copies) / timing.median / 1e9, spread
 
     @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
         return lambda: dst.copy_(src, non_blocking=True)
 
-    def _together(self, calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def _together(self, calls: list[Callable[[], object]]) -> Callable[[], object]:
         """Run `calls` concurrently: each on its own side stream forked from, and joined back
         into, the current stream (joining inside a call would serialise the next one)."""
         if not self.cuda or len(calls) == 1:
@@ -160,7 +160,7 @@ class TransferSuite:
 
         def run() -> None:
             main = torch.cuda.current_stream()
-            for side, call in zip(sides, calls):
+            for side, call in zip(sides, calls, strict=True):
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     call()
@@ -178,7 +178,7 @@ class TransferSuite:
             torch.cuda.synchronize()
 
 
-def _all(calls: list[Callable[[], None]]) -> Callable[[], None]:
+def _all(calls: list[Callable[[], object]]) -> Callable[[], object]:
     def run() -> None:
         for call in calls:
             call()

@@ -5,28 +5,30 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import pandas as pd
-import typer
 import torch
+import typer
 from rich.console import Console
 
 from kvtool.bench import compute, manager_suite, protocol_compute, protocol_suite
 from kvtool.bench.overlap import OVERLAPPING_MODES, connector_mode, overlap_rows
 from kvtool.bench.protocol_engine import scratch_working_folder
 from kvtool.bench.store_suite import run_store_suite
-from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, plan
+from kvtool.bench.sweep import CPU_DEFAULT, GPU_DEFAULT, QUICK, SweepChoice, SweepDefaults, plan
 from kvtool.bench.transfer_suite import TransferSuite
 from kvtool.bench.workspace import DIRECTIONS, GRANULARITIES, Direction, geometry
 from kvtool.cli.common import ExitCode, clean_errors, fail, pages_device, print_connector_help, progress_bar
-from kvtool.inputs import connector_options
 from kvtool.connector.compat import install_compat
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, RUNTIMES, RuntimeName, runtime_name
 from kvtool.connectors.registry import BUILTIN_CONNECTORS, load_connector
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, RUNTIMES, RuntimeName, runtime_name
+from kvtool.engine.runtimes.names import VLLM_RUNTIME
 from kvtool.errors import InputError, KvToolError
+from kvtool.inputs import connector_options, parse_options
 from kvtool.models import load_model
 from kvtool.report.bench_report import bench_notes, column_legend, default_output_dir, rows_tables, write_run
 from kvtool.report.fit_table import report_width
@@ -35,14 +37,12 @@ from kvtool.report.run_folder import prepare_run_folder
 from kvtool.transfer import available_backends
 from kvtool.transfer.registry import backend_names
 from kvtool.units import parse_size
-from kvtool.engine.runtimes.names import VLLM_RUNTIME
-from kvtool.inputs import parse_options
 from kvtool.vllm_compat.entry import VLLM_COMPAT, run_vllm_store
 from kvtool.vllm_compat.install import VLLM_VERSION
 
 
 def _sweep_models() -> str:
-    def listed(sweep: dict) -> str:
+    def listed(sweep: SweepDefaults) -> str:
         return ", ".join(f"{m} (tpb {'/'.join(map(str, t))})" for m, t in sweep["models"].items())
     return f"on a GPU {listed(GPU_DEFAULT)}; on a CPU {listed(CPU_DEFAULT)}; --quick {listed(QUICK)}"
 
@@ -68,35 +68,37 @@ def _check_choices(values: list[str], allowed: tuple[str, ...] | list[str], what
 
 @clean_errors
 def bench(
-    model: Annotated[list[str], typer.Option(metavar="NAME", help=f"Model preset (repeatable) [default: {_sweep_models()}].")] = [],
-    tokens_per_block: Annotated[list[int], typer.Option(metavar="N", help="Tokens per block (repeatable) [default: per model, "
-                                                                         "as listed for --model].")] = [],
-    granularity: Annotated[list[str], typer.Option(metavar="slot|layer", help="slot (whole pages) or layer (one layer's "
-                                                   "buffers) (repeatable) [default: both].")] = [],
+    model: Annotated[list[str], typer.Option(metavar="NAME",
+                                             help=f"Model preset (repeatable) [default: {_sweep_models()}].")] = [],
+    tokens_per_block: Annotated[list[int], typer.Option(metavar="N", help="Tokens per block (repeatable) [default: "
+                                                        "per model, as listed for --model].")] = [],
+    granularity: Annotated[list[str], typer.Option(metavar="slot|layer", help="slot (whole pages) or layer (one "
+                                                   "layer's buffers) (repeatable) [default: both].")] = [],
     direction: Annotated[list[str], typer.Option(metavar="save|load|both|gather",
                                                  help="Repeatable [default: all four].")] = [],
     backend: Annotated[list[str], typer.Option(metavar="NAME", help=f"Transfer backend: {', '.join(backend_names())} "
                                                "(repeatable) [default: every one that runs here].")] = [],
-    batch_bytes: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Bytes per batch, e.g. 64MiB [default: 64MiB "
+    batch_bytes: Annotated[str | None, typer.Option(metavar="SIZE", help="Bytes per batch, e.g. 64MiB [default: 64MiB "
                                                        "on a GPU, 16MiB on a CPU or with --quick].")] = None,
-    repeats: Annotated[Optional[int], typer.Option(metavar="N", help="Timed repeats per case, median reported [default: "
-                                                   f"{GPU_DEFAULT['repeats']} on a GPU, {CPU_DEFAULT['repeats']} on a CPU, "
+    repeats: Annotated[int | None, typer.Option(metavar="N", help="Timed repeats per case, median reported [default: "
+                                                   f"{GPU_DEFAULT['repeats']} on a GPU, "
+                                                   f"{CPU_DEFAULT['repeats']} on a CPU, "
                                                    f"{QUICK['repeats']} with --quick]; a connector through the "
                                                    "engine: rounds per block size, each a fresh engine [default: 3, "
                                                    "1 with --quick].")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A small sweep, for a smoke test.")] = False,
     format: Annotated[Format, typer.Option("--format", help="What to print: table, json or csv.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
+    output: Annotated[Path | None, typer.Option(metavar="DIR", help="Run folder: meta.json, results.csv, results.json, "
                                                    "the plot [default: results/<UTC timestamp>/].")] = None,
-    suite: Annotated[Optional[Suite], typer.Option(help="transfer (the link), manager (CPU cost per block) or "
+    suite: Annotated[Suite | None, typer.Option(help="transfer (the link), manager (CPU cost per block) or "
                                                    "store (a connector's save/load paths) [default: store when "
                                                    "--connector is given, else transfer].")] = None,
-    connector: Annotated[Optional[str], typer.Option(help="--suite store: host, disk, redis, mooncake, or any "
+    connector: Annotated[str | None, typer.Option(help="--suite store: host, disk, redis, mooncake, or any "
                                                      "connector as MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER "
                                                      "(measured through the engine, in a temporary working folder "
                                                      "removed afterwards: a cold then a warm round) "
                                                      "[default: host].")] = None,
-    compat: Annotated[Optional[str], typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
+    compat: Annotated[str | None, typer.Option(help="--suite store: trtllm: provide TensorRT-LLM's connector "
                                                   "modules to a connector written against them; vllm: --connector "
                                                   "is a vLLM connector, driven through vLLM's own scheduler "
                                                   "(docs/vllm-compat.md).")] = None,
@@ -110,10 +112,10 @@ def bench(
                                                "CPU.")] = False,
     plot: Annotated[bool, typer.Option("--plot", help="--suite store --with-compute: also write overlap.png, the "
                                        "link share and the compute slowdown against block size.")] = False,
-    device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
+    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="--suite store: where the KV pages live; "
                                                   "on cuda every connector is driven through the engine and measured "
                                                   "against the PCIe link [default: cpu].")] = None,
-    runtime: Annotated[Optional[str], typer.Option(metavar="NAME", help="--suite store: the TensorRT-LLM runtime "
+    runtime: Annotated[str | None, typer.Option(metavar="NAME", help="--suite store: the TensorRT-LLM runtime "
                                                    "the engine plays (" + ", ".join(map(str, RUNTIMES)) + "); "
                                                    "given, the built-in stores too are driven through the engine "
                                                    f"[default: {DEFAULT_RUNTIME}].")] = None,
@@ -168,7 +170,8 @@ def bench(
         raise InputError(f"backend(s) {', '.join(missing)} cannot run here (available: {', '.join(available)})")
     choice = SweepChoice(tuple(model) or None, tuple(tokens_per_block) or None,
                          _check_choices(granularity, GRANULARITIES, "granularity") or GRANULARITIES,
-                         tuple(map(Direction, _check_choices(direction, DIRECTIONS, "direction"))) or DIRECTIONS, backends,
+                         tuple(map(Direction, _check_choices(direction, DIRECTIONS, "direction"))) or DIRECTIONS,
+                         backends,
                          parse_size(batch_bytes) if batch_bytes else None, repeats, quick)
     cases, num_repeats = plan(choice, cuda)
     for case in {(c.model, c.tokens_per_block, c.granularity) for c in cases}:
@@ -176,20 +179,20 @@ def bench(
     transfer = TransferSuite(torch.device("cuda" if cuda else "cpu"), num_repeats)
     rows = _run_cases(transfer, cases, console)
     extra = {"compute": _compute_rows(transfer, cases, backends, console)} if with_compute else {}
-    device = write_run(out_dir, rows, extra, "transfer")
-    _print(rows, format, f"kvtool bench · {device.get('name')} · GB/s (median of {num_repeats})")
+    section = write_run(out_dir, rows, extra, "transfer")
+    _print(rows, format, f"kvtool bench · {section.get('name')} · GB/s (median of {num_repeats})")
     if extra.get("compute"):
         _print(extra["compute"], format, "with a bf16 matmul running")
     if format is Format.table:
         skipped = [b for b in backend_names() if b not in available]
-        for note in bench_notes(rows, device.get("kind", "cpu"), skipped):
+        for note in bench_notes(rows, section.get("kind", "cpu"), skipped):
             Console(width=max(150, Console().width)).print(f"note: {note}", highlight=False, markup=False)
     console.print(f"results in {out_dir}", highlight=False, soft_wrap=True)
     if not all(r["verified"] for r in rows):
         raise fail("some transfers moved wrong bytes (verified = NO)", ExitCode.CHECK_FAILED)
 
 
-def _chosen_suite(suite: Optional[Suite], store_options: dict[str, bool], transfer_options: dict[str, bool]
+def _chosen_suite(suite: Suite | None, store_options: dict[str, bool], transfer_options: dict[str, bool]
                   ) -> Suite:
     """The suite asked for, or the one the options given belong to; InputError for an option the
     suite would ignore (a connector named on the transfer suite measured nothing of it)."""
@@ -207,8 +210,8 @@ def _chosen_suite(suite: Optional[Suite], store_options: dict[str, bool], transf
 STORE_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 
 
-def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str], model: list[str],
-                 tokens_per_block: list[int], batch_bytes: Optional[str], repeats: Optional[int], quick: bool,
+def _store_suite(connector: str, connector_opt: list[str], compat: str | None, model: list[str],
+                 tokens_per_block: list[int], batch_bytes: str | None, repeats: int | None, quick: bool,
                  out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
                  runtime: RuntimeName | None = None, plot: bool = False) -> None:
     """The store suite: the built-in stores against raw loops of their store on a CPU, any other
@@ -252,7 +255,7 @@ def _store_suite(connector: str, connector_opt: list[str], compat: Optional[str]
 
 
 def _vllm_store_suite(connector: str, connector_opt: list[str], model: str, tokens_per_block: list[int],
-                      repeats: Optional[int], quick: bool, out_dir: Path, format: Format) -> None:
+                      repeats: int | None, quick: bool, out_dir: Path, format: Format) -> None:
     """The store suite for a vLLM connector (`kvtool.vllm_compat.store_bench`), beside kvtool's
     reference connector through kvtool's engine in the same run; exit 1 naming the failed check."""
     sizes = list(tokens_per_block) or list(protocol_suite.QUICK_TOKENS_PER_BLOCK if quick else
@@ -271,7 +274,7 @@ def _vllm_store_suite(connector: str, connector_opt: list[str], model: str, toke
         raise fail("; ".join(problems), ExitCode.CHECK_FAILED)
 
 
-def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: Optional[int],
+def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block: list[int], repeats: int | None,
                     quick: bool, out_dir: Path, format: Format, device: str = "cpu", with_compute: bool = False,
                     runtime: RuntimeName = DEFAULT_RUNTIME, plot: bool = False) -> None:
     """`protocol_suite` on a connector the store suite does not know (or on GPU pages, or with
@@ -281,10 +284,10 @@ def _protocol_suite(spec, options: dict[str, str], model: str, tokens_per_block:
     workload = protocol_suite.QUICK if quick else protocol_suite.Workload()
     reference = protocol_suite.reference_connector(device)
     with scratch_working_folder():
-        rows, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
-                                                           repeats or (3 if quick else 5), device, reference,
-                                                           rounds=repeats or (1 if quick else 3), runtime=runtime)
-        rows = [{**r.as_dict(), "runtime": str(runtime)} for r in rows]
+        measured, problems = protocol_suite.run_protocol_suite(spec, options, model, sizes, workload,
+                                                               repeats or (3 if quick else 5), device, reference,
+                                                               rounds=repeats or (1 if quick else 3), runtime=runtime)
+        rows = [{**r.as_dict(), "runtime": str(runtime)} for r in measured]
         extra: dict = {}
         if with_compute:
             compute_rows: list = []
@@ -355,7 +358,7 @@ def _compute_rows(transfer: TransferSuite, cases, backends, console: Console) ->
     return rows
 
 
-def _print(rows: list[dict], format: Format, title: str, table_omits: set[str] = frozenset()) -> None:
+def _print(rows: list[dict], format: Format, title: str, table_omits: AbstractSet[str] = frozenset()) -> None:
     """`rows` as json, csv (every key) or a table (without `table_omits`, said in the title)."""
     if format is Format.json:
         print(json.dumps(rows, indent=2))

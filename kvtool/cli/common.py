@@ -8,8 +8,9 @@ import enum
 import functools
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 import torch
@@ -25,10 +26,13 @@ from kvtool.errors import InputError, KvToolError, OutOfMemoryError, Unsupported
 from kvtool.inputs import warn
 from kvtool.report.run_folder import settled_run_folders, write_file
 
-try:
-    from typer._click import exceptions as cli_errors   # typer >= 0.29 carries its own click
-except ImportError:                                       # older typer runs on click itself
-    from click import exceptions as cli_errors
+if TYPE_CHECKING:
+    from typer._click import exceptions as cli_errors
+else:
+    try:
+        from typer._click import exceptions as cli_errors  # typer >= 0.29 carries its own click
+    except ImportError:                                       # older typer runs on click itself
+        from click import exceptions as cli_errors
 
 CONNECTOR_CHOICES = f"{', '.join(BUILTIN_CONNECTORS)}, MODULE:SCHED:WORKER or path/to/file.py:SCHED:WORKER"
 
@@ -184,7 +188,7 @@ def progress_bar(label: str, total: int, console: Console) -> Iterator[Callable[
         task = progress.add_task(label, total=total, info="")
 
         def update(info: str | None = None, completed: int | None = None, advance: int | None = None) -> None:
-            fields = {} if info is None else {"info": info}
+            fields: dict[str, Any] = {} if info is None else {"info": info}
             progress.update(task, completed=completed, advance=advance, **fields)
 
         yield update

@@ -3,33 +3,50 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import pandas as pd
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from dataclasses import replace
-
-from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ConnectorHelpCommand, ExitCode,
-                               OutputFormat, clean_errors, deprecated, fail, frame_text, print_connector_help,
-                               progress_bar, say, warn)
-from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, fleet_rows, run_instances
+from kvtool.cli.common import (
+    CONNECTOR_CHOICES,
+    FORMAT_HELP,
+    OUTPUT_HELP,
+    ConnectorHelpCommand,
+    ExitCode,
+    OutputFormat,
+    clean_errors,
+    deprecated,
+    fail,
+    frame_text,
+    print_connector_help,
+    progress_bar,
+    say,
+    warn,
+)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
-from kvtool.trace.setup import (Replay, ReplayOptions, build_replay, check_before_replay, decode_check_note,
-                                note_store_folder)
-from kvtool.trace.tier_size import tier_note
 from kvtool.connectors.registry import load_connector
-from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
 from kvtool.errors import InputError
-from kvtool.report.instances_report import instances_table, latency_table, write_instances_folder
-from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json
-from kvtool.report.timeline import TimelineRecorder
-from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
 from kvtool.inputs import parse_options
-from kvtool.report.run_folder import write_meta
+from kvtool.report.instances_report import instances_table, latency_table, write_instances_folder
+from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_json, write_meta
+from kvtool.report.timeline import TimelineRecorder
+from kvtool.trace.instances import DEFAULT_SYNC_WINDOW_S, InstancesPlan, Route, fleet_rows, run_instances
+from kvtool.trace.replay import TraceResult, TraceSummary, run_trace
+from kvtool.trace.report import cost_model_text, tier_table, ttft_report, ttft_table, write_trace_folder
+from kvtool.trace.setup import (
+    Replay,
+    ReplayOptions,
+    build_replay,
+    check_before_replay,
+    decode_check_note,
+    note_store_folder,
+)
+from kvtool.trace.tier_size import tier_note
 from kvtool.vllm_compat.entry import VLLM_COMPAT, run_vllm_trace
 from kvtool.vllm_compat.install import VLLM_VERSION, require_vllm
 from kvtool.vllm_compat.trace_replay import VllmTraceShape
@@ -45,7 +62,7 @@ def trace_run(
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (32: TensorRT-LLM's default; "
                                                   "validate uses 4 so that short prompts span many blocks).")] = 32,
     connector: Annotated[str, typer.Option(help=f"none, {CONNECTOR_CHOICES}.")] = "none",
-    connector_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Folder of the disk connector "
+    connector_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Folder of the disk connector "
                                                          "(its dir option).")] = None,
     connector_help: ConnectorHelp = False,
     num_ranks: Annotated[int, typer.Option(help="Ranks: rank 0 here, the others as processes in a "
@@ -57,16 +74,16 @@ def trace_run(
                                     "pool and tier sizes are a GPU's).")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the connector, and compare "
                                            "TTFT and compute saved.")] = False,
-    timeline: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write a Chrome trace / Perfetto "
+    timeline: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a Chrome trace / Perfetto "
                                                      "timeline of the replay.")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
-    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+    output: Annotated[Path | None, typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="summary.json, summary.csv, requests.csv, iterations.csv, ttft_cdf.png"))] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
+    json_out: Annotated[Path | None, typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     instances: Annotated[int, typer.Option(metavar="N", help="Engine instances, each in its own process with its "
-                                           "own GPU pool and connector (a shared store: redis, mooncake, or their -index "
-                                           "tiers for block fidelity).")] = 1,
+                                           "own GPU pool and connector (a shared store: redis, mooncake, or their "
+                                           "-index tiers for block fidelity).")] = 1,
     route: Annotated[Route, typer.Option(help="How requests reach instances: round-robin, or prefix "
                                          "(cache-aware).")] = Route.ROUND_ROBIN,
     sync_window: Annotated[float, typer.Option(metavar="SECONDS", help="No instance runs more than this many "
@@ -119,24 +136,24 @@ def trace_run(
         Console().print(tier_table(result.summary))
         if replay.gpu_pool is not None:
             Console().print(replay.gpu_pool.describe(result.summary.model), highlight=False, markup=False)
-        if ttft:
+        if ttft and replay.cost_model is not None:   # (a TTFT report comes from the cost model)
             Console().print(ttft_table(ttft, result.summary.connector))
             Console().print(cost_model_text(replay.cost_model.assumptions()), highlight=False, markup=False)
     for line in result.issues:
         console.print(f"[red]{line}[/red]", highlight=False)
     if json_out is not None:
         write_json(json_out, result.summary.as_dict())
-    if recorder is not None:
+    if recorder is not None and timeline is not None:   # (one is made for the other)
         recorder.write(timeline)
     if folder is not None:
         write_trace_folder(folder, result, replay.cost_model, ttft, base,
-                           {"workload": str(options.workload), "workload_format": replay.workload.format, "seed": options.seed,
-                            "connector_options": replay.options, **replay_meta(replay)})
+                           {"workload": str(options.workload), "workload_format": replay.workload.format,
+                            "seed": options.seed, "connector_options": replay.options, **replay_meta(replay)})
     if result.failed_checks:
         raise fail("; ".join(result.failed_checks), ExitCode.CHECK_FAILED)
 
 
-def _run_vllm(options: ReplayOptions, output: Optional[Path], format: OutputFormat) -> None:
+def _run_vllm(options: ReplayOptions, output: Path | None, format: OutputFormat) -> None:
     """The workload through a vLLM connector (`kvtool.vllm_compat.trace_replay`), after kvtool's host
     connector through kvtool's engine on the same workload and pool (the reference, in this run)."""
     if options.connector == "none":
@@ -184,7 +201,7 @@ def _print_vllm(rows: dict[str, dict], format: OutputFormat) -> None:
 
 
 def _run_instances(options: ReplayOptions, instances: int, route: Route, sync_window: float, baseline: bool,
-                   timeline: Optional[Path], json_out: Optional[Path], output: Optional[Path],
+                   timeline: Path | None, json_out: Path | None, output: Path | None,
                    format: OutputFormat) -> None:
     if instances < 1:
         raise InputError(f"--instances must be positive, got {instances}")

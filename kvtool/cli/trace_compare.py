@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import pandas as pd
 import typer
@@ -20,7 +20,7 @@ from kvtool.report.trace_compare import DEFAULT_JUDGED, METRICS, Delta, compare_
 def trace_compare(
     a: Annotated[Path, typer.Argument(help="Run folder of the reference (trace run or trace sweep --output).")],
     b: Annotated[Path, typer.Argument(help="Run folder to judge against it.")],
-    max_regression: Annotated[Optional[float], typer.Option(metavar="FRACTION", help="Exit 1 when a judged metric "
+    max_regression: Annotated[float | None, typer.Option(metavar="FRACTION", help="Exit 1 when a judged metric "
                                                             "is worse in B by more than this fraction of A "
                                                             "(0.05 = 5 %).")] = None,
     metric: Annotated[list[str], typer.Option(help="A metric to judge (repeatable) [default: "

@@ -19,36 +19,56 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import pandas as pd
 import torch
 import typer
 from rich.console import Console
 
-from kvtool.cli.common import (CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors,
-                               fail, frame_text, print_connector_help, progress_bar, say, warn)
+from kvtool.cli.common import (
+    CONNECTOR_CHOICES,
+    FORMAT_HELP,
+    OUTPUT_HELP,
+    ExitCode,
+    OutputFormat,
+    clean_errors,
+    fail,
+    frame_text,
+    print_connector_help,
+    progress_bar,
+    say,
+    warn,
+)
 from kvtool.cli.trace_options import ConnectorHelp, with_replay_options
-from kvtool.trace.setup import (Replay, ReplayOptions, block_bytes, build_replay, check_cache_holds,
-                                check_pools_fit_memory, workload_sizes)
-from kvtool.trace.tier_size import pool_tokens, tier_tokens
-from kvtool.trace.load_check import load_check
-from kvtool.trace.study import slo_attainment, study_caption, sweep_meta, sweep_study, with_cost
-from kvtool.trace.sweep_points import SweepPoint, sweep_points
 from kvtool.connector.options import declared_options
 from kvtool.connectors.registry import load_connector
-from kvtool.trace.replay import run_trace
 from kvtool.errors import InputError, OutOfMemoryError
 from kvtool.manager.storage import host_memory_bytes, memory_shortfall
 from kvtool.report.run_folder import prepare_run_folder
 from kvtool.report.sweep_report import sweep_tables, write_sweep_folder
+from kvtool.trace.load_check import load_check
+from kvtool.trace.replay import run_trace
 from kvtool.trace.report import ttft_stats
+from kvtool.trace.setup import (
+    Replay,
+    ReplayOptions,
+    block_bytes,
+    build_replay,
+    check_cache_holds,
+    check_pools_fit_memory,
+    workload_sizes,
+)
+from kvtool.trace.study import slo_attainment, study_caption, sweep_meta, sweep_study, with_cost
+from kvtool.trace.sweep_points import SweepPoint, sweep_points
+from kvtool.trace.tier_size import pool_tokens, tier_tokens
+from kvtool.types import Fidelity
 from kvtool.units import Capacity, format_gib, parse_capacity, parse_size
 from kvtool.workloads.prepared import PreparedWorkload, prepare_workload
-from kvtool.types import Fidelity
 
 DEFAULT_CAPACITIES = "1e4,1e5,1e6,1e7,1e8,1e9"
-SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes", "host-reserve": "bytes"}
+SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-layerwise": "bytes",
+               "host-reserve": "bytes"}
 """The connectors whose `capacity` the sweep sets at each point, and its unit there."""
 
 
@@ -56,33 +76,33 @@ SIZED_TIERS = {"index": "tokens", "host": "bytes", "host-async": "bytes", "host-
 @with_replay_options
 def trace_sweep(
     options: ReplayOptions,
-    connector: Annotated[Optional[str], typer.Option(metavar="NAME", help=f"The tier: {CONNECTOR_CHOICES}. "
+    connector: Annotated[str | None, typer.Option(metavar="NAME", help=f"The tier: {CONNECTOR_CHOICES}. "
                          f"{', '.join(SIZED_TIERS)} are swept over --capacity; any other connector keeps the size "
                          "its --connector-opt give it, and only --tokens-per-block is swept [default: index for "
                          "--fidelity blocks, host for bytes].")] = None,
     connector_help: ConnectorHelp = False,
-    capacity: Annotated[Optional[str], typer.Option(metavar="SIZE|TOKENS,...", help="Capacities of the connector "
+    capacity: Annotated[str | None, typer.Option(metavar="SIZE|TOKENS,...", help="Capacities of the connector "
                                                     "tier a GPU, comma-separated: sizes (16GiB, 64GiB; SI units such "
                                                     "as 10GB are said in GiB) or tokens (1e6), whole blocks of the "
                                                     "model's shard [default: "
                                                     f"{DEFAULT_CAPACITIES} tokens].")] = None,
     tokens_per_block: Annotated[str, typer.Option(metavar="N,...", help="Tokens per block, comma-separated: "
                                                   "every capacity runs at each.")] = "32",
-    jobs: Annotated[Optional[int], typer.Option(metavar="N", help="Replays at once, each in its own process "
+    jobs: Annotated[int | None, typer.Option(metavar="N", help="Replays at once, each in its own process "
                                                 "[default: the cores there are].")] = None,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel GPUs an engine: the cost model divides "
                                     "compute and weights by N, the GPU pool and the tier are a GPU's (blocks "
                                     "fidelity replays rank 0's shard).")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline", help="Also replay without the tier: the no-tier point "
                                            "(capacity 0) the knee's gain and TTFT are set against.")] = False,
-    ttft_slo: Annotated[Optional[float], typer.Option(metavar="SECONDS", help="A TTFT objective: each point's "
+    ttft_slo: Annotated[float | None, typer.Option(metavar="SECONDS", help="A TTFT objective: each point's "
                                                       "share of requests whose first token came within it (needs "
                                                       "the cost model).")] = None,
-    price_per_gib: Annotated[Optional[float], typer.Option(metavar="PRICE", help="What a GiB of the tier costs "
+    price_per_gib: Annotated[float | None, typer.Option(metavar="PRICE", help="What a GiB of the tier costs "
                                                            "(any currency): each point's cost a GPU, and the "
                                                            "knee's.")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
-    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+    output: Annotated[Path | None, typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="sweep.csv, sweep.json, capacity_study.png, hit_rate_vs_capacity.png, "
               "hit_rate_vs_tokens_per_block.png"))] = None,
 ) -> None:
@@ -120,7 +140,7 @@ def trace_sweep(
     sizes = workload_sizes(build_replay(options).workload)
     notes: dict[str, None] = dict.fromkeys(c.si_note for c in capacities if c is not None and c.si_note)
     kept = []
-    for point, each in zip(points, point_options):
+    for point, each in zip(points, point_options, strict=True):
         replay = build_replay(each)   # every InputError now, before any replay
         check_pools_fit_memory(replay)
         check_cache_holds(replay, sizes)
@@ -268,7 +288,8 @@ def check_tier_fits_memory(point: SweepPoint, options: ReplayOptions, points: li
                 and p.capacity_tokens < point.capacity_tokens]
         advice = f"--capacity up to {_tokens(max(fits))}" if fits else "a smaller --capacity"
         raise OutOfMemoryError(f"the {options.connector} tier at {_tokens(point.capacity_tokens)} tokens does not "
-                               f"fit: {shortfall}: give {advice}, or sweep --fidelity blocks (the index tier, no bytes)")
+                               f"fit: {shortfall}: give {advice}, or sweep --fidelity blocks (the index tier, "
+                               "no bytes)")
 
 
 def _tokens(count: int) -> str:
@@ -298,13 +319,13 @@ def _run_all(points: list[SweepPoint], point_options: list[ReplayOptions], jobs:
     rows: list[dict[str, Any] | None] = [None] * len(points)
     with progress_bar("sweep", len(points), console) as update:
         if jobs == 1 or len(points) == 1:
-            for i, (point, each) in enumerate(zip(points, point_options)):
+            for i, (point, each) in enumerate(zip(points, point_options, strict=True)):
                 rows[i] = run_point(point, each, prepared)
                 update(advance=1)
         else:
             with ProcessPoolExecutor(min(jobs, len(points)), mp_context=get_context("spawn")) as pool:
                 futures = {pool.submit(run_point, p, o, prepared): i
-                           for i, (p, o) in enumerate(zip(points, point_options))}
+                           for i, (p, o) in enumerate(zip(points, point_options, strict=True))}
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
                     update(advance=1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Optional, Sequence
+from typing import Annotated
 
 import pandas as pd
 import torch
@@ -14,27 +15,41 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.common import CONNECTOR_CHOICES, FORMAT_HELP, OUTPUT_HELP, ExitCode, OutputFormat, clean_errors, deprecated, fail, frame_text, pages_device, print_connector_help, say, suggest
-from kvtool.inputs import connector_options, note_model_origin, parse_options, warn
+from kvtool.cli.common import (
+    CONNECTOR_CHOICES,
+    FORMAT_HELP,
+    OUTPUT_HELP,
+    ExitCode,
+    OutputFormat,
+    clean_errors,
+    deprecated,
+    fail,
+    frame_text,
+    pages_device,
+    print_connector_help,
+    say,
+    suggest,
+)
+from kvtool.connector.compat import install_compat
 from kvtool.connectors.registry import load_connector
+from kvtool.engine.runtimes import RUNTIMES, runtime_name
 from kvtool.errors import InputError
+from kvtool.inputs import connector_options, note_model_origin, parse_options, warn
 from kvtool.models import PRESETS, load_model, shard_model
 from kvtool.report.fit_table import report_width
 from kvtool.report.run_folder import check_writable_file, prepare_run_folder, write_file, write_meta
-from kvtool.connector.compat import install_compat
-from kvtool.engine.runtimes import RUNTIMES, runtime_name
+from kvtool.validate.explore import Finding, SeedsRun, explore, reproduce_command
 from kvtool.validate.harness import Context
-from kvtool.validate.runtime_differences import note_runtime_differences
-from kvtool.validate.preflight import preflight
 from kvtool.validate.junit import junit_xml
+from kvtool.validate.preflight import preflight
+from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
+from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CHECKS, CheckResult, Verdict, summary_line
 from kvtool.validate.runner import SCENARIO_GPU_OVERHEAD_BYTES, gpu_jobs_cap, max_jobs, run_all
-from kvtool.validate.remote_servers import remote_control
-from kvtool.validate.remote_scenarios import NEEDS_REMOTE, REMOTE_SCENARIOS
+from kvtool.validate.runtime_differences import note_runtime_differences
 from kvtool.validate.scenarios import SCENARIOS
-from kvtool.validate.explore import SeedsRun, explore, reproduce_command
-from kvtool.validate.shrink import Cut
 from kvtool.validate.schedule import DEFAULT_SEED
+from kvtool.validate.shrink import Cut
 from kvtool.validate.user_store import user_store_folders, user_store_notice
 from kvtool.vllm_compat.entry import VLLM_COMPAT, VLLM_DEFAULT_MODELS, run_vllm_validation
 from kvtool.vllm_compat.install import VLLM_VERSION
@@ -50,21 +65,22 @@ _STYLE = {Verdict.PASS: "green", Verdict.MISS: "cyan", Verdict.FAIL: "red", Verd
 @clean_errors
 def validate(
     target: Annotated[str, typer.Argument(help=f"{CONNECTOR_CHOICES}.")] = "host",
-    model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, tiny-vswa).")] = [],
+    model: Annotated[list[str], typer.Option(help="Model preset or config.json (repeatable; default tiny, "
+                                                  "tiny-vswa).")] = [],
     runtime: Annotated[list[str], typer.Option(metavar="NAME", help=RUNTIME_HELP)] = [],
     tokens_per_block: Annotated[int, typer.Option(metavar="N", help="Tokens per block (small, so that every "
                                                   "scenario spans many blocks).")] = 4,
     scenario: Annotated[list[str], typer.Option(help="Run only this scenario (repeatable; see --list).")] = [],
     list_scenarios: Annotated[bool, typer.Option("--list", help="List the scenarios and checks, then exit.")] = False,
     connector_help: Annotated[bool, typer.Option("--connector-help", help="List TARGET's options, then exit.")] = False,
-    junit: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write JUnit XML here (for CI).")] = None,
+    junit: Annotated[Path | None, typer.Option(metavar="FILE", help="Write JUnit XML here (for CI).")] = None,
     format: Annotated[OutputFormat, typer.Option("--format", help=FORMAT_HELP)] = OutputFormat.table,
-    output: Annotated[Optional[Path], typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
+    output: Annotated[Path | None, typer.Option(metavar="DIR", help=OUTPUT_HELP.format(
         files="results.json, results.csv, junit.xml, tracebacks/SCENARIO-MODEL.txt"))] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", hidden=True,
+    json_out: Annotated[Path | None, typer.Option("--json", metavar="FILE", hidden=True,
                                                      help="Deprecated: use --output DIR.")] = None,
     connector_opt: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the connector (repeatable).")] = [],
-    compat: Annotated[Optional[str], typer.Option(help="trtllm: provide TensorRT-LLM's connector modules; vllm: "
+    compat: Annotated[str | None, typer.Option(help="trtllm: provide TensorRT-LLM's connector modules; vllm: "
                                                   "drive vLLM's own scheduler (pip install -e '.[vllm]') and "
                                                   "validate a vLLM connector (TARGET: a factory name, "
                                                   "MODULE:CLASS, FILE.py:CLASS or kvtool-host).")] = None,
@@ -99,19 +115,19 @@ def validate(
                                                "stops at its first failure, printed with its seed and the command "
                                                "that reproduces it, then shrunk: the smallest case that still "
                                                "fails, with its command.")] = 0,
-    max_requests: Annotated[Optional[int], typer.Option(metavar="K", help="Only the first K requests of each "
+    max_requests: Annotated[int | None, typer.Option(metavar="K", help="Only the first K requests of each "
                                                         "engine run of a scenario (what --explore's shrink step "
                                                         "reports).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(metavar="M", help="At most M generated tokens a request "
+    max_new_tokens: Annotated[int | None, typer.Option(metavar="M", help="At most M generated tokens a request "
                                                           "(what --explore's shrink step reports).")] = None,
-    device: Annotated[Optional[str], typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
+    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="Where the KV pages live "
                                                   "[default: cuda when a CUDA GPU is present, else cpu].")] = None,
     num_ranks: Annotated[int, typer.Option(help="Ranks per run: rank 0 in the scenario's process, the others as "
                                            "processes in a torch.distributed group, each with its own pools, "
                                            "fingerprints and worker.")] = 1,
     tp: Annotated[int, typer.Option(metavar="N", help="Tensor-parallel shards (N = --num-ranks): each rank holds "
                                     "1/N of the KV heads.")] = 1,
-    remote: Annotated[Optional[str], typer.Option(metavar="URL", help="The server TARGET stores into (redis://... "
+    remote: Annotated[str | None, typer.Option(metavar="URL", help="The server TARGET stores into (redis://... "
                       "or mooncake://HOST:RPC_PORT?metadata=URL), dedicated to the test: the remote-* scenarios "
                       "empty, pause and disconnect it.")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="A miss (a repeated prompt the connector did not "
@@ -145,7 +161,8 @@ def validate(
     if not math.isfinite(timeout) or timeout <= 0:
         raise InputError(f"--timeout must be a positive number of seconds, got {timeout}")
     if num_ranks < 1 or tp < 1 or tp not in (1, num_ranks):
-        raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} --tp {tp}")
+        raise InputError(f"--num-ranks must be positive and --tp 1 or equal to it, got --num-ranks {num_ranks} "
+                         f"--tp {tp}")
     jobs_at_once = _jobs(jobs, num_ranks)
     if not math.isfinite(load_timeout) or load_timeout <= 0:
         raise InputError(f"--load-timeout must be a positive number of seconds, got {load_timeout}")
@@ -195,11 +212,13 @@ def validate(
             elif explore_seeds:
                 prefix = f"seed {rs[0].seed if rs[0].seed is not None else cs[0].seed} "
             if explore_seeds and not seeds:   # after a failure: the run alone, or a probe of the shrink step
-                prefix += f"shrink to {cs[0].cut.short()}: " if cs[0].cut != cut else "again, alone: "
+                probe_cut = cs[0].cut   # a probe runs at a Cut; the run alone at the command's cut
+                prefix += f"shrink to {probe_cut.short()}: " if probe_cut is not None and probe_cut != cut else \
+                    "again, alone: "
             console.print(prefix + _progress_line(rs), highlight=False, markup=False)
         return run_all(cs, names, timeout, jobs=jobs_at_once, overlap=overlap, on_result=progress, seeds=seeds)
 
-    findings = []
+    findings: list[Finding] = []
     if explore_seeds:
         results, findings = explore(contexts, scenario or list(SCENARIOS), explore_seeds, run_seeded)
     else:
@@ -405,8 +424,9 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     remote = [] if all_rows else [r for r in results if _needs_remote(r)]
     not_here = [] if all_rows else [r for r in results if _not_run_here(r)]
     folded = {id(r) for r in remote + not_here}
-    rows = [(r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
-             f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
+    rows: list[tuple[str, ...]] = [
+        (r.scenario, f"{r.model}\n{r.runtime}", r.check, f"[{_STYLE[r.verdict]}]{r.verdict.value}[/]",
+         f"{r.seconds:.2f}s", _evidence_cell(r)) for r in results if id(r) not in folded]
     for runtime in dict.fromkeys(r.runtime for r in not_here):
         rows.append(_folded_row([r for r in not_here if r.runtime == runtime], "not run here",
                                 f"their case cannot happen under {runtime} (--all-rows shows each, and why)"))
@@ -415,11 +435,12 @@ def _table(results: list[CheckResult], target: str, all_rows: bool = False, widt
     table = Table(title=f"kvtool validate {target}")
     if width < NARROW:
         rows = [(f"{a.replace(' (', chr(10) + '(', 1)}\n{b}", f"{c}\n{d} {e}".lstrip(), f) for a, b, c, d, e, f in rows]
-        columns = ("scenario / model, runtime", "check / verdict", "evidence")
+        columns: tuple[str, ...] = ("scenario / model, runtime", "check / verdict", "evidence")
     else:
         columns = ("scenario", "model / runtime", "check", "verdict", "time", "evidence")
     for i, column in enumerate(columns[:-1]):
-        longest = max([len(column)] + [len(line) for row in rows for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
+        longest = max([len(column)] + [len(line) for row in rows
+                                       for line in re.sub(r"\[/?\w*\]", "", row[i]).split("\n")])
         table.add_column(column, overflow="fold", min_width=longest)
     table.add_column(columns[-1], overflow="fold", ratio=1)
     for row in rows:

@@ -15,8 +15,9 @@ written. Never index a tensor with it: -1 is the last slot in Python.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtool.errors import LayoutNotSupportedError
 from kvtool.group_pages import valid_page_slots as valid_page_slots  # re-exported: the API names it
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvtool.connector.llm_args import LlmArgs
+    from kvtool.connector.options import ConnectorOption
     from kvtool.connector.request import Request
     from kvtool.manager.layout import KvCacheLayout
 
@@ -122,7 +124,7 @@ def reservation_hooks(scheduler_class: type, worker_class: type) -> tuple[str, .
     """Which of `RESERVATION_HOOKS` the connector's classes implement (override)."""
     owners = (scheduler_class, scheduler_class, worker_class)
     bases = (KvCacheConnectorScheduler, KvCacheConnectorScheduler, KvCacheConnectorWorker)
-    return tuple(name for name, owner, base in zip(RESERVATION_HOOKS, owners, bases)
+    return tuple(name for name, owner, base in zip(RESERVATION_HOOKS, owners, bases, strict=True)
                  if getattr(owner, name, None) is not getattr(base, name))
 
 
@@ -188,6 +190,8 @@ class KvCacheConnectorScheduler(ABC):
 
     supports_attention_dp: bool = False
     """TensorRT-LLM's opt-in for attention data parallelism (kvtool never runs it)."""
+    kvtool_options: ClassVar[tuple[ConnectorOption, ...]]
+    """Optional: the options this connector reads (kvtool.connector.options); declared, not set here."""
 
     def __init__(self, llm_args: LlmArgs) -> None:
         self._llm_args = llm_args

@@ -8,14 +8,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.compat import install_compat
 from kvtool.connector.introspection import retired_hook_error
 from kvtool.errors import InputError, did_you_mean
+
 
 @dataclass(frozen=True)
 class ConnectorSpec:
@@ -95,7 +96,8 @@ def _class_names(module, base: type) -> list[str]:
 
 def _looks_like(cls: type, base: type) -> bool:
     """A class written against another runtime's base classes (same method names) is accepted."""
-    names = [n for n in vars(base) if not n.startswith("_") and getattr(getattr(base, n), "__isabstractmethod__", False)]
+    names = [n for n in vars(base)
+             if not n.startswith("_") and getattr(getattr(base, n), "__isabstractmethod__", False)]
     return all(callable(getattr(cls, n, None)) for n in names)
 
 

@@ -7,8 +7,8 @@ gets every option unchecked (the command line says so).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from kvtool.errors import InputError
 

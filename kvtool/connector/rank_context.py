@@ -7,7 +7,7 @@ off) the runtime says which rank each hook call belongs to.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 _rank = 0
 _world_size = 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 DEFAULT_RETENTION_PRIORITY = 35
 """TensorRT-LLM's priority of a block no retention range covers (`kDefaultRetentionPriority`)."""

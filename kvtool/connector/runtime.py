@@ -12,9 +12,10 @@ the asynchronous bookkeeping.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, ContextManager, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from kvtool.connector.raised import describe_error, format_error, stops_kvtool
@@ -49,7 +50,7 @@ class ViolationKind(TextEnum):
         return not self.is_bad_finished_id
 
     @staticmethod
-    def bad_finished_id(what: str, repeated: bool) -> "ViolationKind":
+    def bad_finished_id(what: str, repeated: bool) -> ViolationKind:
         return {("save", False): ViolationKind.UNKNOWN_SAVE_ID, ("load", False): ViolationKind.UNKNOWN_LOAD_ID,
                 ("save", True): ViolationKind.REPEATED_SAVE_ID, ("load", True): ViolationKind.REPEATED_LOAD_ID}[
             (what, repeated)]
@@ -137,7 +138,7 @@ class ConnectorRuntime:
         self.violations: list[ContractViolation] = []
         self.failures: list[HookFailure] = []
         self.num_cancelled_tokens = 0
-        self.around_hook: Callable[[], ContextManager[None]] = nullcontext
+        self.around_hook: Callable[[], AbstractContextManager[None]] = nullcontext
         """Entered around every hook (the engine's `AsyncGate.hook`: the connector's threads may run)."""
         self.cancels: list[tuple[int, int, int]] = []
         self._new_loading: list[int] = []
@@ -176,15 +177,16 @@ class ConnectorRuntime:
             return None
         return self._checked_answer(request, num_computed_tokens, answer)
 
-    def _checked_answer(self, request: Request, num_computed: int, answer: Any, hook: str = "get_num_new_matched_tokens",
-                        strict: bool = False) -> Answer:
+    def _checked_answer(self, request: Request, num_computed: int, answer: Any,
+                        hook: str = "get_num_new_matched_tokens", strict: bool = False) -> Answer:
         """The answer as the runtime takes it: a violation is recorded and repaired to `(0, False)`,
         or with `strict` (and `(0, True)` under `refuse_zero_async`) refused: the answer carries why,
         and the request fails. An offer past the prompt goes as `past_the_prompt` says."""
         rid = request.request_id
         if (not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], int)
                 or isinstance(answer[0], bool) or not isinstance(answer[1], bool)):
-            return self._repaired(ViolationKind.ANSWER_SHAPE, rid, f"{hook} returned {answer!r}, not (int, bool)", strict)
+            return self._repaired(ViolationKind.ANSWER_SHAPE, rid, f"{hook} returned {answer!r}, not (int, bool)",
+                                  strict)
         num_tokens, is_async = answer
         if num_tokens < 0:
             return self._repaired(ViolationKind.NEGATIVE_COUNT, rid, f"offered {num_tokens} tokens", strict)
@@ -197,7 +199,8 @@ class ConnectorRuntime:
             if self.past_the_prompt is PastThePrompt.CLAMP:
                 self.violate(ViolationKind.BEYOND_PROMPT, rid, detail)
                 return Answer(room, is_async)
-            answer = self._repaired(ViolationKind.BEYOND_PROMPT, rid, detail, self.past_the_prompt is PastThePrompt.REFUSE)
+            answer = self._repaired(ViolationKind.BEYOND_PROMPT, rid, detail,
+                                    self.past_the_prompt is PastThePrompt.REFUSE)
             if answer.refusal is None and self.calls_cancel_load:
                 self.cancel(request, num_computed, num_computed + num_tokens)
             return answer
@@ -296,7 +299,8 @@ class ConnectorRuntime:
         ok, result = self.call("request_finished", hook, request, lists if grouped else self._flat(lists),
                                request_id=request.request_id)
         if ok and not isinstance(result, bool):
-            self.violate(ViolationKind.FINISHED_SHAPE, request.request_id, f"request_finished returned {result!r}, not a bool")
+            self.violate(ViolationKind.FINISHED_SHAPE, request.request_id,
+                         f"request_finished returned {result!r}, not a bool")
             result = bool(result)
         if ok and result:
             self._new_saving.append(request.request_id)
@@ -340,10 +344,11 @@ class ConnectorRuntime:
     def _tally(self, rank: int, ids: list[int], reports: _RankReports, tally: dict[int, set[int]], what: str) -> None:
         for rid in ids:
             if rid not in reports.given:
-                self.violate(ViolationKind.bad_finished_id(what, repeated=False), rid, f"rank {rank} reported {what} of request {rid}, "
-                                                       "which it was never given")
+                self.violate(ViolationKind.bad_finished_id(what, repeated=False), rid,
+                             f"rank {rank} reported {what} of request {rid}, which it was never given")
             elif rid in reports.reported:
-                self.violate(ViolationKind.bad_finished_id(what, repeated=True), rid, f"rank {rank} reported {what} of request {rid} twice")
+                self.violate(ViolationKind.bad_finished_id(what, repeated=True), rid,
+                             f"rank {rank} reported {what} of request {rid} twice")
             else:
                 reports.reported.add(rid)
                 tally.setdefault(rid, set()).add(rank)

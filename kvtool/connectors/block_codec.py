@@ -24,7 +24,7 @@ def encode_block(key: bytes, layer_group_id: int, payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, layer_group_id, key, len(payload), hashlib.sha256(payload).digest()) + payload
 
 
-def decode_block(data: bytes, key: bytes, layer_group_id: int, payload_bytes: int, where: str) -> bytes:
+def decode_block(data: bytes, key: bytes, layer_group_id: int, payload_bytes: int, where: str) -> memoryview:
     """The payload of a stored value, verified against the block it should be; CorruptBlock (its
     message starting with `where`) for anything that does not check out."""
     if len(data) < HEADER.size:

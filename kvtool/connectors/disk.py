@@ -12,11 +12,11 @@ Options: `dir` (the folder; default ./kvtool-disk-cache), `mode` (`sync`, `layer
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
-
 
 from kvtool.atomic_file import TEMPORARY_GLOB, publish
 from kvtool.connector.llm_args import LlmArgs
@@ -128,17 +128,15 @@ class DiskConnectorScheduler(BlockStoreScheduler):
         self.num_corrupt += 1
         warnings.warn(f"kvtool disk connector: ignoring a corrupt block ({reason}); it will be saved again",
                       RuntimeWarning, stacklevel=2)
-        try:
+        with contextlib.suppress(OSError):
             path.replace(path.with_suffix(".corrupt"))
-        except OSError:
-            pass
 
 
 class DiskConnectorWorker(BlockStoreWorker):
     def open_store(self, layout: KvCacheLayout) -> None:
         self.root = store_root(self._llm_args)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._payload_bytes = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
+        self._payload_bytes: dict[int, int] = {g.layer_group_id: g.bytes_per_page for g in layout.layer_groups}
         self._last_layer = max(layer for g in layout.layer_groups for layer in g.layer_ids)
 
     def load(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
@@ -147,7 +145,7 @@ class DiskConnectorWorker(BlockStoreWorker):
     def save(self, transfers: Sequence[PageTransfer], layer_id: int | None = None) -> None:
         if layer_id is not None and layer_id != self._last_layer:
             return   # a file holds every layer of its block: write it once the last layer is done
-        for t, payload in zip(transfers, self.saved_payloads(transfers)):
+        for t, payload in zip(transfers, self.saved_payloads(transfers), strict=True):
             write_block(self._own(t), t.key, t.layer_group_id, payload)
 
     def _own(self, transfer: PageTransfer) -> Path:

@@ -6,26 +6,29 @@ worker only moves bytes: one batched copy per layer group and region, never a lo
 (`layer_copies`), a save after the layer's compute and a load before it, on a stream of the
 worker's own where the pages are on a GPU. `async` on a GPU: each pass's batch is launched on that
 stream after the forward's work, and reported once an event behind it has passed (no thread).
-Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `eviction` (`lru`, `lfu`: `slot_index`), `mode`
+Options (llm_args.connector_options): `capacity` (bytes, e.g. `1GiB`; default 256MiB), `eviction` (`lru`,
+`lfu`: `slot_index`), `mode`
 (`sync`, `async`, `layerwise`), `backend` (a transfer backend name; default `auto`: `staged` for GPU
 pages where PyCUDA runs, else `torch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from kvtool.connector.api import HostStream
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
-from kvtool.connectors.layer_copies import LayerBatches, Landed, SideStream
+from kvtool.connectors.layer_copies import Landed, LayerBatches, SideStream
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
-from kvtool.connectors.store_mode import StoreMode
 from kvtool.connectors.slot_index import EVICTION_POLICIES, SlotIndex, slot_index
+from kvtool.connectors.store_mode import StoreMode
 from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler, PrefixReservingScheduler
 from kvtool.connectors.store_worker import BlockStoreWorker, PrefixReservingWorker
 from kvtool.errors import InputError
@@ -79,7 +82,7 @@ def zeroed_host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 class HostConnectorScheduler(BlockStoreScheduler):
-    kvtool_options = STORE_OPTIONS + (
+    kvtool_options: ClassVar[tuple[ConnectorOption, ...]] = STORE_OPTIONS + (
         ConnectorOption("capacity", "host memory for stored blocks, e.g. 1GiB", DEFAULT_CAPACITY, check=parse_size),
         EVICTION_OPTION, SYNC_HEAD_OPTION,
     )
@@ -127,9 +130,9 @@ class HostConnectorWorker(BlockStoreWorker):
     def open_store(self, layout: KvCacheLayout) -> None:
         size = entries_per_group(self._llm_args)
         pin = torch.cuda.is_available()
-        self.store = {g.layer_group_id: PageSpace.contiguous(zeroed_host_bytes(size * g.bytes_per_page, pin),
-                                                             g.bytes_per_page)
-                      for g in layout.layer_groups}
+        self.store: dict[int, PageSpace] = {
+            g.layer_group_id: PageSpace.contiguous(zeroed_host_bytes(size * g.bytes_per_page, pin), g.bytes_per_page)
+            for g in layout.layer_groups}
         storage = layout.group(0).regions[0].storage
         self._side = SideStream(storage is not None and storage.is_cuda)
 
@@ -150,51 +153,51 @@ class HostConnectorWorker(BlockStoreWorker):
         """One launch (on a GPU: a head, then the rest prepared while the head crosses), landed on return."""
         for part in head_and_rest(transfers, self._sync_head if self._side.stream is not None else 0):
             slots = [t.location[1] for t in part]
-            self.backend.copy(self.page_ops(part, self.store, slots, to_store, layer_id))
-        self.backend.synchronize()
+            self.transfer_backend.copy(self.page_ops(part, self.store, slots, to_store, layer_id))
+        self.transfer_backend.synchronize()
 
     # ---- layerwise: one launch per layer and direction ------------------------------------------
-    def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
+    def start_load_kv(self, stream: torch.cuda.Stream | HostStream) -> None:
         super().start_load_kv(stream)
         self._layer_loads = None
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
             self._wait_for_background_saves()
             self._layer_loads = self._layer_batches(self.meta.loads, to_store=False)
             self._side.follow(stream)              # after the work that handed the pages out
-            self._layer_loads.launch_all(self.backend, self._side)
+            self._layer_loads.launch_all(self.transfer_backend, self._side)
 
-    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is not StoreMode.LAYERWISE:
             super().wait_for_layer_load(layer_idx, stream)
         elif self._layer_loads is not None:
             self._layer_loads.wait(layer_idx, stream)
 
-    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is not StoreMode.LAYERWISE or not self.meta.saves:
             return
         meta = self.meta
         if self._layer_saves is None or self._layer_saves[0] is not meta:
             self._layer_saves = (meta, self._layer_batches(meta.saves, to_store=True))
         self._side.follow(stream)                  # after this layer's compute
-        self._layer_saves[1].launch(layer_idx, self.backend, self._side)
+        self._layer_saves[1].launch(layer_idx, self.transfer_backend, self._side)
 
-    def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         if self._layer_saves is not None:
             self._layer_saves = None
-            self._side.drain(self.backend)         # every layer's bytes in the store
+            self._side.drain(self.transfer_backend)         # every layer's bytes in the store
         self._layer_loads = None
         super().wait_for_save(stream)
 
     def _layer_batches(self, transfers: Sequence[PageTransfer], to_store: bool) -> LayerBatches:
         """Every layer's copies of `transfers`, prepared together (pages of all requests coalesced)."""
-        layer_ids = sorted(layer for group in self.layout.layer_groups for layer in group.layer_ids)
+        layer_ids = sorted(layer for group in self.registered_layout.layer_groups for layer in group.layer_ids)
         slots = [t.location[1] for t in transfers]
         ops = self.layer_page_ops(transfers, self.store, slots, to_store, layer_ids)
-        return LayerBatches.prepare(self.backend, layer_ids, ops)
+        return LayerBatches.prepare(self.transfer_backend, layer_ids, ops)
 
     # ---- async on a GPU: launched on the side stream, reported by an event ----------------------
     def start_background(self, transfers: list[PageTransfer], to_store: bool,
-                         stream: torch.cuda.Stream | None):
+                         stream: torch.cuda.Stream | HostStream | None):
         """A save on GPU pages: the batch launched on the worker's stream after the forward's
         work (no thread, no wait for the forward), done once an event behind its copies has
         passed. Loads stay on the store's thread: on one H100 they measured 0.82-0.86 of the link
@@ -203,10 +206,10 @@ class HostConnectorWorker(BlockStoreWorker):
         if self._side.stream is None or not to_store:
             return super().start_background(transfers, to_store, stream)
         slots = [t.location[1] for t in transfers]
-        prepared = self.backend.prepare(self.page_ops(transfers, self.store, slots, to_store, None))
+        prepared = self.transfer_backend.prepare(self.page_ops(transfers, self.store, slots, to_store, None))
         self._side.follow(stream)
-        self._side.launch(self.backend, prepared)
-        self.backend.join(self._side.stream)       # a staged save's copies to the host included
+        self._side.launch(self.transfer_backend, prepared)
+        self.transfer_backend.join(self._side.stream)       # a staged save's copies to the host included
         return Landed(self._side.mark())
 
 

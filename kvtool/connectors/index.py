@@ -11,8 +11,8 @@ which is how tiers are sized in a sweep. It serves no bytes, so it only runs whe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs

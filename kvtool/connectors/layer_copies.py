@@ -9,11 +9,13 @@ no side stream: each launch has landed when it returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import cast
 
 import torch
 
+from kvtool.connector.api import HostStream
 from kvtool.errors import LogicError
 from kvtool.transfer.api import CopyOp, TransferBackend
 from kvtool.transfer.torch_backend import TorchBackend
@@ -27,10 +29,10 @@ class SideStream:
     def __init__(self, on_gpu: bool) -> None:
         self.stream: torch.cuda.Stream | None = torch.cuda.Stream() if on_gpu else None
 
-    def follow(self, forward: torch.cuda.Stream | None) -> None:
+    def follow(self, forward: torch.cuda.Stream | HostStream | None) -> None:
         """Order later copies after what `forward` (None: the current stream) holds now."""
-        if self.stream is not None:
-            self.stream.wait_stream(forward or torch.cuda.current_stream())
+        if self.stream is not None:   # pages on a GPU: the hooks were given a CUDA stream, not a HostStream
+            self.stream.wait_stream(cast("torch.cuda.Stream | None", forward) or torch.cuda.current_stream())
 
     def launch(self, backend: TransferBackend, prepared: object) -> None:
         """`prepared` launched on the side stream (made current for the torch backend, which runs
@@ -68,7 +70,7 @@ class LayerBatches:
 
     @staticmethod
     def prepare(backend: TransferBackend, layer_ids: Sequence[int], ops_by_layer: Sequence[Sequence[CopyOp]]
-                ) -> "LayerBatches":
+                ) -> LayerBatches:
         return LayerBatches(list(layer_ids), backend.prepare_layers(ops_by_layer))
 
     def launch(self, layer_id: int, backend: TransferBackend, side: SideStream, mark: bool = False) -> None:
@@ -87,7 +89,7 @@ class LayerBatches:
         for layer_id in self.layer_ids:
             self.launch(layer_id, backend, side, mark=True)
 
-    def wait(self, layer_id: int, forward: torch.cuda.Stream | None) -> None:
+    def wait(self, layer_id: int, forward: torch.cuda.Stream | HostStream | None) -> None:
         """`forward`'s later work after layer `layer_id`'s copies; returns once they have landed
         (so the hook that waits is timed until its bytes are there)."""
         event = self.landed.get(layer_id)

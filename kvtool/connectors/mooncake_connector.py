@@ -8,8 +8,12 @@ Options: `master` (default 127.0.0.1:50051), `metadata` (default http://127.0.0.
 from __future__ import annotations
 
 from kvtool.connectors.mooncake_store import MOONCAKE_OPTIONS, MooncakeBlockStore
-from kvtool.connectors.remote_connector import (RemoteIndexScheduler, RemoteIndexWorker, RemoteStoreScheduler,
-                                                RemoteStoreWorker)
+from kvtool.connectors.remote_connector import (
+    RemoteIndexScheduler,
+    RemoteIndexWorker,
+    RemoteStoreScheduler,
+    RemoteStoreWorker,
+)
 from kvtool.connectors.store_scheduler import STORE_OPTIONS
 
 

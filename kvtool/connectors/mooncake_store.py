@@ -47,7 +47,7 @@ MOONCAKE_OPTIONS = REMOTE_OPTIONS + (
 )
 
 
-def probe(host: str, port: int) -> None:
+def probe(host: str | None, port: int) -> None:
     """OSError unless something listens at host:port (a Mooncake setup against nothing blocks for
     minutes; a connect says at once)."""
     socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
@@ -112,7 +112,9 @@ class MooncakeBlockStore(RemoteBlockStore):
                 failures = [c for c in codes if c < 0 and c != OBJECT_NOT_FOUND]
                 if failures and all(c < 0 for c in codes):   # nothing came back: the store failed
                     raise StoreUnavailable(f"batch_get_into: error {failures[0]}")
-                values += [self._buffer[o:o + c].tobytes() if c >= 0 else None for o, c in zip(offsets, codes)]
+                buffer = self._registered()
+                values += [buffer[o:o + c].tobytes() if c >= 0 else None
+                           for o, c in zip(offsets, codes, strict=True)]
         return values
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
@@ -120,8 +122,8 @@ class MooncakeBlockStore(RemoteBlockStore):
         with self._lock:
             client = self._connected()
             for chunk, offsets in self._chunks(sizes):
-                for i, offset in zip(chunk, offsets):
-                    self._buffer[offset:offset + sizes[i]] = np.frombuffer(items[i][1], dtype=np.uint8)
+                for i, offset in zip(chunk, offsets, strict=True):
+                    self._registered()[offset:offset + sizes[i]] = np.frombuffer(items[i][1], dtype=np.uint8)
                 codes = client.batch_put_from([items[i][0] for i in chunk], self._addresses(offsets),
                                               [sizes[i] for i in chunk])
                 failed = [c for c in codes if c < 0]
@@ -130,7 +132,10 @@ class MooncakeBlockStore(RemoteBlockStore):
 
     def _chunks(self, sizes: list[int]) -> list[tuple[list[int], list[int]]]:
         """Runs of indices of `sizes` that fit the buffer, each with its values' offsets in it."""
-        chunks, current, offsets, used = [], [], [], 0
+        chunks: list[tuple[list[int], list[int]]] = []
+        current: list[int] = []
+        offsets: list[int] = []
+        used = 0
         for i, size in enumerate(sizes):
             if current and used + size > self.buffer_bytes:
                 chunks.append((current, offsets))
@@ -140,8 +145,13 @@ class MooncakeBlockStore(RemoteBlockStore):
             used += size
         return chunks + ([(current, offsets)] if current else [])
 
+    def _registered(self) -> np.ndarray:
+        """The buffer registered with the client (set by `_connected`, which every caller ran first)."""
+        assert self._buffer is not None
+        return self._buffer
+
     def _addresses(self, offsets: list[int]) -> list[int]:
-        base = self._buffer.ctypes.data
+        base = self._registered().ctypes.data
         return [base + offset for offset in offsets]
 
     def _connected(self):

@@ -7,8 +7,12 @@ Options: `url` (default redis://127.0.0.1:6379/0; a URL holding a password is re
 from __future__ import annotations
 
 from kvtool.connectors.redis_store import REDIS_OPTIONS, RedisBlockStore
-from kvtool.connectors.remote_connector import (RemoteIndexScheduler, RemoteIndexWorker, RemoteStoreScheduler,
-                                                RemoteStoreWorker)
+from kvtool.connectors.remote_connector import (
+    RemoteIndexScheduler,
+    RemoteIndexWorker,
+    RemoteStoreScheduler,
+    RemoteStoreWorker,
+)
 from kvtool.connectors.store_scheduler import STORE_OPTIONS
 
 

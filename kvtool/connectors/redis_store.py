@@ -19,8 +19,8 @@ from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
 from kvtool.connectors.remote_store import REMOTE_OPTIONS, RemoteBlockStore, StoreUnavailable, seconds, store_bound
 from kvtool.connectors.slot_index import EVICTION_POLICIES
-from kvtool.units import parse_capacity
 from kvtool.errors import InputError
+from kvtool.units import parse_capacity
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 

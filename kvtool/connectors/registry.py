@@ -7,13 +7,25 @@ from types import MappingProxyType
 from kvtool.connector import loader
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
-from kvtool.connectors.host import (HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler,
-                                   ReservingHostWorker)
+from kvtool.connectors.host import (
+    HostConnectorScheduler,
+    HostConnectorWorker,
+    ReservingHostScheduler,
+    ReservingHostWorker,
+)
 from kvtool.connectors.index import IndexConnectorScheduler, IndexConnectorWorker
-from kvtool.connectors.mooncake_connector import (MooncakeConnectorScheduler, MooncakeConnectorWorker,
-                                                 MooncakeIndexConnectorScheduler, MooncakeIndexConnectorWorker)
-from kvtool.connectors.redis_connector import (RedisConnectorScheduler, RedisConnectorWorker,
-                                               RedisIndexConnectorScheduler, RedisIndexConnectorWorker)
+from kvtool.connectors.mooncake_connector import (
+    MooncakeConnectorScheduler,
+    MooncakeConnectorWorker,
+    MooncakeIndexConnectorScheduler,
+    MooncakeIndexConnectorWorker,
+)
+from kvtool.connectors.redis_connector import (
+    RedisConnectorScheduler,
+    RedisConnectorWorker,
+    RedisIndexConnectorScheduler,
+    RedisIndexConnectorWorker,
+)
 from kvtool.connectors.stacked import StackedIndexScheduler, StackedIndexWorker
 
 

@@ -24,8 +24,9 @@ copied.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
@@ -109,7 +110,7 @@ class RemoteStoreWorker(BlockStoreWorker):
             return   # a value holds every layer of its page: write it once the last layer is done
         if transfers:
             self.store.put(((t.key, t.layer_group_id), payload)
-                           for t, payload in zip(transfers, self.saved_payloads(transfers)))
+                           for t, payload in zip(transfers, self.saved_payloads(transfers), strict=True))
 
 
 class RemoteIndexScheduler(RemoteStoreScheduler):
@@ -123,10 +124,10 @@ class RemoteIndexScheduler(RemoteStoreScheduler):
         self.store.touch(list(plan.values()))    # a bounded store counts the use
         return plan                # nothing will be read: there is no window to close
 
-    def pin(self, location: Entry) -> None:
+    def pin(self, location: Entry | StagedEntry) -> None:   # an Entry here: secure() stages nothing
         pass
 
-    def unpin(self, location: Entry) -> None:
+    def unpin(self, location: Entry | StagedEntry) -> None:
         pass
 
 

@@ -27,8 +27,8 @@ import re
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kvtool.connector.api import STORE_NAMESPACE_ENV
 from kvtool.connector.llm_args import LlmArgs
@@ -175,7 +175,7 @@ class RemoteBlockStore(ABC):
         if not entries:
             return set()
         found = self._guarded(lambda: self.exist_many([self.key(e, self.rank) for e in entries]), "check blocks")
-        return set() if found is None else {e for e, present in zip(entries, found) if present}
+        return set() if found is None else {e for e, present in zip(entries, found, strict=True) if present}
 
     def fetch(self, entries: Sequence[Entry]) -> dict[Entry, StagedEntry | None]:
         """Every rank's value of each entry, verified (one call); None for an entry that is missing,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict, deque
-from typing import Callable
+from collections.abc import Callable
 
 
 class SlotIndex:

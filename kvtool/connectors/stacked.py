@@ -16,9 +16,11 @@ both (write-through; the remote in one batch a pass). Each delivery is split by 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
+from kvtool.connector.api import SchedulerOutput
 from kvtool.connector.introspection import Introspection
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.options import ConnectorOption
@@ -29,7 +31,6 @@ from kvtool.connectors.redis_store import REDIS_OPTIONS, RedisBlockStore
 from kvtool.connectors.remote_store import Entry
 from kvtool.connectors.slot_index import EVICTION_POLICIES, slot_index
 from kvtool.connectors.store_scheduler import STORE_OPTIONS, BlockStoreScheduler
-from kvtool.connector.api import SchedulerOutput
 from kvtool.units import parse_capacity
 
 HOST, REMOTE = "host", "remote"

@@ -17,8 +17,9 @@ request's last pass, so a save cannot wait for `request_finished` to be planned.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 from kvtool.blocks import num_blocks
 from kvtool.connector.api import KvCacheConnectorScheduler, PrefixLoad, RequestData, SchedulerOutput
@@ -91,7 +92,7 @@ class _Promise:
 
 
 class BlockStoreScheduler(KvCacheConnectorScheduler):
-    kvtool_options = STORE_OPTIONS
+    kvtool_options: ClassVar[tuple[ConnectorOption, ...]] = STORE_OPTIONS   # subclasses add their own
 
     def __init__(self, llm_args: LlmArgs) -> None:
         super().__init__(llm_args)
@@ -225,8 +226,9 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
 
     # ---- prefix reservations (`main`'s V2) ---------------------------------------------------
     def _promise_prefix(self, request: Request, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
-        """`reserve_prefix` (`PrefixReservingScheduler`): promise the longest stored run of whole blocks past `num_computed_tokens` that leaves the
-        last prompt token to compute, its entries pinned until released; no transfer starts."""
+        """`reserve_prefix` (`PrefixReservingScheduler`): promise the longest stored run of whole blocks past
+        `num_computed_tokens` that leaves the last prompt token to compute, its entries pinned until released;
+        no transfer starts."""
         tracker = self._tracker(request.request_id, request.cache_salt)
         tracker.tokens = request.get_tokens(0)[:request.prompt_len]
         tracker.extend_keys(self.tokens_per_block)
@@ -246,11 +248,13 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return end - num_computed_tokens, self.mode is StoreMode.ASYNC
 
     def _release_promise(self, reservation_id: int, start: int, end: int) -> None:
-        """`release_prefix_reservation`: unpin the promise's entries whose blocks begin in [start, end) (unused, or loaded on every worker)."""
+        """`release_prefix_reservation`: unpin the promise's entries whose blocks begin in [start, end) (unused,
+        or loaded on every worker)."""
         promise = self._promises.get(reservation_id)
         if promise is None:
             return
-        for (j, g) in [key for key in promise.planned if start <= promise.first_token(key[0], self.tokens_per_block) < end]:
+        for (j, g) in [key for key in promise.planned
+                       if start <= promise.first_token(key[0], self.tokens_per_block) < end]:
             self.unpin(promise.planned.pop((j, g)))
         if not promise.planned:
             del self._promises[reservation_id]
@@ -282,8 +286,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
     def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
         self.update_state_after_alloc_by_layer_group(request, GroupPages([block_ids]))
 
-    def update_state_after_alloc_by_layer_group(self, request: Request,
-                                                block_ids_by_layer_group: list[list[int]]) -> None:
+    def update_state_after_alloc_by_layer_group(self, request: Request,   # (a GroupPages from kvtool's runtime)
+                                                block_ids_by_layer_group: Sequence[Sequence[int]]) -> None:
         tracker = self._tracker(request.request_id, request.cache_salt)
         tracker.pages = GroupPages(block_ids_by_layer_group)
         if tracker.offer is None:
@@ -315,6 +319,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
 
     def _delivered(self, tracker: _Tracker) -> tuple[int, int]:
         """The offer minus what was cancelled: cancels always cut its head or its tail."""
+        assert tracker.offer is not None   # asked once the request holds an offer
         start, end = tracker.offer
         for c_start, c_end in sorted(tracker.cancelled):
             if c_start <= start:
@@ -336,7 +341,8 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
             self._observe(data, is_new=False, meta=meta)
         for tracker in self._trackers.values():
             if tracker.pending_loads:
-                target = meta.async_loads.setdefault(tracker.request_id, []) if self.mode is StoreMode.ASYNC else meta.loads
+                target = (meta.async_loads.setdefault(tracker.request_id, []) if self.mode is StoreMode.ASYNC
+                          else meta.loads)
                 target.extend(tracker.pending_loads)
                 tracker.pending_loads = []
                 tracker.loads_emitted_at = self._num_metas
@@ -402,7 +408,7 @@ class BlockStoreScheduler(KvCacheConnectorScheduler):
         return self.request_finished_by_layer_group(request, GroupPages([cache_block_ids]))
 
     def request_finished_by_layer_group(self, request: Request,
-                                        cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+                                        cache_block_ids_by_layer_group: Sequence[Sequence[int]]) -> bool:
         unlanded = self._unlanded.pop(request.request_id, [])
         if not request.is_finished:   # ended early (failed or aborted), maybe in the pass of these saves
             for save in unlanded:

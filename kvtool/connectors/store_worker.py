@@ -13,20 +13,21 @@ Subclasses say how a batch of page transfers moves between the cache and their s
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
 
 import torch
 
-from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.api import HostStream, KvCacheConnectorWorker
 from kvtool.connector.llm_args import LlmArgs
 from kvtool.connector.pool_tensor import layout_of_pool_tensor
 from kvtool.connectors.metadata import PageTransfer, StoreMetadata
 from kvtool.connectors.store_mode import StoreMode, store_mode
+from kvtool.errors import LogicError
 from kvtool.manager.layout import KvCacheLayout
 from kvtool.transfer import TransferBackend, get_backend
-from kvtool.transfer.registry import AUTO, best_backend
 from kvtool.transfer.api import CopyOp, PageSpace
+from kvtool.transfer.registry import AUTO, best_backend
 
 
 class BlockStoreWorker(KvCacheConnectorWorker):
@@ -48,7 +49,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         """TensorRT-LLM's V1: the one pool tensor, served as the one-region layout it is."""
-        self.register_kv_cache_layout(layout_of_pool_tensor(kv_cache_tensor, self._llm_args.kv_cache_config.tokens_per_block,
+        self.register_kv_cache_layout(layout_of_pool_tensor(kv_cache_tensor,
+                                                            self._llm_args.kv_cache_config.tokens_per_block,
                                                             self._llm_args.model))
 
     def register_kv_cache_layout(self, layout: KvCacheLayout) -> None:
@@ -58,6 +60,20 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             self.backend_name = best_backend(storage.device if storage is not None else torch.device("cpu"))
         self.backend = get_backend(self.backend_name)
         self.open_store(layout)
+
+    @property
+    def registered_layout(self) -> KvCacheLayout:
+        """`layout`, which `register_kv_cache_layout` sets before any copy (LogicError before it)."""
+        if self.layout is None:
+            raise LogicError(f"{type(self).__name__}: no KV cache layout registered yet")
+        return self.layout
+
+    @property
+    def transfer_backend(self) -> TransferBackend:
+        """`backend`, which `register_kv_cache_layout` sets before any copy (LogicError before it)."""
+        if self.backend is None:
+            raise LogicError(f"{type(self).__name__}: no transfer backend before the layout is registered")
+        return self.backend
 
     # ---- per store ---------------------------------------------------------------------------
     @abstractmethod
@@ -77,7 +93,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
     def meta(self) -> StoreMetadata:
         return self._metadata if isinstance(self._metadata, StoreMetadata) else StoreMetadata()
 
-    def start_load_kv(self, stream: torch.cuda.Stream | None) -> None:
+    def start_load_kv(self, stream: torch.cuda.Stream | HostStream) -> None:
         meta = self.meta
         if meta.loads and self.mode is not StoreMode.LAYERWISE:
             self._wait_for_background_saves()
@@ -86,7 +102,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         self._submit(self._loading, False, meta.async_loads, stream)
         self._submit(self._prefix_loading, False, meta.async_prefix_loads, stream)
 
-    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_layer_load(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is StoreMode.LAYERWISE and self.meta.loads:
             self._wait_for_background_saves()
             self.load(self.meta.loads, layer_id=layer_idx)
@@ -96,11 +112,11 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         for future in list(self._saving.values()):
             future.exception()
 
-    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | None) -> None:
+    def save_kv_layer(self, layer_idx: int, stream: torch.cuda.Stream | HostStream) -> None:
         if self.mode is StoreMode.LAYERWISE and self.meta.saves:
             self.save(self.meta.saves, layer_id=layer_idx)
 
-    def wait_for_save(self, stream: torch.cuda.Stream | None) -> None:
+    def wait_for_save(self, stream: torch.cuda.Stream | HostStream) -> None:
         """The pass's synchronous saves, then its background ones (pages the runtime keeps until
         `get_finished` reports the request: the request runs on, or `request_finished` answered
         True). The background thread runs in order, so a request's newest save landing means
@@ -111,7 +127,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         self._submit(self._saving, True, meta.async_saves, stream)
 
     def _submit(self, futures: dict[int, Future], to_store: bool, by_request: dict[int, list[PageTransfer]],
-                stream: torch.cuda.Stream | None) -> None:
+                stream: torch.cuda.Stream | HostStream | None) -> None:
         """One background copy for every request of the pass (one batch per pass and direction,
         as the synchronous path): each request's future is that batch's, so it is reported once
         the whole batch has landed, and a failed batch fails each of its requests."""
@@ -121,7 +137,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
             futures.update(dict.fromkeys(by_request, future))
 
     def start_background(self, transfers: list[PageTransfer], to_store: bool,
-                         stream: torch.cuda.Stream | None) -> Future:
+                         stream: torch.cuda.Stream | HostStream | None) -> Future:
         """Start one background batch (`save` when `to_store`, else `load`) after the work
         `stream` holds; its future is done once the bytes have landed, and raises what the copy
         raised. Here: on the store's one thread, in submission order (a save is read from the
@@ -194,7 +210,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         ops = []
         for group_id, pages, rows in grouped:
             entry_offset = 0
-            for region in self.layout.group(group_id).regions:
+            for region in self.registered_layout.group(group_id).regions:
                 chunk = _layer_chunk(region, layer_id)
                 if chunk is not None:
                     offset, nbytes = chunk
@@ -218,7 +234,7 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         staging = {}
         pin = self.backend is not None and self.backend.name != "torch"
         for g, n in counts.items():
-            size = self.layout.group(g).bytes_per_page
+            size = self.registered_layout.group(g).bytes_per_page
             staging[g] = PageSpace.contiguous(torch.empty(n * size, dtype=torch.uint8, pin_memory=pin), size)
         return staging, rows
 
@@ -231,8 +247,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
         _, staging, rows = self._staged_batch
         if layer_id is None:
             self._staged_batch = None    # a whole-page load is the batch's only one: free its staging
-        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
-        self.backend.synchronize()
+        self.transfer_backend.copy(self.page_ops(transfers, staging, rows, to_store=False, layer_id=layer_id))
+        self.transfer_backend.synchronize()
 
     def staged_pages(self, transfers: Sequence[PageTransfer], payloads: Sequence) -> tuple[dict[int, PageSpace],
                                                                                           list[int]]:
@@ -247,8 +263,8 @@ class BlockStoreWorker(KvCacheConnectorWorker):
     def saved_payloads(self, transfers: Sequence[PageTransfer]) -> list[bytes]:
         """The pages of `transfers` as bytes, one per transfer, copied out through staging."""
         staging, rows = self.staging_rows(transfers)
-        self.backend.copy(self.page_ops(transfers, staging, rows, to_store=True, layer_id=None))
-        self.backend.synchronize()
+        self.transfer_backend.copy(self.page_ops(transfers, staging, rows, to_store=True, layer_id=None))
+        self.transfer_backend.synchronize()
         payloads = []
         for i, t in enumerate(transfers):
             group = staging[t.layer_group_id]

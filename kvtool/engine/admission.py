@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvtool.engine.request_state import RequestState
 from kvtool.manager.manager import KvCacheManager
+from kvtool.types import PoolGroupIndex
 
 
 class OutputReservation:
@@ -33,8 +34,8 @@ class OutputReservation:
         when its growth fits beside the others' (or it would run alone), else False."""
         growth = self._growth(state)
         table = self._manager.page_table
-        fits = all(table.num_available(pg) >= reserved + need
-                   for pg, (reserved, need) in enumerate(zip(self._reserved, growth)))
+        fits = all(table.num_available(PoolGroupIndex(pg)) >= reserved + need
+                   for pg, (reserved, need) in enumerate(zip(self._reserved, growth, strict=True)))
         if fits or alone:
             self._add(growth)
         return fits or alone
@@ -42,11 +43,11 @@ class OutputReservation:
     def _growth(self, state: RequestState) -> list[int]:
         tpb = self._manager.tokens_per_block
         final = state.prompt_len + state.request.max_new_tokens
-        now = state.kv.capacity
+        now = state.held_kv.capacity
         growth = [0] * len(self._reserved)
         for group, pg in self._groups:
             growth[pg] += max(group.num_live_blocks(final, tpb) - group.num_live_blocks(now, tpb), 0)
         return growth
 
     def _add(self, growth: list[int]) -> None:
-        self._reserved = [r + g for r, g in zip(self._reserved, growth)]
+        self._reserved = [r + g for r, g in zip(self._reserved, growth, strict=True)]

@@ -1,10 +1,10 @@
 """When a connector's own threads may run: the runtime's side of a race, made deterministic.
 
 A connector that copies in the background races the runtime. Between a pass's first save hook
-(`save_kv_layer`, else `wait_for_save`: where saves are submitted) and the moment the pages of the saves `get_finished` reported are released (and
-poisoned), the gate is closed: every Python thread started while it is installed (a connector's
-copy thread) stops at its next function call until the gate opens again. Inside a connector hook
-it stays shut unless the hook runs longer than HOOK_GRACE_S (it may be waiting for its own
+(`save_kv_layer`, else `wait_for_save`: where saves are submitted) and the moment the pages of the saves
+`get_finished` reported are released (and poisoned), the gate is closed: every Python thread started while
+it is installed (a connector's copy thread) stops at its next function call until the gate opens again.
+Inside a connector hook it stays shut unless the hook runs longer than HOOK_GRACE_S (it may be waiting for its own
 threads: they are let through, so it never deadlocks). A save reported finished
 is therefore judged on what the store held at the moment of the report, whoever would have won
 the race: a copy still queued then reads poison. When the gate opens, the runtime waits until the
@@ -25,9 +25,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
-
 
 HOOK_GRACE_S = 0.02
 """How long the runtime's thread must be seen asleep without a break, inside a connector hook run

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvtool.connector.api import KvCacheConnectorWorker
+from kvtool.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import check_options, declared_options
 from kvtool.connector.raised import describe_construction_error, describe_error, stops_kvtool
@@ -37,8 +37,8 @@ def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCa
     scheduler, workers = _construct(factory, manager, config, num_local_ranks)
     driver.workers = [_ready(factory, rank, worker) for rank, worker in enumerate(workers)]
     runtime = ConnectorRuntime(scheduler, workers, config.num_ranks, flat_hooks=profile.flat_hooks,
-                               refuse_zero_async=profile.refuses_zero_async, calls_cancel_load=profile.calls_cancel_load,
-                               past_the_prompt=profile.past_the_prompt)
+                               refuse_zero_async=profile.refuses_zero_async,
+                               calls_cancel_load=profile.calls_cancel_load, past_the_prompt=profile.past_the_prompt)
     ok, _ = runtime.call("wait_for_initialization", scheduler.wait_for_initialization)
     if not ok:
         raise InputError(f"connector {spec.name!r}: {runtime.failures[-1].describe()}")
@@ -48,7 +48,7 @@ def attach_connector(spec: ConnectorSpec, options: dict[str, str], manager: KvCa
 
 
 def _construct(factory: WorkerFactory, manager: KvCacheManager, config: EngineConfig,
-               num_local_ranks: int) -> tuple[object, list[KvCacheConnectorWorker]]:
+               num_local_ranks: int) -> tuple[KvCacheConnectorScheduler, list[KvCacheConnectorWorker]]:
     """The scheduler side (rank 0's arguments), then every local rank's worker."""
     spec = factory.spec
     building = spec.scheduler_class

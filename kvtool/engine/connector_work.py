@@ -10,19 +10,19 @@ on (`at_gate`), an iteration in which nothing could run (`idle`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 
 from kvtool.engine import held_threads
 from kvtool.engine.async_gate import AsyncGate
 from kvtool.engine.connector_clock import ConnectorClock, quiet_process
+from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.events import WorkRan
 from kvtool.engine.held_work import HeldWork
 from kvtool.engine.hold_policy import HoldPoint, HoldPolicy
 from kvtool.engine.hold_warden import HoldWarden
-from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.stream_races import StreamRaces, stream_races_for
 
 

@@ -8,24 +8,24 @@ runs get_finished on every rank and acts on the reports (`lifecycle`), then its 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
-from kvtool.connector.runtime import HookResult
-from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.llm_args import LlmArgs
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.request import Request, max_kv_tokens
-from kvtool.engine.connector_work import connector_work_for
+from kvtool.connector.runtime import HookResult
 from kvtool.engine.connector_attach import attach_connector
+from kvtool.engine.connector_work import connector_work_for
 from kvtool.engine.drafts import DraftModel
 from kvtool.engine.engine_config import EngineConfig, EngineStats
 from kvtool.engine.events import Arrived, EngineEvent, EventStream, Evicted, LoadFinished, PassDone
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.fidelity import bytes_model, pools_for, require_fidelity
 from kvtool.engine.lifecycle import Lifecycle
 from kvtool.engine.pass_driver import PassDriver, PassPlan
 from kvtool.engine.pass_items import batch_items, idle_pages, padding, received_item
 from kvtool.engine.pass_results import PassResults
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.rank_group import rank_group, start_followers
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, rank_manager_config
 from kvtool.engine.rank_pass import RankPass
@@ -89,7 +89,7 @@ class Engine:
         except Exception:
             self.close()
             raise
-        if self.work is not None:
+        if self.work is not None and self.connector is not None:   # (work is watched only beside a connector)
             self.connector.around_hook = self.work.hook
         self.drafts = DraftModel(config.draft_tokens, config.acceptance, config.seed) if config.draft_tokens else None
         self.admission = self.profile.admission(AdmissionHost.of(
@@ -131,12 +131,12 @@ class Engine:
         tokens = max_kv_tokens(request.prompt_len, request.max_new_tokens)
         manager = self.manager
         needs = pages_per_pool_group(manager.layer_groups, manager.pool_groups, tokens, manager.tokens_per_block)
-        for pg, need in zip(manager.pool_groups, needs):
+        for pg, need in zip(manager.pool_groups, needs, strict=True):
             have = manager.num_slots[pg.pool_group_index]
             if need > have:
-                raise InputError(f"the KV cache is too small: request {request.request_id} ({request.prompt_len} prompt "
-                                 f"+ {request.max_new_tokens} new tokens) needs {need} pages in pool group "
-                                 f"{pg.pool_group_index}, which has {have}")
+                raise InputError(f"the KV cache is too small: request {request.request_id} "
+                                 f"({request.prompt_len} prompt + {request.max_new_tokens} new tokens) needs {need} "
+                                 f"pages in pool group {pg.pool_group_index}, which has {have}")
 
     def abort(self, request_id: int) -> None:
         """Free a request wherever it is (before delivery, its whole offer is cancelled)."""
@@ -169,14 +169,15 @@ class Engine:
         """Run the requests added so far until every one has finished."""
         return self.run_stream((), max_iterations, on_iteration)
 
-    def run_stream(self, requests: Iterable[Request], max_iterations: int = 10_000_000, on_iteration=None) -> EngineStats:
+    def run_stream(self, requests: Iterable[Request], max_iterations: int = 10_000_000,
+                   on_iteration=None) -> EngineStats:
         """Run requests read one at a time: each is added when the clock reaches its arrival
         (arrivals must not decrease), so only the requests in flight are in memory."""
         upcoming = Lookahead(iter(requests))
-        while upcoming.peek() is not None or not self.is_done():
-            if self.is_done() and upcoming.peek().arrival > self.clock:
-                self.clock = upcoming.peek().arrival
-            while upcoming.peek() is not None and upcoming.peek().arrival <= self.clock:
+        while (next_request := upcoming.peek()) is not None or not self.is_done():
+            if self.is_done() and next_request is not None and next_request.arrival > self.clock:
+                self.clock = next_request.arrival
+            while (next_request := upcoming.peek()) is not None and next_request.arrival <= self.clock:
                 self.add_request(upcoming.take())
             if self.iteration >= max_iterations:
                 raise IterationLimitError(f"{len(self.live_states)} requests still unfinished after "
@@ -223,7 +224,7 @@ class Engine:
         self.queues.move_started(visited)
         for state in batch.received:
             self._received.append(received_item(state))
-            state.kv.commit(state.request.prompt_token_ids[:state.position])
+            state.held_kv.commit(state.request.prompt_token_ids[:state.position])
         return batch
 
     def _guarded(self, hook: str, fn, *args):
@@ -238,7 +239,7 @@ class Engine:
         if not plan.starts and not plan.forwards:
             return
         ok, metadata = True, None
-        if plan.starts:
+        if plan.starts and self.connector is not None:   # (it starts only with a connector)
             ok, metadata = self.connector.build_meta(build_scheduler_output(
                 batch, self.iteration, self.profile, self.admission.take_prefix_loads()))
             plan = plan if ok else PassPlan(starts=False, forwards=False)
@@ -248,6 +249,7 @@ class Engine:
         if self.connector is not None:
             self.connector.failures.extend(outcome.failures)
         if not (outcome.ok and ok):
+            assert self.connector is not None   # only a connector's hooks fail a pass
             self._fail_pass(batch, self.connector.failures[-1].describe())
             return
         for state in batch.first_chunks:

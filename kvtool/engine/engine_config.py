@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtool.engine.hold_policy import HoldPolicy
 from kvtool.engine.pass_types import PassItem

@@ -12,8 +12,8 @@ then Finished; SaveStarted/SaveFinished bracket an asynchronous save after Finis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.engine.request_state import FailureReason
 

@@ -9,8 +9,8 @@ rewind (rejected drafts) changed them, recomputed from the first position that d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class ExpectedBytesCache:
         if entry is None or valid < end:
             grown = compute(hashes[valid:end])
             parts = grown if entry is None or valid == 0 else \
-                [torch.cat([old[:valid], new]) for old, new in zip(entry.parts, grown)]
+                [torch.cat([old[:valid], new]) for old, new in zip(entry.parts, grown, strict=True)]
             entry = self._keep(key, _Entry(hashes[:end].copy(), parts))
             if entry is None:   # larger than the whole budget: not kept
                 return _rows(parts, positions)

@@ -9,8 +9,8 @@ have written. Mismatches are counted and the first ones recorded with their coor
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,8 +20,8 @@ from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fingerprint import PrefixHashes, expected_bytes, sample_token
 from kvtool.engine.integrity import CHECKSUM_MASK, digest, moved
 from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
-from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.manager.layer_groups import BufferId, LayerGroupSpec
+from kvtool.manager.layout import KvCacheLayout, KvCacheRegion
 from kvtool.types import BAD_PAGE_INDEX
 
 VOCAB_SIZE = 32000
@@ -73,7 +73,7 @@ class FakeEngine:
             for layer_id in group.layer_ids:
                 self._group_of[layer_id] = group
             for region in group_layout.regions:
-                for index, (buffer, spec) in enumerate(zip(region.buffers, region.buffer_specs)):
+                for index, (buffer, spec) in enumerate(zip(region.buffers, region.buffer_specs, strict=True)):
                     head_bytes = region.buffer_bytes // (self.layout.tokens_per_block * spec.num_heads)
                     self._buffers.setdefault(buffer.layer_id, []).append(
                         _LayerBuffer(region, index, buffer, spec.num_heads, head_bytes, spec.first_head))
@@ -158,7 +158,7 @@ class FakeEngine:
     def sample(self, item: PassItem) -> int:
         return sample_token(int(self._prefix_hashes(item).array()[item.sampled_after - 1]), item.checksum, VOCAB_SIZE)
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
+    def verify_cache(self, request_id: int, tokens: Sequence[int], pages: PagesByGroup,
                      history: int) -> None:
         """Check every position below `history` still backed by a page, in every layer."""
         item = PassItem(request_id, tokens, pages, history, history, samples=False)
@@ -222,7 +222,7 @@ class FakeEngine:
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
         expected = moved(self._expected_at(item.request_id, buffers, layer_id, hashes, positions), views[0].device)
-        return [(view, lb.index, where, part) for view, lb, part in zip(views, buffers, expected)]
+        return [(view, lb.index, where, part) for view, lb, part in zip(views, buffers, expected, strict=True)]
 
     def _slots_and_offsets(self, page_ids: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor:
         """[2, n] on `device`: each position's page and its offset in the block, moved in one copy
@@ -241,11 +241,11 @@ class FakeEngine:
         buffers = self._buffers[layer_id]
         views = [self._view(lb) for lb in buffers]
         where = self._slots_and_offsets(page_ids, positions, views[0].device)
-        found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers)]
+        found = [view[where[0], lb.index, where[1]] for view, lb in zip(views, buffers, strict=True)]
         if found[0].device.type != "cpu" and sum(part.numel() for part in found) <= HOST_COMPARE_BYTES:
             found = moved(found, torch.device("cpu"))
         expected = moved(self._expected_at(request_id, buffers, layer_id, hashes, positions), found[0].device)
-        for lb, found_part, expected_part in zip(buffers, found, expected):
+        for lb, found_part, expected_part in zip(buffers, found, expected, strict=True):
             if torch.equal(found_part, expected_part):
                 continue
             bad = (found_part != expected_part).any(dim=-1)
@@ -297,7 +297,7 @@ class FakeEngine:
         self.num_integrity_errors += int(rows.numel())
         self.errors_by_request[request_id] += int(rows.numel())
         tpb = self.layout.tokens_per_block
-        for row, head in zip(rows.tolist(), heads.tolist()):
+        for row, head in zip(rows.tolist(), heads.tolist(), strict=True):
             if len(self.issues) >= MAX_RECORDED_ISSUES:
                 break
             p = int(positions[row])

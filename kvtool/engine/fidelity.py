@@ -54,6 +54,6 @@ def require_fidelity(config: EngineConfig, connector: ConnectorSpec | None) -> N
             raise InputError(f"connector {connector.name!r} moves KV bytes, and block fidelity has none: "
                              "use --connector index, redis-index or mooncake-index (tiers that only index) "
                              "or --fidelity bytes")
-    elif not moves_bytes:
+    elif connector is not None and not moves_bytes:   # (no connector: moves_bytes)
         raise InputError(f"connector {connector.name!r} moves no bytes (it stands in for a tier in block "
                          "fidelity): use it with --fidelity blocks")

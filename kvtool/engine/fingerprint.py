@@ -9,6 +9,7 @@ back as a mismatch, and the coordinates say where.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class PrefixHashes:
     def __len__(self) -> int:
         return len(self._hashes)
 
-    def extend_to(self, tokens: list[int]) -> None:
+    def extend_to(self, tokens: Sequence[int]) -> None:
         for token in tokens[len(self._hashes):]:
             self._state = _mix_int(self._state ^ ((token + _GOLD) & _MASK))
             self._hashes.append(self._state)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures.thread as pool_threads
 import threading
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.engine.held_work import HeldFuture, HeldTask, HeldWork, Waitable
 from kvtool.engine.hold_policy import HoldPoint

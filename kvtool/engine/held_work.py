@@ -21,10 +21,11 @@ connector's lifetime) is no longer waited for and runs on as the gate's (`async_
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from kvtool.engine.hold_policy import HoldPoint, HoldPolicy, is_due
 
@@ -38,13 +39,13 @@ class HeldTask:
 
     queue: object
     """What orders it (the pool, or the thread itself): tasks of one queue run in start order."""
-    start: Callable[[], "Waitable"]
+    start: Callable[[], Waitable]
     hook: str
     """The hook whose call started it (or "a connector thread")."""
     iteration: int
     point: HoldPoint
     held: bool = True
-    future: "HeldFuture | None" = field(default=None, repr=False)
+    future: HeldFuture | None = field(default=None, repr=False)
     thread: threading.Thread | None = field(default=None, repr=False)
 
 

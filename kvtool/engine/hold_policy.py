@@ -38,7 +38,7 @@ class HoldPolicy:
     seed: int = 0
     latest: bool = True
 
-    def points(self) -> "PointDraws":
+    def points(self) -> PointDraws:
         """The draws for one run (a fresh sequence: one engine, one schedule)."""
         return PointDraws(None if self.latest else random.Random(self.seed))
 

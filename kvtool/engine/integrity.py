@@ -5,6 +5,7 @@ to a device in one copy (a wrong byte's coordinates, `IntegrityIssue`, is a pass
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 
@@ -31,4 +32,4 @@ def moved(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]
     rows = len(parts[0])
     moved = torch.cat([part.reshape(rows, -1) for part in parts], dim=1).to(device)
     widths = [math.prod(part.shape[1:]) for part in parts]
-    return [piece.view(part.shape) for part, piece in zip(parts, torch.split(moved, widths, dim=1))]
+    return [piece.view(part.shape) for part, piece in zip(parts, torch.split(moved, widths, dim=1), strict=True)]

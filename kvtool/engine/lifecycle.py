@@ -8,7 +8,8 @@ every rank reported the save: the finished one in SAVING, a failed or paused one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvtool.connector.runtime import ConnectorRuntime
 from kvtool.engine.engine_config import EngineStats
@@ -74,15 +75,15 @@ class Lifecycle:
         asynchronous save keeps them (SAVING) until every rank reports it."""
         is_async = False
         if self.connector is not None and state.seen_by_connector:
-            ok, is_async = self.connector.finish(state.request, state.kv.page_indices_by_group())
+            ok, is_async = self.connector.finish(state.request, state.held_kv.page_indices_by_group())
             if not ok:
                 self.close(state, Phase.FAILED, FailureReason.FINISHED_HOOK_RAISED)
                 return
         self._emit_finished(state, None)
         if is_async:
             state.start_saving()
-            self.holds.keep(state.request_id, state.kv)
-            state.kv.close()
+            self.holds.keep(state.request_id, state.held_kv)
+            state.held_kv.close()
             self._emit(SaveStarted, request_id=state.request_id)
         else:
             self.close(state, Phase.DONE)
@@ -99,19 +100,19 @@ class Lifecycle:
         if self.connector is not None:
             self._admission.request_failed(state)
             if (state.seen_by_connector or state.asked) and state.phase is not Phase.SAVING:
-                is_open = state.kv is not None and state.kv.status is not KvCacheStatus.CLOSED
-                pages = state.kv.page_indices_by_group() if is_open else \
+                kv = state.kv if state.kv is not None and state.kv.status is not KvCacheStatus.CLOSED else None
+                pages = kv.page_indices_by_group() if kv is not None else \
                     GroupPages([] for _ in self._manager.layer_groups)
                 ok, is_async = self.connector.finish(state.request, pages)
-                if ok and is_async and is_open:   # its save reads these pages: keep them until it lands
-                    self.holds.keep(state.request_id, state.kv)
+                if ok and is_async and kv is not None:   # its save reads these pages: keep them until it lands
+                    self.holds.keep(state.request_id, kv)
         self.close(state, Phase.FAILED, reason, detail)
 
     def pause(self, state: RequestState, iteration: int) -> None:
         """TensorRT-LLM's destructive pause (see `Engine.pause`): `request_finished` (an
         asynchronous save keeps the pages until reported), the allocation released, the request
         back in the waiting queue."""
-        kv, request_id = state.kv, state.request_id
+        kv, request_id = state.held_kv, state.request_id
         num_computed = kv.history_length
         if self.connector is not None and state.seen_by_connector:
             ok, is_async = self.connector.finish(state.request, kv.page_indices_by_group())
@@ -162,10 +163,10 @@ class Lifecycle:
         request is DONE."""
         state = self._queues.states.get(request_id)
         finished = state is not None and state.phase is Phase.SAVING
-        if finished:
+        if finished and state is not None:   # (finished: it is)
             state.end(Phase.DONE)
         self.holds.release(request_id)
-        if finished:
+        if finished and state is not None:
             self._emit(SaveFinished, request_id=request_id)
             self._drop(state)
 

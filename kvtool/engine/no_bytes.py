@@ -10,6 +10,7 @@ prefix reuse, are the same).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from kvtool.engine.fake_engine import VOCAB_SIZE
 from kvtool.engine.pass_types import IntegrityIssue, PagesByGroup, PassItem
@@ -36,7 +37,7 @@ class NoBytesModel:
     def write_context(self, item: PassItem) -> None:
         """Nothing is written."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
+    def verify_cache(self, request_id: int, tokens: Sequence[int], pages: PagesByGroup,
                      history: int) -> None:
         """Nothing can be checked."""
 

@@ -21,13 +21,14 @@ patched worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
-from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
-from kvtool.connector.rank_context import acting_as
 from kvtool.connector.raised import stops_kvtool
+from kvtool.connector.rank_context import acting_as
+from kvtool.connector.runtime import HookResult
 from kvtool.engine.worker_setup import made_current
 from kvtool.errors import ConnectorError
 

@@ -16,7 +16,7 @@ def batch_items(batch: Batch, drafts: DraftModel | None) -> list[PassItem]:
     items = []
     for state, n in batch.context:
         samples = state.position + n == state.prompt_len and state.request.max_new_tokens > 0
-        items.append(PassItem(state.request_id, state.tokens, state.kv.page_indices_by_group(),
+        items.append(PassItem(state.request_id, state.tokens, state.held_kv.page_indices_by_group(),
                               state.position, state.position + n, samples))
     for state in batch.generation:
         items.append(generation_item(state, drafts))
@@ -27,7 +27,7 @@ def generation_item(state: RequestState, drafts: DraftModel | None) -> PassItem:
     """A decode step: the last token, and with drafts the K drafts after it (the verify pass
     writes KV for all of them; it samples after the last accepted one)."""
     request, length = state.request, state.request.get_num_tokens()
-    pages = state.kv.page_indices_by_group()
+    pages = state.held_kv.page_indices_by_group()
     if not state.num_drafts:
         request.py_draft_tokens = []
         return PassItem(state.request_id, state.tokens, pages, length - 1, length, True)
@@ -35,7 +35,7 @@ def generation_item(state: RequestState, drafts: DraftModel | None) -> PassItem:
     proposed = drafts.propose(state.request_id, length, state.num_drafts)
     request.py_draft_tokens = proposed
     state.accepted_drafts = proposed[:drafts.accepted(state.request_id, length, state.num_drafts)]
-    return PassItem(state.request_id, state.tokens + proposed, pages, length - 1, length + len(proposed),
+    return PassItem(state.request_id, [*state.tokens, *proposed], pages, length - 1, length + len(proposed),
                     True, sample_end=length + len(state.accepted_drafts))
 
 
@@ -59,7 +59,7 @@ def padding(manager: KvCacheManager, batch: Batch, iteration: int, pad_to: int) 
 
 def received_item(state: RequestState) -> PassItem:
     """A generation-only request's context, received from elsewhere: every rank writes it."""
-    return PassItem(state.request_id, state.request.get_tokens(), state.kv.page_indices_by_group(), 0,
+    return PassItem(state.request_id, state.request.get_tokens(), state.held_kv.page_indices_by_group(), 0,
                     state.position, False)
 
 

@@ -5,8 +5,8 @@ reached its output length finished."""
 from __future__ import annotations
 
 from kvtool.engine.engine_config import EngineStats
-from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.lifecycle import Lifecycle
+from kvtool.engine.pass_types import KvBytesModel, PassItem
 from kvtool.engine.request_state import RequestState
 from kvtool.engine.scheduler import Batch
 
@@ -27,7 +27,8 @@ class PassResults:
         stats = self._stats
         for state, n in batch.context:
             item = by_id[state.request_id]
-            state.kv.commit(state.prompt_tokens[state.kv.num_committed_tokens:item.end])
+            kv = state.held_kv
+            kv.commit(state.prompt_tokens[kv.num_committed_tokens:item.end])
             stats.recomputed_tokens += max(0, min(item.end, state.recompute_until) - state.position)
             state.position = item.end
             state.progress.set_context_position(item.end)
@@ -50,7 +51,7 @@ class PassResults:
         (committed, so the radix tree holds only blocks of tokens that happened); the KV of
         rejected drafts stays in the pages as garbage until overwritten."""
         accepted, state.accepted_drafts = state.accepted_drafts, []
-        state.kv.commit([state.request.last_token, *accepted])
+        state.held_kv.commit([state.request.last_token, *accepted])
         for token in accepted:
             state.progress.append_token(token)
         self._stats.computed_tokens += item.end - item.start

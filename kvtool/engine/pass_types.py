@@ -6,8 +6,9 @@ fidelity's `NoBytesModel`, the reference runs' `ReferenceTokens`)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 PagesByGroup = Mapping[int, Sequence[int]] | Sequence[Sequence[int]]
 """A request's page index per block ordinal, indexed by layer group id (the manager's `GroupPages`)."""
@@ -39,7 +40,7 @@ class PassItem:
     """One request's share of a forward pass: compute positions [start, end) of `tokens`."""
 
     request_id: int
-    tokens: list[int]
+    tokens: Sequence[int]
     pages: PagesByGroup
     """Page indices per layer group (a `GroupPages` from the manager)."""
     start: int
@@ -90,7 +91,7 @@ class KvBytesModel(Protocol):
     def write_context(self, item: PassItem) -> None:
         """Write a context received from elsewhere (a generation-only request) on every layer."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
+    def verify_cache(self, request_id: int, tokens: Sequence[int], pages: PagesByGroup,
                      history: int) -> None:
         """Check the first `history` positions of `tokens` in `pages` (counted as any read is)."""
 

@@ -113,7 +113,7 @@ class ProcessRankGroup:
             if order.prefix_loads:
                 outcome.prefix_loads[report.rank] = report.prefix_loads
             outcome.failures += [HookFailure(hook, None, error, text)
-                                 for (hook, error), text in zip(report.failures, report.tracebacks)]
+                                 for (hook, error), text in zip(report.failures, report.tracebacks, strict=True)]
         return outcome
 
     def close(self) -> None:
@@ -123,6 +123,7 @@ class ProcessRankGroup:
         """The byte operations rank 0's manager did on pages since the last order (poison,
         copy-on-write), for the followers to replay on their shards."""
         log, self._manager.page_log = self._manager.page_log, []
+        assert log is not None   # rank 0's manager logs page operations while it has followers
         return log
 
     def _merged(self, reports: list[RankReport], items: list[PassItem]) -> PassOutcome:
@@ -131,7 +132,7 @@ class ProcessRankGroup:
         outcome = PassOutcome(True)
         by_id = {item.request_id: item for item in items}
         for report in reports:
-            for (hook, error), text in zip(report.failures, report.tracebacks):
+            for (hook, error), text in zip(report.failures, report.tracebacks, strict=True):
                 outcome.failures.append(HookFailure(hook, None, error, text))
                 outcome.ok = False
             self.rank0.fake.merge(report.issues, report.errors_by_request, report.rank)

@@ -8,10 +8,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.connector.loader import ConnectorSpec
-from kvtool.engine.pass_types import IntegrityIssue, PassItem
+from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.engine.pass_driver import PassPlan
+from kvtool.engine.pass_types import IntegrityIssue, PassItem
 from kvtool.engine.runtimes.names import Registration
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.models import shard_model

@@ -10,16 +10,16 @@ it was sent and reports its sampling checksums and integrity issues; given a `Fi
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
-from kvtool.connector.runtime import HookResult
 from kvtool.connector.api import KvCacheConnectorWorker
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.rank_context import acting_as
+from kvtool.connector.runtime import HookResult
 from kvtool.engine.pass_driver import PassDriver, RankWorker, ask_end_of_pass
 from kvtool.engine.pass_types import KvBytesModel
-from kvtool.engine.runtimes.names import Registration
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport
+from kvtool.engine.runtimes.names import Registration
 from kvtool.engine.worker_setup import rank_llm_args, register_worker
 from kvtool.manager.manager import KvCacheManager
 
@@ -61,7 +61,8 @@ class RankPass:
     """One rank's fake engine (`fake`: bytes, blocks or tokens) driven by its `PassDriver`.
     `after_forward` runs once the pass's hooks are done (rank 0 closes its async gate there)."""
 
-    def __init__(self, rank: int, fake: KvBytesModel, driver: PassDriver, after_forward: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, rank: int, fake: KvBytesModel, driver: PassDriver,
+                 after_forward: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
         self.fake = fake
         self.driver = driver

@@ -14,6 +14,7 @@ hangs ends the run with one line naming the rank and its last hook.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing
 import os
@@ -25,11 +26,12 @@ from typing import Any
 
 import torch
 
-from kvtool.connector.runtime import HOOK_FAILED, HookResult
-from kvtool.connector.rank_context import set_process_rank
 from kvtool.connector.raised import describe_construction_error, describe_error, format_error, stops_kvtool
+from kvtool.connector.rank_context import set_process_rank
+from kvtool.connector.runtime import HOOK_FAILED, HookResult
 from kvtool.engine.fake_engine import FakeEngine
 from kvtool.engine.pass_driver import PassDriver
+from kvtool.engine.pass_types import KvBytesModel
 from kvtool.engine.rank_orders import FinishedOrder, PassOrder, RankReport, RankSetup, rank_manager_config
 from kvtool.engine.rank_pass import RankPass, WorkerFactory
 from kvtool.engine.worker_setup import forward_stream
@@ -53,7 +55,7 @@ class Followers:
         self.setup = setup
         self._closed = False
         mp = multiprocessing.get_context("spawn")
-        self._hooks = [mp.Array("c", HOOK_NAME_BYTES) for _ in range(setup.num_ranks)]
+        self._hooks = [mp.Array(ctypes.c_char, HOOK_NAME_BYTES) for _ in range(setup.num_ranks)]
         self._processes = []
         try:
             store = _rendezvous_store(setup)
@@ -286,7 +288,7 @@ class RankExecutor:
         self._enter("")
 
     @property
-    def fake(self) -> FakeEngine:
+    def fake(self) -> KvBytesModel:
         return self.rank_pass.fake
 
     @property

@@ -4,7 +4,7 @@ started, each in arrival order."""
 from __future__ import annotations
 
 from bisect import insort
-from typing import Iterator
+from collections.abc import Iterator
 
 from kvtool.connector.request import Request
 from kvtool.engine.request_state import Phase, RequestState

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvtool.connector.request import Request, RequestProgress, progress_of
 from kvtool.errors import LogicError
@@ -110,6 +110,13 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.progress = progress_of(self.request)
+
+    @property
+    def held_kv(self) -> KvCache:
+        """`kv` where the request holds pages (admitted, not yet released); LogicError elsewhere."""
+        if self.kv is None:
+            raise LogicError(f"request {self.request_id} holds no KV cache")
+        return self.kv
 
     @property
     def request_id(self) -> int:

@@ -9,8 +9,8 @@ waiting request's first chunk, at a later chunk's growth and once the batch is f
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.engine.admission import OutputReservation
 from kvtool.engine.batch import Batch, TokenBudget
@@ -49,8 +49,8 @@ class Scheduler:
         self.iteration = 0
         self._reservation = OutputReservation(manager) if config.reserve_outputs else None
 
-    def schedule(self, running: list[RequestState], waiting: list[RequestState], iteration: int,
-                 loading: list[RequestState] = ()) -> Batch:
+    def schedule(self, running: list[RequestState], waiting: Iterable[RequestState], iteration: int,
+                 loading: Sequence[RequestState] = ()) -> Batch:
         """One iteration's batch. `loading`: requests holding pages outside the batch (an
         asynchronous load in flight), which output reservation counts as still growing."""
         self.iteration = iteration
@@ -84,7 +84,8 @@ class Scheduler:
             if not self._room(batch, budget):
                 break
             first_alone = alone and not batch.num_requests
-            n = self.admission.first_chunk(state, budget, lambda s: self._admits(s, first_alone))
+            # first_chunk calls it before this loop goes on: the closure reads this iteration's first_alone
+            n = self.admission.first_chunk(state, budget, lambda s: self._admits(s, first_alone))  # noqa: B023
             if n:
                 batch.context.append((state, n))
                 batch.first_chunks.append(state)
@@ -105,10 +106,11 @@ class Scheduler:
         """Resize a running request's cache; with `pause_to_grow`, pause the running requests
         started last (not yet in this batch) one by one until it fits. False: it sits this
         iteration out."""
-        while not state.kv.resize(capacity):
+        while not state.held_kv.resize(capacity):
             victim = self._victim(state, running, batch) if self.config.pause_to_grow else None
             if victim is None:
                 return False
+            assert self._pause is not None   # an engine that pauses to grow passes `pause`
             self._pause(victim)
         return True
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 from kvtool.connector.api import PrefixLoad, RequestData, SchedulerOutput
 from kvtool.engine.batch import Batch
 from kvtool.engine.request_state import RequestState
@@ -9,7 +12,7 @@ from kvtool.engine.runtimes.profile import RuntimeProfile
 
 
 def build_scheduler_output(batch: Batch, iteration: int, profile: RuntimeProfile,
-                           prefix_loads: list[PrefixLoad] = ()) -> SchedulerOutput:
+                           prefix_loads: Sequence[PrefixLoad] = ()) -> SchedulerOutput:
     """New requests the first time they are reported (everything), cached ones after (deltas);
     a request whose allocation was destroyed (`RequestState.forget_reported`) is new again, whole.
     `profile` adds what its runtime reports besides (V1: block hashes, priorities, flat ids only).
@@ -33,7 +36,7 @@ def build_scheduler_output(batch: Batch, iteration: int, profile: RuntimeProfile
 def _request_data(state: RequestState, computed: int, scheduled: int, iteration: int) -> tuple[RequestData, bool]:
     is_new = state.reported_tokens < 0
     tokens = state.tokens
-    pages = state.kv.page_indices_by_group()
+    pages = state.held_kv.page_indices_by_group()
     start_tokens = 0 if is_new else state.reported_tokens
     by_group = pages if is_new else pages.since(state.reported_blocks)
     if is_new and state.delivered_at == iteration:
@@ -41,7 +44,8 @@ def _request_data(state: RequestState, computed: int, scheduled: int, iteration:
     state.reported_tokens = len(tokens)
     state.reported_blocks = pages.lengths()
     request = state.request
-    data = RequestData(request_id=state.request_id, new_tokens=tokens[start_tokens:],
+    # new_tokens: a compact prompt's slice is an array until RequestData.__post_init__ makes it a list
+    data = RequestData(request_id=state.request_id, new_tokens=cast("list[int]", tokens[start_tokens:]),
                        new_block_ids=by_group.flat(), computed_position=computed,
                        num_scheduled_tokens=scheduled, cache_salt=request.cache_salt,
                        new_block_ids_by_layer_group=by_group.as_lists(), cache_salt_id=request.cache_salt_id)

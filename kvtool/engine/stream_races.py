@@ -26,7 +26,7 @@ longer, never shorter).
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -43,7 +43,7 @@ SPIN_CLOCK_HZ = 2.0e9
 """The clock the spins' cycles are counted at (an H100's or H200's boost clock, about 1.98 GHz)."""
 
 _ORIGINAL_NEW = torch.cuda.Stream.__new__
-_CREATED: "weakref.WeakSet[torch.cuda.Stream]" = weakref.WeakSet()
+_CREATED: weakref.WeakSet[torch.cuda.Stream] = weakref.WeakSet()
 """Streams made through `torch.cuda.Stream()` while a `StreamRaces` was installed."""
 _NUM_INSTALLED = [0]
 

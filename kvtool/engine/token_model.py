@@ -9,15 +9,17 @@ digest for digest. It is for reference runs, whose only product is their tokens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
 
 from kvtool.engine.expected_cache import ExpectedBytesCache
 from kvtool.engine.fake_engine import FakeEngine
+from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.engine.integrity import CHECKSUM_MASK, digest
 from kvtool.engine.pass_types import PagesByGroup, PassItem
-from kvtool.engine.fingerprint import PrefixHashes
 from kvtool.manager.layer_groups import LayerGroupSpec
 
 
@@ -54,12 +56,14 @@ class ReferenceTokens(FakeEngine):
     def _byte_sums(self, layer_id: int, prefix_hashes: np.ndarray) -> torch.Tensor:
         """int64 [positions]: each position's fingerprint bytes summed over the layer's buffers."""
         parts = self._expected(self._buffers[layer_id], layer_id, prefix_hashes)
-        return sum(part.reshape(len(prefix_hashes), -1).to(torch.int64).sum(dim=1) for part in parts)
+        # a tensor: a layer has at least one buffer
+        return cast(torch.Tensor, sum(part.reshape(len(prefix_hashes), -1).to(torch.int64).sum(dim=1)
+                                      for part in parts))
 
     def _write(self, layer_id: int, group: LayerGroupSpec, item: PassItem, hashes: PrefixHashes,
                positions: np.ndarray) -> None:
         """Nothing written (`write_context`): nothing reads the pages."""
 
-    def verify_cache(self, request_id: int, tokens: list[int], pages: PagesByGroup,
+    def verify_cache(self, request_id: int, tokens: Sequence[int], pages: PagesByGroup,
                      history: int) -> None:
         """Nothing to check: nothing but this run touched the pages."""

@@ -5,7 +5,7 @@ past `max_saving_seconds`."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvtool.engine.engine_config import EngineConfig
 from kvtool.engine.request_queues import RequestQueues

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,7 +21,7 @@ class ReuseScope(NamedTuple):
     salt: int | None = None
 
     @staticmethod
-    def from_cache_salt(cache_salt: str | None, lora_id: int | None = None) -> "ReuseScope":
+    def from_cache_salt(cache_salt: str | None, lora_id: int | None = None) -> ReuseScope:
         """The scope of a request; requests with different salts never share a block."""
         if cache_salt is None:
             return ReuseScope(lora_id, None)

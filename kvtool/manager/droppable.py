@@ -18,7 +18,6 @@ from kvtool.errors import OutOfPagesError
 from kvtool.manager.growable import grow_rows, lazy_zeros
 from kvtool.manager.page_cells import PageCells
 
-
 _CHECK_CHUNK = 1 << 20
 
 

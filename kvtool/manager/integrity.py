@@ -172,7 +172,8 @@ def _check_nodes(manager: KvCacheManager, nodes: np.ndarray) -> int:
         held += int(holding.sum())
         owners, slots = nodes[holding], slots[holding]
         if len(slots) and slots.max() >= cells.num_slots:
-            raise LogicError(f"{tree.describe(int(owners[slots.argmax()]))} holds slot {int(slots.max())}, outside its pool")
+            raise LogicError(f"{tree.describe(int(owners[slots.argmax()]))} holds slot {int(slots.max())}, "
+                             "outside its pool")
         in_use = (cells.num_active[slots] != 0) | (cells.num_held[slots] != 0)
         ours = (in_use | droppable.is_droppable[slots]) & (cells.layer_group[slots] == gid) & ~cells.is_scratch[slots]
         if not ours.all():

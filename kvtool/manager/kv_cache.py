@@ -10,8 +10,8 @@ groups); the pages' counts and tree links are the page table's cells.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class CacheContext:
     tokens_per_block: int
     copy_page: Callable[[LayerGroupId, PageIndex, PageIndex], None]
     """Copy one page's bytes to another slot of the same layer group (copy-on-write)."""
-    on_close: Callable[["KvCache"], None]
+    on_close: Callable[[KvCache], None]
     """Called once, when the cache closes, after its pages are released."""
     swa_scratch_reuse: bool
     """Whether new caches start with SWA scratch reuse on."""
@@ -93,7 +93,8 @@ class KvCache:
         self._pages: dict[LayerGroupId, np.ndarray] = {}
         """Slots (int64) per block ordinal, BAD_PAGE_INDEX where none."""
         self._pool_group = {g.layer_group_id: self._table.pool_group_of(g.layer_group_id) for g in self._groups}
-        self._cells: dict[LayerGroupId, PageCells] = {gid: self._table.cells(pg) for gid, pg in self._pool_group.items()}
+        self._cells: dict[LayerGroupId, PageCells] = {gid: self._table.cells(pg)
+                                                      for gid, pg in self._pool_group.items()}
         self._shared_partial: dict[LayerGroupId, int] = {}
         """Slot of a partial block still shared read-only with the tree, per layer group."""
         self._scratch_idle: dict[LayerGroupId, list[int]] = {g.layer_group_id: [] for g in self._groups}

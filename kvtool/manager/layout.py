@@ -211,6 +211,6 @@ def _check_disjoint_inside(group: KvCacheLayerGroupLayout, slot_bytes: int) -> N
             raise LogicError(f"layer group {group.layer_group_id}: a region leaves its slot")
         if region.size != region.buffer_bytes * len(region.buffers):
             raise LogicError(f"layer group {group.layer_group_id}: region size disagrees with its buffers")
-    for (pool_a, _, end_a, _), (pool_b, start_b, _, _) in zip(spans, spans[1:]):
+    for (pool_a, _, end_a, _), (pool_b, start_b, _, _) in zip(spans, spans[1:], strict=False):
         if pool_a == pool_b and start_b < end_a:
             raise LogicError(f"layer group {group.layer_group_id}: regions overlap")

@@ -7,7 +7,7 @@ tier modelled: pages never migrate, so a registered address stays valid while a 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,6 @@ from kvtool.manager.radix_tree import NO_SLOT, RadixTree
 from kvtool.manager.slot_order import slot_order
 from kvtool.manager.storage import SlotAllocator, allocated_pools, build_layout, virtual_pools
 from kvtool.types import BAD_PAGE_INDEX, DEFAULT_PRIORITY, CacheTier, LayerGroupId, PageIndex, PoolGroupIndex, Priority
-
 
 POISON_BYTE = 0xA5
 """Every byte of a page when it is handed out: read back, it means the page was never written since."""
@@ -102,7 +101,8 @@ class KvCacheManager:
                         priority: Priority = DEFAULT_PRIORITY) -> KvCache:
         """A SUSPENDED cache holding the longest usable prefix of `input_tokens` found in the tree."""
         match = self.match(input_tokens, reuse_scope)
-        cache = KvCache(self._cache_context, cache_id, reuse_scope, match, input_tokens, expected_prompt_length, priority)
+        cache = KvCache(self._cache_context, cache_id, reuse_scope, match, input_tokens, expected_prompt_length,
+                        priority)
         self._caches[id(cache)] = cache
         return cache
 
@@ -140,7 +140,7 @@ class KvCacheManager:
                 return False
         return True
 
-    def hold_pages(self, cache: KvCache) -> "PageHold":
+    def hold_pages(self, cache: KvCache) -> PageHold:
         """Keep every page of `cache`'s page lists alive (HELD) after it closes, until the hold is
         released."""
         slots: dict[PoolGroupIndex, list[np.ndarray]] = {}
@@ -192,7 +192,7 @@ class KvCacheManager:
         return list(self._caches.values())
 
     @property
-    def holds(self) -> list["PageHold"]:
+    def holds(self) -> list[PageHold]:
         return list(self._holds.values())
 
     def num_free_slots(self, pool_group_index: int) -> int:
@@ -209,7 +209,7 @@ class KvCacheManager:
     def _forget(self, cache: KvCache) -> None:
         self._caches.pop(id(cache), None)
 
-    def _forget_hold(self, hold: "PageHold") -> None:
+    def _forget_hold(self, hold: PageHold) -> None:
         self._holds.pop(id(hold), None)
 
 

@@ -36,7 +36,8 @@ class PageCells:
         self.num_held = lazy_zeros(num_slots, np.int32)
         self.is_scratch = lazy_zeros(num_slots, np.bool_)
 
-    def hand_out(self, slots: np.ndarray | slice | int, layer_group: int, active: bool, is_scratch: bool = False) -> None:
+    def hand_out(self, slots: np.ndarray | slice | int, layer_group: int, active: bool,
+                 is_scratch: bool = False) -> None:
         """Cells of freshly allocated pages: one user each (active or held), held by no node."""
         self.layer_group[slots] = layer_group
         self.node[slots] = NO_NODE

@@ -12,7 +12,8 @@ callers pass arrays of slots (a prefill allocates, and a close releases, thousan
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 

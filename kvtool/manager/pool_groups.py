@@ -42,11 +42,12 @@ def align_up(value: int, alignment: int = POOL_ALIGNMENT) -> int:
     return ceil_div(value, alignment) * alignment
 
 
-def place_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]) -> tuple[tuple[tuple[int, ...], ...], int]:
+def place_pools(pool_groups: tuple[PoolGroupSpec, ...],
+                num_slots: list[int]) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(offset of every pool [pool group][pool], end of the last pool): pools placed one after
     another, in pool group order and largest first inside a group, each at a 2 MiB aligned offset."""
     cursor, offsets = 0, []
-    for pool_group, slots in zip(pool_groups, num_slots):
+    for pool_group, slots in zip(pool_groups, num_slots, strict=True):
         group_offsets = []
         for slot_size in pool_group.slot_sizes:
             cursor = align_up(cursor)
@@ -79,7 +80,7 @@ def slots_for_budget(groups: tuple[LayerGroupSpec, ...], pool_groups: tuple[Pool
     Raises OutOfMemoryError when some pool group would get no slot at all.
     """
     pages = pages_per_pool_group(groups, pool_groups, typical_tokens, tokens_per_block)
-    bytes_per_share = sum(p * pg.slot_bytes for p, pg in zip(pages, pool_groups))
+    bytes_per_share = sum(p * pg.slot_bytes for p, pg in zip(pages, pool_groups, strict=True))
     scale = memory_bytes / bytes_per_share
     num_slots = [int(p * scale) for p in pages]
     while num_slots and min(num_slots) > 0 and placed_bytes(pool_groups, num_slots) > memory_bytes:

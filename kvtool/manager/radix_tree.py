@@ -23,7 +23,7 @@ chaining through a node keeps it alive).
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -378,7 +378,7 @@ class RadixTree:
         """Forget pruned nodes: unlink those whose parent stays, free every id."""
         parents = self.parent[gone].astype(np.int64)
         staying = (parents != NO_NODE) & (self.num_tokens[np.maximum(parents, 0)] != _FREE)
-        for node, parent in zip(gone[staying].tolist(), parents[staying].tolist()):
+        for node, parent in zip(gone[staying].tolist(), parents[staying].tolist(), strict=True):
             self._unlink(parent, node)
         roots = set(gone[parents == NO_NODE].tolist())
         if roots:
@@ -411,7 +411,7 @@ class RadixTree:
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

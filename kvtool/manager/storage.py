@@ -167,10 +167,10 @@ def allocated_pools(pool_groups: tuple[PoolGroupSpec, ...], num_slots: list[int]
                     device: torch.device) -> Pools:
     """One uint8 tensor per pool on `device` (largest pool first inside each group); OutOfMemoryError,
     before allocating anything, when they cannot fit in the device's memory."""
-    require_memory(sum(s * n for pg, n in zip(pool_groups, num_slots) for s in pg.slot_sizes), device)
+    require_memory(sum(s * n for pg, n in zip(pool_groups, num_slots, strict=True) for s in pg.slot_sizes), device)
     tensors = tuple(
         tuple(torch.zeros(slot_size * slots, dtype=torch.uint8, device=device) for slot_size in pg.slot_sizes)
-        for pg, slots in zip(pool_groups, num_slots)
+        for pg, slots in zip(pool_groups, num_slots, strict=True)
     )
     bases = tuple(tuple(MemAddress(t.data_ptr()) for t in group) for group in tensors)
     return Pools(bases, tensors)

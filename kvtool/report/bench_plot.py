@@ -34,7 +34,7 @@ def figure(rows: list[dict], device_name: str):
 
     frame = pd.DataFrame(rows)
     directions = list(dict.fromkeys(frame["direction"]))
-    layouts = list(dict.fromkeys(zip(frame["model"], frame["granularity"])))
+    layouts = list(dict.fromkeys(zip(frame["model"], frame["granularity"], strict=True)))
     colours = _colours(frame["backend"])
     labels = [*colours, PEAK_LABEL]
     width = max(4.4 * len(directions), 8.0)

@@ -42,7 +42,7 @@ def _group_dict(group: KvCacheLayerGroupLayout) -> dict[str, Any]:
             {"base": r.base, "size": r.size, "stride": r.stride, "num_slots": r.num_slots,
              "buffer_bytes": r.buffer_bytes,
              "buffers": [{"layer_id": b.layer_id, "role": b.role.value, "heads": _heads(spec)}
-                         for b, spec in zip(r.buffers, r.buffer_specs)]}
+                         for b, spec in zip(r.buffers, r.buffer_specs, strict=True)]}
             for r in group.regions
         ],
     }
@@ -74,7 +74,7 @@ def layout_frame(layout: KvCacheLayout) -> pd.DataFrame:
 def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
     """`0-31` for runs, `0,2,4,…,22` for a longer stride, runs joined by commas otherwise."""
     ids = list(ids)
-    if len(ids) > 3 and len({b - a for a, b in zip(ids, ids[1:])}) == 1 and ids[1] - ids[0] > 1:
+    if len(ids) > 3 and len({b - a for a, b in zip(ids, ids[1:], strict=False)}) == 1 and ids[1] - ids[0] > 1:
         return f"{ids[0]},{ids[1]},{ids[2]},…,{ids[-1]}"
     runs: list[str] = []
     start = prev = ids[0] if ids else 0
@@ -91,8 +91,8 @@ def compact_ids(ids: tuple[int, ...] | list[int]) -> str:
 def _buffers_summary(region: KvCacheRegion) -> str:
     first, last = region.buffers[0], region.buffers[-1]
     spec = region.buffer_specs[0]
-    heads = f", heads {spec.first_head}–{spec.first_head + spec.num_heads - 1}" if spec.num_heads > 1 or spec.first_head \
-        else ""
+    heads = (f", heads {spec.first_head}–{spec.first_head + spec.num_heads - 1}"
+             if spec.num_heads > 1 or spec.first_head else "")
     return (f"{len(region.buffers)} × {format_size(region.buffer_bytes)}{heads}: "
             f"{first.layer_id} {first.role.value} … {last.layer_id} {last.role.value}")
 

@@ -10,8 +10,8 @@ one is seen at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 LINK_GOAL = 0.9
 SLOWDOWN_GOAL_PERCENT = 2.0
@@ -39,7 +39,8 @@ def overlap_figure(rows: Sequence[dict], device_name: str):
         x = [r["block_bytes"] / 2**20 for r in mine]
         share.plot(x, [r["save_link_share"] for r in mine], "o-", color=colour, label=f"{name} save")
         share.plot(x, [r["load_link_share"] for r in mine], "s--", color=colour, label=f"{name} load")
-        points = [(xi, r["compute_slowdown"] * 100) for xi, r in zip(x, mine) if r["compute_slowdown"] is not None]
+        points = [(xi, r["compute_slowdown"] * 100) for xi, r in zip(x, mine, strict=True)
+                  if r["compute_slowdown"] is not None]
         slow.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colour, label=name)
     share.axhline(LINK_GOAL, color="grey", lw=0.8, ls=":")
     slow.axhline(SLOWDOWN_GOAL_PERCENT, color="grey", lw=0.8, ls=":")

@@ -13,17 +13,17 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import shutil
+import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from kvtool.errors import InputError
-
 
 OUTPUT_NAMES = frozenset({
     "layout.json", "layout.csv", "summary.json", "summary.csv", "requests.csv", "iterations.csv", "ttft_cdf.png",
@@ -106,10 +106,8 @@ def settle_run_folders(failed: bool) -> None:
                 os.replace(path, target)
         shutil.rmtree(aside, ignore_errors=True)
     for directory in reversed(_CREATED if failed else []):
-        try:
+        with contextlib.suppress(OSError):
             directory.rmdir()             # only an empty folder: anything written stays
-        except OSError:
-            pass
     forget_run_folders()
 
 

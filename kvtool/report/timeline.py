@@ -13,9 +13,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
-from kvtool.engine.events import (Arrived, Ask, EngineEvent, Finished, LoadFinished, LoadStarted, PassDone, Paused,
-                                  Reserve, SaveFinished, SaveStarted)
+from kvtool.engine.events import (
+    Arrived,
+    Ask,
+    EngineEvent,
+    Finished,
+    LoadFinished,
+    LoadStarted,
+    PassDone,
+    Paused,
+    Reserve,
+    SaveFinished,
+    SaveStarted,
+)
 from kvtool.report.run_folder import write_file
 
 REQUESTS_PID, ENGINE_PID = 1, 0
@@ -54,15 +66,17 @@ class TimelineRecorder:
 
     def __call__(self, event: EngineEvent) -> None:
         kind = type(event)
-        if kind is PassDone:
-            self._pass(event)
+        if kind is PassDone:   # (`kind is`, not isinstance: the cheaper test; cast for the type checker)
+            self._pass(cast(PassDone, event))
             return
         if kind is Arrived:
             if self.max_requests is None or self._num_tracks < self.max_requests:
-                self._tracks[event.request_id] = _Track(event.request_id, event.arrival, event.prompt_len)
+                arrived = cast(Arrived, event)
+                self._tracks[arrived.request_id] = _Track(arrived.request_id, arrived.arrival, arrived.prompt_len)
                 self._num_tracks += 1
             return
-        track = self._tracks.get(getattr(event, "request_id", None))
+        request_id = getattr(event, "request_id", None)
+        track = self._tracks.get(request_id) if request_id is not None else None
         if track is None:
             return
         if kind is Ask or kind is Reserve:
@@ -77,7 +91,7 @@ class TimelineRecorder:
             track.finished = event.clock
         elif kind is Paused:
             self._end_decode(track)
-            track.paused, track.prompt_len = event.clock, event.context_len
+            track.paused, track.prompt_len = event.clock, cast(Paused, event).context_len
         elif kind is SaveStarted:
             track.saving = event.clock
         elif kind is SaveFinished and track.saving is not None:

@@ -22,8 +22,9 @@ report and written into meta.json (`assumptions`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvtool.engine.pass_types import PassItem
 from kvtool.engine.request_state import RequestState
@@ -80,7 +81,8 @@ class CostModel:
 
     def _flops(self, start: int, end: int) -> float:
         attended = (end * (end + 1) - start * (start + 1)) / 2
-        return 2 * self.model.active_params * (end - start) + 4 * self.num_layers * self.model.attention_width * attended
+        return (2 * self.model.active_params * (end - start)
+                + 4 * self.num_layers * self.model.attention_width * attended)
 
     def pass_seconds(self, spans: Iterable[tuple[int, int]]) -> float:
         """Seconds of one pass computing each [start, end) of `spans` (a request each)."""

@@ -20,17 +20,18 @@ import multiprocessing
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.connector.request import Request
-from kvtool.trace.recorder import RequestRow
-from kvtool.trace.replay import run_trace, token_hit_rate
 from kvtool.errors import InputError
 from kvtool.manager.block_keys import ReuseScope, chained_block_keys
+from kvtool.trace.recorder import RequestRow
+from kvtool.trace.replay import run_trace, token_hit_rate
+from kvtool.trace.setup import ReplayOptions, build_replay
 from kvtool.types import TextEnum
 
 ROUTE_BLOCK_TOKENS = 512
@@ -185,7 +186,7 @@ def with_load_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the fleet's mean, as `load_ratio` (1.0: its fair share)."""
     work = [r["prompt_tokens"] - r["local_hit_tokens"] - r["connector_hit_tokens"] for r in rows]
     mean = sum(work) / len(work) if work else 0
-    return [{**r, "load_ratio": round(w / mean, 4) if mean else None} for r, w in zip(rows, work)]
+    return [{**r, "load_ratio": round(w / mean, 4) if mean else None} for r, w in zip(rows, work, strict=True)]
 
 
 def fleet_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

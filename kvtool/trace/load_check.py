@@ -3,8 +3,9 @@ them, the queue grows for the whole trace and TTFT measures the queue, not the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

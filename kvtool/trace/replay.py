@@ -9,18 +9,19 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.introspection import introspect
+from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
 from kvtool.engine.events import Subscriber
-from kvtool.trace.cost_model import CostModel
-from kvtool.trace.recorder import TraceRecorder
 from kvtool.errors import InputError, LogicError
 from kvtool.manager.integrity import check_manager
+from kvtool.trace.cost_model import CostModel
+from kvtool.trace.recorder import TraceRecorder
 from kvtool.types import Fidelity
 
 

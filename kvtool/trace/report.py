@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
+from kvtool.report.run_folder import write_file, write_json, write_meta
 from kvtool.trace.cost_model import CostModel
 from kvtool.trace.load_check import load_check
-from kvtool.trace.replay import TraceResult, TraceSummary
 from kvtool.trace.recorder import RequestRow
-from kvtool.report.run_folder import write_file, write_json, write_meta
+from kvtool.trace.replay import TraceResult, TraceSummary
 from kvtool.units import format_seconds, format_size
 
 PERCENTILES = (50, 90, 99)
@@ -129,8 +129,10 @@ def write_trace_folder(folder: Path, result: TraceResult, cost: CostModel | None
     document = {**result.summary.as_dict(), "ttft": ttft}
     write_json(folder / "summary.json", document)
     write_file(folder / "summary.csv", pd.DataFrame([result.summary.as_dict()]).to_csv(index=False))
-    write_file(folder / "requests.csv", pd.DataFrame([r.as_dict() for r in result.recorder.requests]).to_csv(index=False))
-    write_file(folder / "iterations.csv", pd.DataFrame([vars(r) for r in result.recorder.iterations]).to_csv(index=False))
+    write_file(folder / "requests.csv",
+               pd.DataFrame([r.as_dict() for r in result.recorder.requests]).to_csv(index=False))
+    write_file(folder / "iterations.csv",
+               pd.DataFrame([vars(r) for r in result.recorder.iterations]).to_csv(index=False))
     if cost is not None:
         plot_ttft_cdf(folder / "ttft_cdf.png", {run_label(result.summary.connector): result.recorder.requests} |
                       ({"without the connector": baseline.recorder.requests} if baseline else {}))

@@ -9,33 +9,33 @@ from pathlib import Path
 
 import torch
 
-from kvtool.engine.runtimes.names import VLLM_RUNTIME
 from kvtool.blocks import ceil_div
-from kvtool.inputs import connector_options, manager_config, parse_options
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.options import declared_options
 from kvtool.connector.request import max_kv_tokens
 from kvtool.connectors.registry import load_connector
-from kvtool.trace.cost_model import CostModel, cost_model_for
-from kvtool.trace.gpu_pool import GpuPool, gpu_pool
-from kvtool.trace.gpus import GpuSpec, gpu_named
-from kvtool.trace.model_compute import model_compute
 from kvtool.engine.engine import EngineConfig
-from kvtool.engine.runtimes import DEFAULT_RUNTIME, runtime_name
+from kvtool.engine.fidelity import parse_fidelity
 from kvtool.engine.ranks import rank_manager_config
+from kvtool.engine.runtimes import DEFAULT_RUNTIME, runtime_name
+from kvtool.engine.runtimes.names import VLLM_RUNTIME
 from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import InputError, OutOfMemoryError
+from kvtool.inputs import connector_options, manager_config, parse_options
 from kvtool.manager.config import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.manager import compute_layout, default_device, plan_num_slots
 from kvtool.manager.pool_groups import pages_per_pool_group, plan_pool_groups
 from kvtool.manager.storage import memory_shortfall
-from kvtool.report.bench_report import bench_rate
-from kvtool.units import format_size, parse_capacity, parse_size
 from kvtool.models import load_model
-from kvtool.workloads.source import RequestSize, Workload, open_workload
+from kvtool.report.bench_report import bench_rate
+from kvtool.trace.cost_model import CostModel, cost_model_for
+from kvtool.trace.gpu_pool import GpuPool, gpu_pool
+from kvtool.trace.gpus import GpuSpec, gpu_named
+from kvtool.trace.model_compute import model_compute
 from kvtool.types import Admission, Fidelity
-from kvtool.engine.fidelity import parse_fidelity
+from kvtool.units import format_size, parse_capacity, parse_size
+from kvtool.workloads.source import RequestSize, Workload, open_workload
 
 DEFAULT_NUM_SLOTS = 1024
 """Pool slots for kvtool workloads (the shipped ones are small) unless --gpu names a GPU."""
@@ -297,8 +297,8 @@ def check_cache_holds(replay: Replay, sizes: dict[int, RequestSize]) -> None:
     manager = rank_manager_config(replay.config.manager, replay.config.tp_size, 0)
     needs = _pages_needed(manager, sizes)
     have = plan_num_slots(manager)
-    short = [(need - slots, pg, need, slots, size) for pg, ((need, size), slots) in enumerate(zip(needs, have))
-             if need > slots]
+    short = [(need - slots, pg, need, slots, size)
+             for pg, ((need, size), slots) in enumerate(zip(needs, have, strict=True)) if need > slots]
     if not short:
         return
     _, pg, need, slots, size = max(short, key=lambda s: s[:2])
@@ -330,7 +330,7 @@ def _smallest_memory(manager: KvCacheManagerConfig, needs: list[int]) -> str:
                                            memory_bytes=num_bytes))
         except OutOfMemoryError:
             return False
-        return all(s >= n for s, n in zip(slots, needs))
+        return all(s >= n for s, n in zip(slots, needs, strict=True))
 
     low, high = 0, 1 << 20
     while not holds(high):

@@ -14,9 +14,10 @@ was swept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.manager.manager import compute_layout

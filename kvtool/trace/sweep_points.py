@@ -3,12 +3,13 @@ block), a capacity turned into the whole blocks of a GPU's shard it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvtool.engine.ranks import rank_manager_config
 from kvtool.trace.setup import ReplayOptions, block_bytes, build_replay
-from kvtool.units import Capacity
 from kvtool.types import Fidelity
+from kvtool.units import Capacity
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ def shard_block_bytes(options: ReplayOptions, fidelity: Fidelity, tokens_per_blo
     return block_bytes(rank_manager_config(replay.config.manager, replay.config.tp_size, 0))
 
 
-def sweep_points(options: ReplayOptions, fidelity: Fidelity, capacities: list[Capacity | None], tpbs: list[int],
+def sweep_points(options: ReplayOptions, fidelity: Fidelity, capacities: Sequence[Capacity | None], tpbs: list[int],
                  baseline: bool) -> list[SweepPoint]:
     """The points, by tokens per block: the no-tier one first (with `baseline`), then each capacity
     from the smallest (a size as the tokens of the whole blocks it holds; equal ones once)."""

@@ -10,7 +10,6 @@ from kvtool.manager.manager import plan_num_slots
 from kvtool.trace.setup import Replay, block_bytes
 from kvtool.units import Capacity, parse_capacity, parse_size
 
-
 TIER_CAPACITY_UNITS = {"index": "tokens or bytes", "stacked-index": "tokens or bytes", "host": "bytes",
                        "host-async": "bytes", "host-layerwise": "bytes"}
 """Connectors whose `capacity` is one engine's tier, and how a number without a unit reads there."""

@@ -8,8 +8,9 @@ whole slots, or sub-slot chunks such as one layer's buffers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,13 +37,13 @@ class PageSpace:
             raise LogicError("page space slots run past the end of its tensor")
 
     @staticmethod
-    def of_region(region: KvCacheRegion) -> "PageSpace":
+    def of_region(region: KvCacheRegion) -> PageSpace:
         if region.storage is None:
             raise LogicError("a virtual layout has no memory to copy")
         return PageSpace(region.storage, region.stride, region.size, region.num_slots, region.offset_in_slot)
 
     @staticmethod
-    def contiguous(tensor: torch.Tensor, slot_bytes: int) -> "PageSpace":
+    def contiguous(tensor: torch.Tensor, slot_bytes: int) -> PageSpace:
         """Back-to-back slots of `slot_bytes` over all of `tensor`."""
         return PageSpace(tensor, slot_bytes, slot_bytes, tensor.numel() // slot_bytes)
 
@@ -120,7 +121,7 @@ def same_but_offsets(first: Sequence[CopyOp], other: Sequence[CopyOp]) -> bool:
     offsets inside the slots: one layer's chunk of a batch of pages against another's."""
     return len(first) == len(other) and all(
         _same_space(a.src, b.src) and _same_space(a.dst, b.dst) and a.nbytes == b.nbytes
-        and a.src_slots == b.src_slots and a.dst_slots == b.dst_slots for a, b in zip(first, other))
+        and a.src_slots == b.src_slots and a.dst_slots == b.dst_slots for a, b in zip(first, other, strict=True))
 
 
 def _same_space(a: PageSpace, b: PageSpace) -> bool:
@@ -133,5 +134,5 @@ def layer_shifts(layers: Sequence[Sequence[CopyOp]]) -> list[list[tuple[int, int
     the first at other offsets (`same_but_offsets`); None otherwise."""
     if not layers or not all(same_but_offsets(layers[0], ops) for ops in layers[1:]):
         return None
-    return [[(b.src_offset - a.src_offset, b.dst_offset - a.dst_offset) for a, b in zip(layers[0], ops)]
+    return [[(b.src_offset - a.src_offset, b.dst_offset - a.dst_offset) for a, b in zip(layers[0], ops, strict=True)]
             for ops in layers]

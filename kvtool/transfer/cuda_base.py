@@ -8,7 +8,8 @@ import sys
 import threading
 import warnings
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -12,13 +12,15 @@ import ctypes
 import functools
 import os
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-import pycuda.driver as cuda  # noqa: E402  (the optional dependency; ImportError means "not available")
+# isort: split
+# PyCUDA after torch, as before import order was enforced.
+import pycuda.driver as cuda  # (the optional dependency; ImportError means "not available")
 
 from kvtool.transfer import kernel_cache
 
@@ -29,7 +31,7 @@ CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 
 @functools.lru_cache(maxsize=1)
-def context() -> "cuda.Context":
+def context() -> cuda.Context:
     """PyTorch's primary context (never a new one); `current()` makes it current for PyCUDA."""
     torch.cuda.init()
     torch.zeros(1, device="cuda")   # make sure the runtime has created the primary context
@@ -65,14 +67,12 @@ def current() -> Iterator[None]:
 
 
 def _pop(ctx) -> None:
-    try:
+    with contextlib.suppress(cuda.Error):
         ctx.pop()
-    except cuda.Error:
-        pass
 
 
-@functools.lru_cache(maxsize=None)
-def module(source: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Module":
+@functools.cache
+def module(source: str, defines: tuple[tuple[str, int], ...] = ()) -> cuda.Module:
     """cuda/`source` compiled for this device with `defines`, loaded once per specialization; the
     binary comes from `kernel_cache`, so a process whose specialization was compiled before (by
     any process) runs no nvcc."""
@@ -86,13 +86,13 @@ def module(source: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Modu
             return cuda.module_from_buffer(kernel_cache.cubin(CUDA_DIR / source, options, arch, fresh=True))
 
 
-def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> "cuda.Function":
+def kernel(source: str, name: str, defines: tuple[tuple[str, int], ...] = ()) -> cuda.Function:
     """`name` from cuda/`source` with `defines` (see `module`)."""
     with current():
         return module(source, defines).get_function(name)
 
 
-def new_stream(priority: int | None = None) -> tuple["cuda.Stream", torch.cuda.ExternalStream]:
+def new_stream(priority: int | None = None) -> tuple[cuda.Stream, torch.cuda.ExternalStream]:
     """A PyCUDA stream (optionally with a launch priority) and the same stream as seen by PyTorch."""
     with current():
         stream = cuda.Stream(CU_STREAM_NON_BLOCKING)   # a blocking stream would serialise with torch's default

@@ -9,8 +9,8 @@ to the byte kernel.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def stacked_shifted_descriptors(descs: np.ndarray, shifts: Sequence[tuple[int, i
     return out.reshape(-1)
 
 
-def shifted_copy(copy: "PitchedCopy", src_shift: int, dst_shift: int) -> "PitchedCopy":
+def shifted_copy(copy: PitchedCopy, src_shift: int, dst_shift: int) -> PitchedCopy:
     """`copy` with its source moved by `src_shift` bytes and its destination by `dst_shift`."""
     return PitchedCopy(copy.dst + dst_shift, copy.dst_pitch, copy.src + src_shift, copy.src_pitch, copy.width,
                        copy.rows)
@@ -120,7 +120,7 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     breaks = np.nonzero(np.diff(slots) != 1)[0] + 1
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(slots)]])
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
+    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
 def paired_runs(host_slots: Sequence[int], gpu_slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -135,7 +135,7 @@ def paired_runs(host_slots: Sequence[int], gpu_slots: Sequence[int]) -> list[tup
     breaks = np.nonzero((np.diff(host) != 1) | (np.diff(gpu) != 1))[0] + 1
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(host)]])
-    return [(int(host[s]), int(gpu[s]), int(e - s)) for s, e in zip(starts, ends)]
+    return [(int(host[s]), int(gpu[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def run_batch(copies: Sequence[PitchedCopy]) -> RunBatch:
 
 def reference_run_batch(batch: RunBatch) -> None:
     """What the driver does with `batch`, by the CPU on live host addresses (tests use it)."""
-    for dst, src, size in zip(batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()):
+    for dst, src, size in zip(batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist(), strict=True):
         ctypes.memmove(dst, src, size)
     reference_pitched_copies(batch.strided)
 

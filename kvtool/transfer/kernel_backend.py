@@ -8,18 +8,25 @@ beside a matmul a capped gather is starved, so staged caps it only when asked). 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvtool.errors import LogicError
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp
 from kvtool.transfer.cuda_base import CudaBackendBase, is_host
-from kvtool.errors import LogicError
-from kvtool.transfer.descriptors import (DEFAULT_UNROLL, VECTOR_BYTES, DescriptorTable, grid_blocks,
-                                         stacked_shifted_descriptors, tables_for)
+from kvtool.transfer.descriptors import (
+    DEFAULT_UNROLL,
+    VECTOR_BYTES,
+    DescriptorTable,
+    grid_blocks,
+    stacked_shifted_descriptors,
+    tables_for,
+)
 
 HOST_THREADS = 1024
 DEVICE_THREADS = 512
@@ -74,9 +81,10 @@ class KernelBackend(CudaBackendBase):
         threads = self.host_threads if host else self.device_threads
         cap = self.max_sms if host else (self.device_max_blocks or self.device_blocks_per_sm * rt.num_sms())
         per_shift: list[list[Launch]] = [[] for _ in shifts]
-        for function, table in zip((self._vector, self._bytes), tables_for(ops, self.unroll)):
+        for function, table in zip((self._vector, self._bytes), tables_for(ops, self.unroll), strict=True):
             if len(table):
-                for launches, launch in zip(per_shift, self._upload_shifted(function, table, shifts, threads, cap)):
+                shifted = self._upload_shifted(function, table, shifts, threads, cap)
+                for launches, launch in zip(per_shift, shifted, strict=True):
                     launches.append(launch)
         return per_shift
 

@@ -26,8 +26,8 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvtool.atomic_file import publish, temporaries_of
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -28,8 +28,9 @@ one on the link are gathered at the product's next kernel boundary.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,15 @@ from kvtool.errors import LogicError
 from kvtool.transfer import cuda_runtime as rt
 from kvtool.transfer.api import CopyOp, PageSpace, layer_shifts
 from kvtool.transfer.cuda_base import CudaBackendBase
-from kvtool.transfer.descriptors import (PitchedCopy, RunBatch, direct_copies, pipeline_chunks, run_batch, shifted_copy,
-                                        slot_runs)
+from kvtool.transfer.descriptors import (
+    PitchedCopy,
+    RunBatch,
+    direct_copies,
+    pipeline_chunks,
+    run_batch,
+    shifted_copy,
+    slot_runs,
+)
 from kvtool.transfer.kernel_backend import KernelBackend
 
 DEFAULT_CHUNK_BYTES = 32 << 20

@@ -3,7 +3,8 @@
 - an offer of a block no request of this engine computed: served from an earlier engine's store
   (a store that outlives the connector objects), or, when no engine of the scenario with a
   connector computed it either, a block the connector's index claimed without ever storing it;
-- a load of poison (0xde: a released page; 0xa5: one handed out again): the block's saver answered True from request_finished and
+- a load of poison (0xde: a released page; 0xa5: one handed out again): the block's saver answered True from
+  request_finished and
   get_finished reported the save before its copy landed (the gate makes the report the moment of
   judgement), or the connector copied the block after its pages were released without asking to
   keep them; or, where kvtool held the connector's background work and the save's work ran

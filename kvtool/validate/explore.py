@@ -5,8 +5,8 @@ stopped at its first failure, which is reported with the seed, the smallest case
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 from kvtool.validate.harness import Context
 from kvtool.validate.results import CheckResult
@@ -112,7 +112,10 @@ def explore(contexts: list[Context], names: list[str], num_seeds: int,
             for r in again:
                 r.seed = seed
             chosen += again
-            smallest = shrink(at_seed, scenario, failed_again, lambda c, name=scenario: run_all([c], [name], ()))
+
+            def run_one(c: Context, name: str = scenario) -> list[CheckResult]:
+                return run_all([c], [name], ())
+            smallest = shrink(at_seed, scenario, failed_again, run_one)
             findings.append(Finding(scenario, model, seed, tuple(failed_again), runtime, smallest, first_seed=first))
         else:
             chosen += group

@@ -6,28 +6,28 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.connector.loader import ConnectorSpec
 from kvtool.connector.raised import describe_error, format_error, with_wrapped_location
 from kvtool.connector.request import Request
 from kvtool.engine.engine import Engine, EngineConfig
-from kvtool.engine.pass_types import PassItem
 from kvtool.engine.events import EventLog
-from kvtool.engine.scheduler import SchedulerConfig
+from kvtool.engine.pass_types import PassItem
 from kvtool.engine.runtimes import DEFAULT_RUNTIME, RuntimeName, profile_of
 from kvtool.engine.runtimes.behaviours import Behaviour
+from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.errors import ConstructionError, InputError, RefusedSetupError
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.models import load_model
+from kvtool.types import Fidelity
 from kvtool.validate.cause_evidence import computed_blocks, note_engine_blocks
 from kvtool.validate.results import CheckResult
 from kvtool.validate.run_record import RunRecord, record_run
 from kvtool.validate.schedule import schedule_for
 from kvtool.validate.shrink import Cut
-from kvtool.types import Fidelity
 
 CANARY_ID = -424242
 
@@ -38,7 +38,8 @@ scenarios' own pools are smaller): what `runner.gpu_jobs_cap` sizes a scenario p
 
 @dataclass(frozen=True)
 class Context:
-    spec: ConnectorSpec
+    spec: ConnectorSpec | None
+    """None only in the preflight's probe, whose child process finds the connector itself."""
     model: str
     tokens_per_block: int = 4
     options: tuple[tuple[str, str], ...] = ()
@@ -131,7 +132,8 @@ def engine_config(ctx: Context, num_slots: int, chunk_size: int | None, local_re
                                 pause_to_grow=pause_to_grow)
     return EngineConfig(manager, scheduler, seed=ctx.seed, draft_tokens=ctx.draft_tokens,
                         runtime=RuntimeName(ctx.runtime) if not reference else DEFAULT_RUNTIME,
-                        verify_all_after_iteration=not reference, fidelity=Fidelity.TOKENS if reference else Fidelity.BYTES,
+                        verify_all_after_iteration=not reference,
+                        fidelity=Fidelity.TOKENS if reference else Fidelity.BYTES,
                         max_transmission_seconds=ctx.load_timeout,
                         max_saving_seconds=ctx.save_timeout, gate_async_work=True, hold_policy=schedule.hold_policy,
                         stream_races=not reference,
@@ -236,7 +238,8 @@ def _reference(ctx_key: tuple, requests: tuple[Req, ...], chunk_size: int | None
     # room for every request at once (never squeezed), and no more: a block of a real model's layout
     # at a window-sized block size is megabytes
     blocks = sum(-(-(len(q.tokens) + q.max_new_tokens + draft_tokens) // tpb) for q in requests)
-    num_slots = min(MAX_SLOTS, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)   # pages a block takes <= groups
+    # pages a block takes <= groups
+    num_slots = min(MAX_SLOTS, len(plan_layer_groups(load_model(model), tpb)) * blocks + 8)
     result = run(ctx, list(requests), num_slots=num_slots, chunk_size=chunk_size, local_reuse=True, connector=False)
     return {rid: s.generated_token_ids for rid, s in result.outcomes.items()}
 

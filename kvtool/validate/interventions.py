@@ -6,8 +6,8 @@ the run's record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtool.engine.engine import Engine
 from kvtool.engine.pass_types import PassItem
@@ -83,6 +83,7 @@ def after_each_offering_ask(disrupt: Callable[[], None], counts: list[int]) -> E
     """Setup that runs `disrupt` right after every ask the connector answers with tokens (the
     store changes between the offer and the load), counting how often."""
     def setup(engine: Engine) -> None:
+        assert engine.connector is not None   # the remote scenarios run a connector
         scheduler = engine.connector.scheduler
         ask = scheduler.get_num_new_matched_tokens
 
@@ -92,7 +93,8 @@ def after_each_offering_ask(disrupt: Callable[[], None], counts: list[int]) -> E
                 disrupt()
                 counts.append(answer[0])
             return answer
-        scheduler.get_num_new_matched_tokens = asked
+        # this connector instance's hook wrapped on purpose (the disruption goes between its answer and the load)
+        scheduler.get_num_new_matched_tokens = asked  # type: ignore[method-assign]
     return setup
 
 

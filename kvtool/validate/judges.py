@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.engine.events import (Ask, Deliver, Finished, LoadStarted, PrefixLoadRetired, ReservationReleased, Reserved,
-                                  SaveFinished, SaveStarted)
+from kvtool.engine.events import (
+    Ask,
+    Deliver,
+    Finished,
+    LoadStarted,
+    PrefixLoadRetired,
+    ReservationReleased,
+    Reserved,
+    SaveFinished,
+    SaveStarted,
+)
 from kvtool.validate.cause_evidence import released_page_loads
 from kvtool.validate.harness import Context, Req, reference_tokens
 from kvtool.validate.outlived_store import follower_store_lacks, store_outlived_engine
@@ -116,7 +125,8 @@ def judge_warm_hit(scenario: str, ctx: Context, r: RunRecord, warm_ids: list[int
     served = {rid: served_intact(r, rid) for rid in warm_ids if rid in r.outcomes or not ctx.cut}   # a cut drops some
     cold = [rid for rid, n in served.items() if n == 0]
     if not cold:
-        return result(scenario, ctx, "warm-hit", True, [f"request {rid}: {n} tokens served" for rid, n in served.items()])
+        return result(scenario, ctx, "warm-hit", True,
+                      [f"request {rid}: {n} tokens served" for rid, n in served.items()])
     evidence = [_why_not_served(r, rid) for rid in cold]
     check = result(scenario, ctx, "warm-hit", False, evidence)
     return check if ctx.strict else replace(check, verdict=Verdict.MISS)

@@ -17,7 +17,6 @@ from kvtool.engine.events import Ask, Finished, PassDone
 from kvtool.validate.cause_evidence import KEEP_IT_ON_THE_OBJECTS, unknown_block_offer
 from kvtool.validate.run_record import FailureReason, RunRecord
 
-
 _FOLLOWER_HOOK = re.compile(r"(?P<hook>\w+) \(rank (?P<rank>[1-9]\d*)\) raised (?P<error>.*)")
 
 

@@ -8,8 +8,8 @@ request's KV under this one's keys; later requests repeating these prompts load 
 
 from __future__ import annotations
 
-from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.engine.runtimes.behaviours import Behaviour
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.interventions import note_pages
 from kvtool.validate.judges import judge_integrity, judge_warm_hit, result
@@ -47,8 +47,9 @@ def pause_replay(ctx: Context) -> list[CheckResult]:
         return [result("pause-replay", ctx, "integrity", False,
                        [f"not exercised: no request was paused with {room} slots per pool group"])]
     if integrity.verdict.value == "pass":
+        served = sum(r.outcome(q.request_id).num_external for q in again)
         integrity.evidence = [f"paused: {', '.join(f'request {rid} {n}x' for rid, n in sorted(pauses.items()))}; "
-                              f"repeats served {sum(r.outcome(q.request_id).num_external for q in again)} tokens"] + moved
+                              f"repeats served {served} tokens"] + moved
     return [integrity, judge_warm_hit("pause-replay", ctx, r, [q.request_id for q in again])]
 
 
@@ -59,7 +60,7 @@ def moved_pages(r: RunRecord, pages: dict[int, list]) -> list[str]:
     for rid, attempts in sorted(pages.items()):
         if len(attempts) < 2:
             continue
-        kept = sum(len(a & b) for a, b in zip(attempts[0], attempts[-1]))
+        kept = sum(len(a & b) for a, b in zip(attempts[0], attempts[-1], strict=True))
         loaded = r.outcome(rid).num_external
         happened = kept < sum(map(len, attempts[-1])) and loaded > 0 and r.outcome(rid).num_local_hit == 0
         out.append(f"{'exercised' if happened else 'not exercised'}: request {rid}'s replay ran in pages other than "

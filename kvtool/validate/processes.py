@@ -23,7 +23,7 @@ def scenario_processes(start_method: str | None = None):
     return _context(start_method or ("forkserver" if torch.cuda.is_available() else "fork"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _context(start_method: str):
     mp = multiprocessing.get_context(start_method)
     if start_method == "forkserver":

@@ -16,7 +16,6 @@ from kvtool.validate.judges import judge_integrity, knock_on, result, skipped
 from kvtool.validate.remote_servers import remote_control
 from kvtool.validate.results import CheckResult
 
-
 NEEDS_REMOTE = "needs --remote URL (the server the connector stores into)"
 """Why a remote scenario is skipped when `--remote` names no server."""
 
@@ -43,13 +42,17 @@ def _judged(name: str, ctx: Context, disrupt_setup=None, on_iteration=None, coun
 
 
 def lost_after_ask(ctx: Context) -> list[CheckResult]:
+    if ctx.remote is None:
+        return _judged("remote-lost-after-ask", ctx)   # skipped: no server
     counts: list[int] = []
-    server = remote_control(ctx.remote) if ctx.remote else None
+    server = remote_control(ctx.remote)
     return _judged("remote-lost-after-ask", ctx, after_each_offering_ask(lambda: server.flush(), counts), counts=counts)
 
 
 def restarted_empty(ctx: Context) -> list[CheckResult]:
-    server = remote_control(ctx.remote) if ctx.remote else None
+    if ctx.remote is None:
+        return _judged("remote-restarted-empty", ctx)   # skipped: no server
+    server = remote_control(ctx.remote)
 
     def wipe_and_disconnect() -> None:
         server.flush()
@@ -59,16 +62,20 @@ def restarted_empty(ctx: Context) -> list[CheckResult]:
 
 
 def stalled(ctx: Context) -> list[CheckResult]:
+    if ctx.remote is None:
+        return _judged("remote-stalled", ctx)   # skipped: no server
     counts: list[int] = []
-    server = remote_control(ctx.remote) if ctx.remote else None
-    if server is not None and not server.can_pause:
+    server = remote_control(ctx.remote)
+    if not server.can_pause:
         return [skipped("remote-stalled", ctx, "integrity", f"{server.kind} cannot pause its clients")]
     return _judged("remote-stalled", ctx, after_each_offering_ask(lambda: server.pause(1500), counts), counts=counts)
 
 
 def connections_dropped(ctx: Context) -> list[CheckResult]:
-    server = remote_control(ctx.remote) if ctx.remote else None
-    if server is not None and not server.can_drop_connections:
+    if ctx.remote is None:
+        return _judged("remote-connections-dropped", ctx)   # skipped: no server
+    server = remote_control(ctx.remote)
+    if not server.can_drop_connections:
         return [skipped("remote-connections-dropped", ctx, "integrity",
                         f"{server.kind} cannot drop its clients' connections")]
     return _judged("remote-connections-dropped", ctx, on_iteration=lambda engine: server.drop_connections())

@@ -9,7 +9,28 @@ from urllib.parse import parse_qs, urlsplit
 from kvtool.errors import InputError
 
 
-class RedisControl:
+class RemoteControl:
+    """A server the remote scenarios disrupt; `can_pause` and `can_drop_connections` say which of
+    those disruptions it supports (the scenarios skip the others)."""
+
+    kind: str
+    can_pause = False
+    can_drop_connections = False
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def pause(self, milliseconds: int) -> None:
+        raise NotImplementedError(f"{self.kind} cannot pause its clients")
+
+    def drop_connections(self) -> None:
+        raise NotImplementedError(f"{self.kind} cannot drop its clients' connections")
+
+
+class RedisControl(RemoteControl):
     kind = "Redis"
     can_pause = True
     can_drop_connections = True
@@ -42,7 +63,7 @@ class RedisControl:
         self.client.client_kill_filter(_type="normal", skipme=True)
 
 
-class MooncakeControl:
+class MooncakeControl(RemoteControl):
     kind = "Mooncake Store"
     can_pause = False
     can_drop_connections = False
@@ -84,7 +105,7 @@ class MooncakeControl:
 CONTROLS = {"redis": RedisControl, "rediss": RedisControl, "mooncake": MooncakeControl}
 
 
-def remote_control(url: str):
+def remote_control(url: str) -> RemoteControl:
     """The control of the server `url` names (InputError for a kind kvtool cannot drive)."""
     scheme = urlsplit(url).scheme
     if scheme not in CONTROLS:

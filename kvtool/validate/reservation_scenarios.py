@@ -12,14 +12,21 @@ from kvtool.engine.runtimes.behaviours import Behaviour
 from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.harness import Context, NotRunHere, Req, Scenario, run, tokens
 from kvtool.validate.interventions import abort_in_transmission
-from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                    judge_reservations, judge_warm_hit)
+from kvtool.validate.judges import (
+    judge_answers,
+    judge_async,
+    judge_holds_nothing,
+    judge_integrity,
+    judge_reservations,
+    judge_warm_hit,
+)
 from kvtool.validate.results import CheckResult
 from kvtool.validate.run_record import RunRecord
 from kvtool.validate.sizing import squeeze_slots
 
 
 def _require_reservations(ctx: Context) -> None:
+    assert ctx.spec is not None   # a scenario runs a connector
     if not takes_part_in_reservations(ctx.spec.scheduler_class, ctx.spec.worker_class):
         raise NotRunHere("the connector does not take part in prefix reservations (reserve_prefix, "
                          "release_prefix_reservation, get_finished_prefix_loads): main's V2 asks it on the final "
@@ -114,11 +121,14 @@ _NOT_HERE = "prefix reservations exist on main's KVCacheManagerV2 only"
 
 RESERVATION_SCENARIOS = (
     Scenario("prefix-rejected", "a reserved candidate whose first chunk finds no pages: released whole, a fresh "
-                                "reservation id at every later attempt", candidate_rejected, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                "reservation id at every later attempt", candidate_rejected, exercises=_EXERCISES,
+             runs_on=_ONLY_V2, not_here=_NOT_HERE),
     Scenario("prefix-shortened", "promises cut to whole blocks below the last prompt token: the tail released "
-                                 "before the load", offer_shortened, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                 "before the load", offer_shortened, exercises=_EXERCISES, runs_on=_ONLY_V2,
+             not_here=_NOT_HERE),
     Scenario("prefix-cancelled-in-flight", "a request aborted while its prefix load is in flight keeps its "
-                                           "allocation until the load retires", cancelled_in_flight, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
+                                           "allocation until the load retires", cancelled_in_flight,
+             exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
     Scenario("prefix-every-rank", "a prefix load retires only when every worker reported it (--num-ranks 2+)",
              every_rank, exercises=_EXERCISES, runs_on=_ONLY_V2, not_here=_NOT_HERE),
 )

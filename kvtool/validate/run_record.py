@@ -8,8 +8,8 @@ written down here, and `tests/test_validate_judges_read_records.py` holds them t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from kvtool.connector.introspection import Introspection, introspect
 from kvtool.connector.runtime import ContractViolation, HookFailure

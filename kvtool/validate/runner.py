@@ -9,20 +9,20 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
-from typing import Callable, Collection, Iterable, Sequence
 
 import torch
 
-from kvtool.connector.store_namespace import store_namespace
 from kvtool.connector.compat import install_compat
 from kvtool.connector.raised import describe_error, format_error
+from kvtool.connector.store_namespace import store_namespace
+from kvtool.engine.runtimes import profile_of
 from kvtool.manager.layer_groups import plan_layer_groups
 from kvtool.manager.pool_groups import placed_bytes, plan_pool_groups
 from kvtool.models import load_model
 from kvtool.validate.cause_evidence import forget_engines
-from kvtool.engine.runtimes import profile_of
 from kvtool.validate.harness import MAX_SLOTS, Context, NotRunHere, registration_error, take_tracebacks
 from kvtool.validate.processes import scenario_processes, sleep_while_waiting_for_the_gpu
 from kvtool.validate.results import CheckResult, Verdict
@@ -107,6 +107,7 @@ def _setup(ctx: Context) -> list[CheckResult]:
     """The registration check: FAIL when the connector cannot take this model's cache; SKIP (its
     model's scenarios not run) where the runtime refuses the model, or where the connector was
     written for another runtime and this one was not asked for by name (`--runtime`)."""
+    assert ctx.spec is not None   # a scenario runs a connector
     foreign = profile_of(ctx.runtime).cannot_host(ctx.spec.scheduler_class, ctx.spec.worker_class)
     if foreign is not None and not ctx.runtime_chosen:
         raise NotRunHere(f"not run under {ctx.runtime}: {foreign} (--runtime {ctx.runtime} makes this a failure)")

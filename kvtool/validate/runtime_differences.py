@@ -8,8 +8,8 @@ failing rows then name the runtime where the same check passed and the rows of t
 
 from __future__ import annotations
 
-from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.engine.runtimes.behaviours import differences
+from kvtool.engine.runtimes.names import RuntimeName
 from kvtool.validate.results import CheckResult, Verdict
 from kvtool.validate.scenarios import SCENARIOS
 
@@ -31,7 +31,8 @@ def note_runtime_differences(results: list[CheckResult]) -> list[CheckResult]:
         if elsewhere:
             r.evidence.append(difference_note(r.scenario, RuntimeName(r.runtime), RuntimeName(elsewhere[0])))
         elif not_run.get((r.scenario, r.model)):
-            r.evidence.append(not_run_note(r.scenario, RuntimeName(r.runtime), RuntimeName(not_run[(r.scenario, r.model)][0])))
+            r.evidence.append(not_run_note(r.scenario, RuntimeName(r.runtime),
+                                           RuntimeName(not_run[(r.scenario, r.model)][0])))
     return results
 
 
@@ -48,7 +49,8 @@ def not_run_note(scenario: str, failing: RuntimeName, other: RuntimeName) -> str
     """The scenario cannot run under `other` (its case does not happen there), and how the two differ."""
     rows = differences(_exercised(scenario), failing, other)
     reason = SCENARIOS[scenario].not_here if scenario in SCENARIOS else ""
-    return (f"under {other} this case cannot happen ({reason})" if reason else f"under {other} this scenario does not run") \
+    return (f"under {other} this case cannot happen ({reason})" if reason
+            else f"under {other} this scenario does not run") \
         + (f"; {failing} differs from it in: " + " | ".join(rows) if rows else "")
 
 

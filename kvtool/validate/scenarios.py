@@ -21,15 +21,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.engine.events import Ask, NotHonoured
-from kvtool.engine.runtimes.names import RuntimeName as R
 from kvtool.engine.runtimes.behaviours import Behaviour as B
+from kvtool.engine.runtimes.names import RuntimeName as R
 from kvtool.models import load_model, shard_model
-from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
 from kvtool.validate.draft_scenarios import DRAFT_SCENARIOS
-from kvtool.validate.interventions import (InjectedFailure, abort_deferred, evict_local_cache_after,
-                                           release_reusable_pages)
-from kvtool.validate.judges import (judge_answers, judge_async, judge_holds_nothing, judge_integrity,
-                                    judge_reservations, judge_warm_hit, knock_on, result, skipped)
+from kvtool.validate.harness import Context, Req, Scenario, reference_tokens, run, tokens
+from kvtool.validate.interventions import (
+    InjectedFailure,
+    abort_deferred,
+    evict_local_cache_after,
+    release_reusable_pages,
+)
+from kvtool.validate.judges import (
+    judge_answers,
+    judge_async,
+    judge_holds_nothing,
+    judge_integrity,
+    judge_reservations,
+    judge_warm_hit,
+    knock_on,
+    result,
+    skipped,
+)
 from kvtool.validate.outlived_store import follower_store_lacks
 from kvtool.validate.pause_scenarios import PAUSE_SCENARIOS
 from kvtool.validate.remote_scenarios import REMOTE_SCENARIOS
@@ -87,7 +100,8 @@ def vswa_live_pages(ctx: Context) -> list[CheckResult]:
     if windows and not any(len(g.stale_range(len(a), T)) for g in windows) and integrity.verdict is Verdict.PASS:
         integrity = replace(integrity, verdict=Verdict.SKIP, evidence=[
             note or f"not exercised on {load_model(ctx.model).name}: no prompt passes its smallest sliding window "
-                    f"({min(g.window_size for g in windows)} tokens) at {T} tokens per block"])
+                    f"({min(g.window_size for g in windows if g.window_size is not None)} tokens) "
+                    f"at {T} tokens per block"])
     elif note:
         integrity.evidence.append(note)
     return [integrity] + _common("vswa-live-pages", ctx, r)
@@ -378,11 +392,13 @@ def final_pass_blocks(ctx: Context) -> list[CheckResult]:
     asking the runtime to keep the pages copies released pages, and the repeats load them."""
     T = ctx.tokens_per_block
     prefill = [Req(0, tokens(140, 6 * T), max_new_tokens=1), Req(1, tokens(141, 5 * T + 2), max_new_tokens=1)]
-    # the last pass computes position prompt_len + n - 2: it completes a block when prompt_len + n - 1 is a multiple of T
+    # the last pass computes position prompt_len + n - 2: it completes a block when prompt_len + n - 1 is a
+    # multiple of T
     chat = [Req(2, tokens(142, 3 * T + 1), max_new_tokens=T), Req(3, tokens(143, 2 * T + 1), max_new_tokens=2 * T)]
     answers = reference_tokens(ctx, prefill + chat)
     again = [Req(10 + q.request_id, q.tokens, arrival=1.0) for q in prefill] + \
-        [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id]) + tokens(144 + q.request_id, T + 1), arrival=1.0)
+        [Req(10 + q.request_id, q.tokens + tuple(answers[q.request_id]) + tokens(144 + q.request_id, T + 1),
+             arrival=1.0)
          for q in chat]
     reqs = prefill + chat + again
     r = run(ctx, reqs, on_iteration=release_reusable_pages)
@@ -390,7 +406,8 @@ def final_pass_blocks(ctx: Context) -> list[CheckResult]:
            judge_warm_hit("final-pass-blocks", ctx, r, [q.request_id for q in again])]
     if not r.error:     # a load of released-page bytes is named by judge_integrity (`released_page_loads`)
         out[0].evidence += [f"tokens served to the repeats of prompts whose last blocks were completed in their "
-                            f"request's last pass: { {q.request_id: r.outcome(q.request_id).num_external for q in again} }"]
+                            "request's last pass: "
+                            f"{ {q.request_id: r.outcome(q.request_id).num_external for q in again} }"]
     return out + _common("final-pass-blocks", ctx, r)
 
 
@@ -467,7 +484,8 @@ def _judge_survival(ctx: Context, r: RunRecord, baseline: RunRecord, reqs: list[
     evidence += [f"request {rid} never finished ({s.phase.value})" for rid, s in r.outcomes.items() if s.is_live]
     failed = [rid for rid, s in r.outcomes.items() if s.phase is Phase.FAILED]
     evidence += [follower_store_lacks(r, rid) or
-                 f"request {rid} was admitted after the failure and failed only when it happened ({r.outcome(rid).error}):"
+                 f"request {rid} was admitted after the failure and failed only when it happened "
+                 f"({r.outcome(rid).error}):"
                  " did the connector offer blocks of the failed pass, whose saves never landed?"
                  for rid in failed if rid not in admitted and r.outcome(rid).failure in CONNECTOR_RAISED
                  and baseline.outcome(rid).phase is not Phase.FAILED]

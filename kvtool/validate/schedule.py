@@ -56,9 +56,12 @@ def schedule_for(seed: int) -> SeedSchedule:
     # Two draws of an earlier schedule (a wall-clock settle, replaced by held work) stay drawn, so
     # that every seed keeps the rest of the schedule it had.
     settled = rng.choice((0, 1, 3))
-    schedule = dict(slot_order=rng.choice(SLOT_ORDERS), max_batch_size=rng.choice((None, 2, 3, 5)),
-                    chunk_size=rng.choice((None, 3, 5, 9)), idle_wait_seconds=rng.choice((0.0001, 0.0005, 0.002)))
+    slot_order: str = rng.choice(SLOT_ORDERS)   # drawn in this order, as they always were
+    max_batch_size: int | None = rng.choice((None, 2, 3, 5))
+    chunk_size: int | None = rng.choice((None, 3, 5, 9))
+    idle_wait_seconds: float = rng.choice((0.0001, 0.0005, 0.002))
     if settled:
         rng.choice((0.0001, 0.001))
-    return SeedSchedule(seed, holds_to_latest=False, pause_room_delta=rng.choice((0, 0, 1)), **schedule)
+    return SeedSchedule(seed, slot_order, max_batch_size, chunk_size, idle_wait_seconds, holds_to_latest=False,
+                        pause_room_delta=rng.choice((0, 0, 1)))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 USER_STORE_FOLDERS = ("CONNECTOR_CACHE_FOLDER", "TLLM_CONNECTOR_CACHE_FOLDER", "SEMANTIC_CONNECTOR_CACHE_FOLDER")
 """The environment variables TensorRT-LLM's example connectors read their store folder from."""

@@ -56,5 +56,5 @@ class BlockTables:
         if resumed:
             self._tables[request_id] = [list(group) for group in new_block_ids]
         elif new_block_ids is not None:
-            for group, ids in zip(self._tables[request_id], new_block_ids):
+            for group, ids in zip(self._tables[request_id], new_block_ids, strict=True):
                 group.extend(ids)

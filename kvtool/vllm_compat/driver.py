@@ -11,8 +11,9 @@ worker's tensors (a connector writing where it must not is caught at the step it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

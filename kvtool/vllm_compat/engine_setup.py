@@ -11,9 +11,10 @@ attention backend's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.models import shard_model
 from kvtool.vllm_compat.install import require_vllm
@@ -64,8 +65,12 @@ def build_engine(model: VllmModel, shape: EngineShape, target: ConnectorTarget, 
     written into `folder`. Construction errors of vLLM or the connector propagate."""
     require_vllm()
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_kv_cache_configs,
-                                             get_request_block_hasher, init_none_hash)
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+        get_request_block_hasher,
+        init_none_hash,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -110,8 +115,7 @@ def _parallel_groups(config: Any, folder: Path) -> None:
 
 
 def _vllm_config(model: VllmModel, shape: EngineShape, target: ConnectorTarget, folder: Path) -> Any:
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(model=str(model.write_config(folder / "model")), skip_tokenizer_init=True,
                                dtype=model.dtype_name, max_model_len=shape.max_model_len, seed=0)

@@ -3,8 +3,9 @@ through it requires vLLM (exit 2 with the install line where it is missing)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvtool.errors import InputError
 from kvtool.validate.results import CheckResult

@@ -13,16 +13,16 @@ pass on bytes a block kept from an earlier use.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvtool.engine.fingerprint import expected_bytes
 from kvtool.models import ModelSpec
-from kvtool.vllm_compat.model_config import layer_name
 from kvtool.types import Role
+from kvtool.vllm_compat.model_config import layer_name
 
 POISON = 0xA5
 """The byte every free block holds: bytes nobody wrote since the block was freed."""

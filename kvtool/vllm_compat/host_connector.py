@@ -28,9 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorTransferResults,
-                                                               SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from kvtool.vllm_compat.block_tables import BlockTables
 from kvtool.vllm_compat.fingerprints import NULL_BLOCK

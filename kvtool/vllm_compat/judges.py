@@ -65,7 +65,8 @@ def finished_ids(scenario: str, model: str, run: VllmRun) -> CheckResult:
         wrong += [f"step {step.index}: finished_sending {rid} before the worker was told it finished"
                   for rid in sorted(step.finished_sending - told)]
         wrong += [f"step {step.index}: {rid} reported again" for rid in sorted(step.finished_sending & sent)]
-        wrong += [f"step {step.index}: finished_recving {rid} again" for rid in sorted(step.finished_recving & received)]
+        wrong += [f"step {step.index}: finished_recving {rid} again"
+                  for rid in sorted(step.finished_recving & received)]
         sent |= step.finished_sending
         received |= step.finished_recving
     if wrong:

@@ -21,7 +21,8 @@ def record_output(output: Any, scheduled: list[Scheduled]) -> dict[str, Any]:
     return {
         "new": [[n.req_id, [list(g) for g in n.block_ids], n.num_computed_tokens] for n in output.scheduled_new_reqs],
         "cached": [[rid, None if b is None else [list(g) for g in b], computed, rid in cached.resumed_req_ids]
-                   for rid, b, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)],
+                   for rid, b, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                               strict=True)],
         "num_scheduled": dict(output.num_scheduled_tokens),
         "finished": sorted(output.finished_req_ids),
         "preempted": sorted(output.preempted_req_ids or ()),
@@ -44,4 +45,5 @@ def as_output(step: dict[str, Any]) -> SimpleNamespace:
 
 def recorded_scheduled(step: dict[str, Any]) -> list[Scheduled]:
     """The `Scheduled` list the driver derived when the step was recorded."""
-    return [Scheduled(rid, start, end, tuple(tuple(g) for g in blocks)) for rid, start, end, blocks in step["scheduled"]]
+    return [Scheduled(rid, start, end, tuple(tuple(g) for g in blocks))
+            for rid, start, end, blocks in step["scheduled"]]

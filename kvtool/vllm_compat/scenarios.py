@@ -9,9 +9,10 @@ own way, and a check whose case did not happen is skipped, saying so. Every scen
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.models import load_model
 from kvtool.validate.results import CheckResult, Verdict

@@ -126,7 +126,7 @@ def _round(run: VllmRun, label: str, prompts: list[list[int]], per_pass: int) ->
     ids = [f"{label}-{i}" for i in range(len(prompts))]
     first, started = len(run.steps), time.perf_counter()
     for at in range(0, len(prompts), per_pass):
-        for rid, prompt in zip(ids[at:at + per_pass], prompts[at:at + per_pass]):
+        for rid, prompt in zip(ids[at:at + per_pass], prompts[at:at + per_pass], strict=True):
             run.add(rid, prompt, max_tokens=1)
         run.run()
     return _Round(ids, first, len(run.steps), time.perf_counter() - started)
@@ -138,7 +138,7 @@ def _measure(run: VllmRun, round_: _Round, hooks: tuple[str, ...], blocks: list[
     steps_of = {rid: {r.index for r in run.steps[round_.first_step:round_.end_step] if rid in r.num_scheduled}
                 for rid in round_.ids}
     latencies = [_seconds(union([(s.start, s.end) for s in spans if s.hook in hooks and s.step in steps_of[rid]]))
-                 for rid, moved in zip(round_.ids, blocks) if moved]
+                 for rid, moved in zip(round_.ids, blocks, strict=True) if moved]
     inside = sum(s.end - s.start for s in spans)
     return Measured(sum(blocks), _seconds(union(timed)), latencies, inside, round_.seconds)
 
@@ -156,7 +156,7 @@ def _issue(run: VllmRun, cold: _Round, warm: _Round) -> str | None:
     if run.integrity.num_wrong:
         first = run.integrity.issues[0].describe() if run.integrity.issues else ""
         return f"{run.integrity.num_wrong} token-layer reads differ from a full recompute ({first})"
-    differ = [c for c, w in zip(cold.ids, warm.ids) if run.tokens(c)[-1:] != run.tokens(w)[-1:]]
+    differ = [c for c, w in zip(cold.ids, warm.ids, strict=True) if run.tokens(c)[-1:] != run.tokens(w)[-1:]]
     if differ:
         return f"{len(differ)} of {len(cold.ids)} warm prompts generated other tokens than cold"
     return None

@@ -17,9 +17,10 @@ import hashlib
 import importlib.util
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from kvtool.errors import InputError
 

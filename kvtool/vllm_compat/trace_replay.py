@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvtool.connector.request import Request
 from kvtool.errors import ConnectorError
@@ -114,7 +115,8 @@ def _summary(run: VllmRun, asked: dict[str, int], pending: list[Request], target
         "pauses": sum(o.num_preemptions for o in outcomes),
         "recomputed_tokens": max(0, computed - (prompt - hits) - (generated - len(outcomes))),
         "hit_rate": token_hit_rate(local, hits - local, prompt), "simulated_seconds": round(clock, 6),
-        "gpu_pool_bytes": shape.num_blocks * block_bytes, "gpu_pool_tokens": (shape.num_blocks - 1) * shape.tokens_per_block,
+        "gpu_pool_bytes": shape.num_blocks * block_bytes,
+        "gpu_pool_tokens": (shape.num_blocks - 1) * shape.tokens_per_block,
         "fidelity": "bytes", "runtime": "vllm", "invariant_errors": _held_blocks(run), "connector": target.label,
         "model": model, "tokens_per_block": shape.tokens_per_block, "device": "cpu", "wall_seconds": round(wall, 3)}
     return {f.name: values.get(f.name) for f in dataclasses.fields(TraceSummary)}

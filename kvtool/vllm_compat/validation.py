@@ -12,9 +12,10 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.connector.raised import describe_error, format_error
 from kvtool.engine.runtimes.names import VLLM_RUNTIME

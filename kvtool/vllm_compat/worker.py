@@ -20,8 +20,9 @@ position attention reads checked (`fingerprints.FingerprintPages`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,8 @@ class VllmWorker:
         kv_config = built.worker_kv_configs[rank]
         layout = KVCacheLayout[built.vllm_config.cache_config.kv_cache_layout]
         self.tensors = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
-        self.pages = FingerprintPages(self.tensors, layer_geometry(built.worker_models[rank].spec), built.shape.block_size, rank)
+        self.pages = FingerprintPages(self.tensors, layer_geometry(built.worker_models[rank].spec),
+                                      built.shape.block_size, rank)
         self.pages.poison(range(kv_config.num_blocks))
         self._layers = {name: _Layer(tensor) for name, tensor in self.tensors.items()}
         set_current_worker(rank)

@@ -20,8 +20,9 @@ import functools
 import hashlib
 import heapq
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Iterator
+from typing import IO
 
 import numpy as np
 

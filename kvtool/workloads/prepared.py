@@ -10,9 +10,9 @@ carries (id, output length, salt, arrival) in a JSON table. Its requests equal t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -37,7 +37,8 @@ class PreparedWorkload(Workload):
         tokens = np.memmap(path, dtype=np.uint32, mode="r") if path.stat().st_size else np.zeros(0, np.uint32)
         for row in table:
             start, end = row["tokens"]
-            yield Request(row["request_id"], token_array_from_native(np.ascontiguousarray(tokens[start:end]).data.cast("B")),
+            prompt = token_array_from_native(np.ascontiguousarray(tokens[start:end]).data.cast("B"))
+            yield Request(row["request_id"], prompt,
                           row["max_new_tokens"], row["cache_salt"], row["is_generation_only"],
                           arrival=row["arrival"])
 

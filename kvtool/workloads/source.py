@@ -9,9 +9,10 @@ file and line.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, TypeGuard
+from typing import Any, TypeGuard
 
 from kvtool.connector.request import Request
 from kvtool.errors import InputError

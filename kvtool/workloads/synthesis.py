@@ -12,7 +12,7 @@ when the later one's id (hence both) matches.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from tensorrt_llm import LLM, logger  # noqa: F401  (LLM is what a real script would start)
-from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (KvCacheConnectorScheduler, KvCacheConnectorWorker,
-                                                                SchedulerOutput)
+from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+    KvCacheConnectorScheduler,
+    KvCacheConnectorWorker,
+    SchedulerOutput,
+)
 from tensorrt_llm.bindings.internal.batch_manager import LlmRequest
 from tensorrt_llm.llmapi.llm_args import KvCacheConnectorConfig, TorchLlmArgs  # noqa: F401
 

@@ -52,7 +52,8 @@ def test_backend_equals_torch_reference(backend, direction, shape, seed):
     gen = torch.Generator().manual_seed(seed)
     count = 64
     src_slots = tuple(torch.randperm(NUM_SLOTS, generator=gen)[:count].tolist())
-    dst_slots = tuple(range(count)) if direction == "save" else tuple(torch.randperm(NUM_SLOTS, generator=gen)[:count].tolist())
+    dst_slots = (tuple(range(count)) if direction == "save" else
+                 tuple(torch.randperm(NUM_SLOTS, generator=gen)[:count].tolist()))
     if direction == "load":
         src_slots = tuple(range(count))
     op = CopyOp(src, dst, src_slots, dst_slots, nbytes, src_offset, dst_offset)

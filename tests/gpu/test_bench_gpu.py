@@ -31,7 +31,8 @@ def test_saves_beside_gpu_products_are_measured_and_verified(connector, tmp_path
     results = _bench(connector, "llama-3.1-8b", tmp_path)
     assert all(r["verified"] for r in results["rows"])
     rows = results["compute"]
-    assert [(r["products"], r["tokens_per_block"], r["verified"]) for r in rows] == [("bf16 4096³ x4 on cuda", 16, True)] * 2
+    assert [(r["products"], r["tokens_per_block"], r["verified"]) for r in rows] == \
+        [("bf16 4096³ x4 on cuda", 16, True)] * 2
     for row in rows:
         assert row["products_during_saves"] >= 1 and row["slowdown_during_saves"] is not None
         assert row["matmul_ms_alone"] > 0 and row["save_gbps_with_compute"] > 0

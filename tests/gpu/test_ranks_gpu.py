@@ -11,10 +11,10 @@ import torch
 from kvtool.connectors.registry import load_connector
 from kvtool.engine.engine import EngineConfig
 from kvtool.engine.scheduler import SchedulerConfig
-from kvtool.trace.replay import run_trace
-from kvtool.workloads.source import load_workload
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
+from kvtool.trace.replay import run_trace
+from kvtool.workloads.source import load_workload
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 SMALL_RUNS = {
     "after-parent-cuda": ("host", "--model", "tiny", "--device", "cpu", "--scenario", "cold-warm"),
-    "compat": ("--compat", "trtllm", f"{REPO / 'tests/data/trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker",
+    "compat": ("--compat", "trtllm",
+               f"{REPO / 'tests/data/trtllm_style_connector.py'}:BlockFilesLeader:BlockFilesWorker",
                "--model", "tiny", "--scenario", "cold-warm"),
     "exits-at-import": ("{folder}/leaving.py:S:W",),
 }

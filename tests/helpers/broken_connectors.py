@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtool.connector.api import KvCacheConnectorWorker
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler, ReservingHostWorker
+from kvtool.connectors.host import (
+    HostConnectorScheduler,
+    HostConnectorWorker,
+    ReservingHostScheduler,
+    ReservingHostWorker,
+)
 from kvtool.connectors.metadata import PageTransfer
 from kvtool.group_pages import GroupPages
 from kvtool.manager.block_keys import ReuseScope, block_key, root_key
@@ -238,7 +243,8 @@ class UnchainedKeys(HostConnectorScheduler):
 
 def _extend_unchained(tracker, tokens_per_block):
     for j in range(len(tracker.keys), len(tracker.tokens) // tokens_per_block):
-        tracker.keys.append(block_key(tracker.scope_key, tracker.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
+        tracker.keys.append(block_key(tracker.scope_key,
+                                      tracker.tokens[j * tokens_per_block:(j + 1) * tokens_per_block]))
 
 
 # integrity (multi-turn): plans a finished request's asynchronous save at request_finished, counting

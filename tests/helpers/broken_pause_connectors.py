@@ -80,10 +80,10 @@ class PageTableWorker(DictConnectorWorker):
             if rid not in self._pages:
                 self._pages[rid] = [list(pages) for pages in lists]
             elif not is_new:                     # the defect: a known id's `new` report is dropped
-                for table, delta in zip(self._pages[rid], lists):
+                for table, delta in zip(self._pages[rid], lists, strict=True):
                     table += delta
         for key, group, block in self._metadata.loads:
-            for region, saved in zip(self._regions[group], self._blocks[(key, group)]):
+            for region, saved in zip(self._regions[group], self._blocks[(key, group)], strict=True):
                 region.slot_tensor(self._page(group, block)).copy_(saved)
 
     def wait_for_save(self, stream):

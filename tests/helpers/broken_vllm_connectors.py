@@ -15,7 +15,8 @@ class ShiftedLoad(KvtoolHostConnector):
     def load(self, transfer: Transfer, asynchronous: bool) -> None:
         targets = [blocks for blocks, _ in transfer.blocks]
         hashes = [h for _, h in transfer.blocks]
-        super().load(Transfer(transfer.request_id, tuple(zip(targets[1:] + targets[:1], hashes))), asynchronous)
+        rotated = tuple(zip(targets[1:] + targets[:1], hashes, strict=True))
+        super().load(Transfer(transfer.request_id, rotated), asynchronous)
 
 
 class AskSideEffects(KvtoolHostConnector):

@@ -71,7 +71,7 @@ class ReplaysIntoOldPages(HostConnectorScheduler):
 
     def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):
         first = self._first_pages.setdefault(request.request_id, [list(p) for p in block_ids_by_layer_group])
-        kept = [old + list(new[len(old):]) for old, new in zip(first, block_ids_by_layer_group)]
+        kept = [old + list(new[len(old):]) for old, new in zip(first, block_ids_by_layer_group, strict=True)]
         super().update_state_after_alloc_by_layer_group(request, kept)
 
 

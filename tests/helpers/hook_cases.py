@@ -8,8 +8,8 @@ what the connector sees, not by the scenario that creates it.
 
 from __future__ import annotations
 
-from kvtool.manager.radix_tree import common_prefix_length
 from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker
+from kvtool.manager.radix_tree import common_prefix_length
 from kvtool.types import BAD_PAGE_INDEX
 
 ASK_CASES = (
@@ -65,7 +65,8 @@ def sharing_case(new: list[int], old: list[int], tpb: int) -> str:
     if c == len(new) == len(old):
         return "prompts: identical"
     if c == len(new):
-        return "prompts: the new one is a prefix " + ("ending on a block boundary" if c % tpb == 0 else "ending mid-block")
+        return "prompts: the new one is a prefix " + ("ending on a block boundary" if c % tpb == 0
+                                                      else "ending mid-block")
     if c == len(old):
         return "prompts: the new one extends one that " + ("ended on a block boundary" if c % tpb == 0
                                                            else "ended mid-block")

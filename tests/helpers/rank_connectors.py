@@ -6,8 +6,12 @@ import os
 import time
 
 from kvtool.connectors.disk import DiskConnectorScheduler, DiskConnectorWorker
-from kvtool.connectors.host import (HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler,  # noqa: F401
-                                   ReservingHostWorker)
+from kvtool.connectors.host import (  # noqa: F401
+    HostConnectorScheduler,
+    HostConnectorWorker,
+    ReservingHostScheduler,
+    ReservingHostWorker,
+)
 from tests.helpers.broken_connectors import AsyncScheduler
 from tests.helpers.broken_connectors import _async_args as async_args
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtool.connectors.host import HostConnectorScheduler, HostConnectorWorker, ReservingHostScheduler, ReservingHostWorker
+from kvtool.connectors.host import (
+    HostConnectorScheduler,
+    HostConnectorWorker,
+    ReservingHostScheduler,
+    ReservingHostWorker,
+)
 
 
 class Worker(HostConnectorWorker):

@@ -3,6 +3,7 @@ stopped by their pid. Nothing relies on a system service."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -72,7 +73,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.process = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
              "--protected-mode", "yes", *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -125,7 +126,7 @@ class MooncakeStore:
     def options(self) -> dict[str, str]:
         return {"master": f"127.0.0.1:{self.rpc_port}", "metadata": f"http://127.0.0.1:{self.http_port}/metadata"}
 
-    def start(self) -> "MooncakeStore":
+    def start(self) -> MooncakeStore:
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         self.master = subprocess.Popen(
             [mooncake_binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
@@ -204,10 +205,8 @@ class CuttingProxy:
         except OSError:
             pass
         for s in (source, sink):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ connector (there is no stream to get wrong).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -15,8 +15,8 @@ checked and announced, the pages told, an asynchronous load parked) are methods 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvtool.connector.api import PrefixLoad, takes_part_in_reservations
 from kvtool.connector.loader import ConnectorSpec

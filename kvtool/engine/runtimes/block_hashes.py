@@ -10,7 +10,7 @@ connector must compare them with hashes of the same runtime only, as it must und
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvtool.manager.block_keys import tokens_bytes
 

@@ -20,8 +20,8 @@ Invariant (the judges check it from the events): every token of a promise is rel
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtool.connector.api import PrefixLoad
 from kvtool.connector.request import Request

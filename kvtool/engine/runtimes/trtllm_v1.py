@@ -29,7 +29,7 @@ from kvtool.connector.api import RequestData, implements
 from kvtool.connector.runtime import PastThePrompt
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.request_state import Offer, RequestState
-from kvtool.engine.runtimes.admission import Admits, AdmissionHost, ConnectorAdmission
+from kvtool.engine.runtimes.admission import AdmissionHost, Admits, ConnectorAdmission
 from kvtool.engine.runtimes.block_hashes import extend_block_hashes
 from kvtool.engine.runtimes.profile import BringUp, CapacityPolicy, Registration, RuntimeName, RuntimeProfile
 from kvtool.engine.runtimes.refusals import first, guaranteed_no_evict, no_host_offloading, single_window

@@ -30,13 +30,12 @@ Also refused with a connector: cache tiers below GPU, speculative decoding.
 
 from __future__ import annotations
 
-
 from kvtool.connector.api import RESERVATION_HOOKS, PrefixLoad, reservation_hooks, takes_part_in_reservations
 from kvtool.connector.runtime import HookResult, PastThePrompt
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Ask, NotHonoured, Reserve
 from kvtool.engine.request_state import FailureReason, Offer, Phase, RequestState
-from kvtool.engine.runtimes.admission import Admits, AdmissionHost, ConnectorAdmission
+from kvtool.engine.runtimes.admission import AdmissionHost, Admits, ConnectorAdmission
 from kvtool.engine.runtimes.prefix_reservations import Reservation, ReservationBook
 from kvtool.engine.runtimes.profile import BringUp, Registration, RuntimeName, RuntimeProfile
 from kvtool.engine.runtimes.refusals import first, gpu_tier_only, no_speculative_decoding

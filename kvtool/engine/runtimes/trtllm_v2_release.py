@@ -23,7 +23,7 @@ from __future__ import annotations
 from kvtool.engine.batch import Batch, TokenBudget
 from kvtool.engine.events import Reserve
 from kvtool.engine.request_state import Offer, Phase, RequestState
-from kvtool.engine.runtimes.admission import Admits, AdmissionHost, ConnectorAdmission
+from kvtool.engine.runtimes.admission import AdmissionHost, Admits, ConnectorAdmission
 from kvtool.engine.runtimes.profile import BringUp, Registration, RuntimeName, RuntimeProfile
 from kvtool.engine.runtimes.refusals import gpu_tier_only
 
