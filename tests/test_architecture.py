@@ -126,13 +126,17 @@ def test_the_package_ships_no_study_tool_and_imports_no_test():
 
 # ---- private names stay in their module --------------------------------------------------------
 OUTSIDE_PRIVATE_NAMES = {"_exit", "_C", "_get_sm_carveout_experimental", "_replace", "_registry",
-                         "_KV_CONNECTOR_AGENT", "_worker", "_sleep"}
+                         "_KV_CONNECTOR_AGENT", "_worker", "_sleep", "_target", "_shutdown", "_world", "_core",
+                         "_set_madvise_hugepage", "_set_sm_carveout_experimental"}
 """Private names of other packages that kvtool uses on purpose: `os._exit` in a forked child,
-torch's SM carve-out switch, a NamedTuple's `_replace`; vLLM's connector factory's registry (the
+torch's SM carve-out switches, a NamedTuple's `_replace`; vLLM's connector factory's registry (the
 names it registers, which vLLM lists nowhere public) and its KV transfer agent (several workers
 played in one process each become the agent in turn, where vLLM sets it once a process);
 `concurrent.futures.thread._worker` (a connector's pool thread is known by its target, to hold it)
-and `torch.cuda._sleep` (the device-side spin that makes the forward stream lose its races)."""
+and `torch.cuda._sleep` (the device-side spin that makes the forward stream lose its races); read
+through getattr with a default: a thread's `_target` and an executor's `_shutdown` (held work),
+torch.distributed's `_world` (the default group's name), numpy's `_core`/`_set_madvise_hugepage`
+(huge pages for growable arrays)."""
 
 
 def private_names_defined(tree: ast.Module) -> set[str]:
@@ -151,19 +155,30 @@ def private_names_defined(tree: ast.Module) -> set[str]:
 
 
 def foreign_private_reads(source: str) -> list[str]:
-    """`x._name` where `x` is not self/cls and no code of this module defines `_name`."""
+    """`x._name` or `getattr(x, "_name", ...)` where `x` is not self/cls and no code of this module
+    defines `_name`."""
     tree = ast.parse(source)
     own = private_names_defined(tree) | OUTSIDE_PRIVATE_NAMES
-    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-            and node.attr not in own]
+    reads = [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+             and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+             and node.attr not in own]
+    by_name = [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+               and len(node.args) >= 2
+               and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+               and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")
+               and node.args[1].value not in own]
+    return reads + by_name
 
 
 def test_the_private_name_finder_sees_a_planted_reach():
     planted = "def f(request):\n    return request._token_view()\n"
     own = "class A:\n    def _x(self):\n        return 1\n\ndef g(a: A):\n    return a._x()\n"
     assert foreign_private_reads(planted) == ["2: request._token_view"]
+    assert foreign_private_reads("def f(r):\n    return getattr(r, '_token_view', None)\n") == \
+        ["2: getattr(r, '_token_view', None)"]
     assert foreign_private_reads(own) == []
 
 

@@ -110,7 +110,8 @@ class RequestProgress:
 
 
 def progress_of(request: Request) -> RequestProgress:
-    """The runtime's handle on `request`'s progress (for the engine only: a connector reads the request)."""
+    """The runtime's handle on `request`'s progress: the engine changes it, kvtool's workload reader
+    reads it; a connector must not call this (it reads the request), and nothing enforces that."""
     return request._progress
 
 
