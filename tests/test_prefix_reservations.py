@@ -365,11 +365,10 @@ def test_an_abort_during_an_async_prefix_load_keeps_the_allocation_until_the_loa
     check_manager(engine.manager)
 
 
-def test_a_stale_completion_cannot_resume_a_replayed_request():
-    # test_stale_completion_cannot_finish_a_replayed_allocation: request 1's synchronous load
-    # (reservation 1, rank 0 reports it 3 iterations late) is followed by a pause (its allocation
-    # destroyed) and a replay that loads asynchronously (reservation 2, reported 5 iterations late).
-    # Reservation 1's retirement says nothing about reservation 2: the request must wait for it.
+def paused_between_two_reservations() -> tuple[Engine, EventLog]:
+    """Request 1's first attempt loads synchronously (reservation 1, rank 0 reports it 3 iterations
+    late), then it is paused (MAX_UTILIZATION's pause: its allocation destroyed); its replay will
+    load asynchronously (reservation 2, reported 5 iterations late)."""
     attempts = []
     spec = reserving(lambda request, n: attempts.append(n) or (32, len(attempts) > 1),
                      lag=lambda rank, rid: {1: 3, 2: 5}[rid])
@@ -378,7 +377,16 @@ def test_a_stale_completion_cannot_resume_a_replayed_request():
     engine.add_request(Request(1, list(range(40)), 6))
     engine.step()
     engine.step()
-    engine.pause(engine.states[1])                                      # MAX_UTILIZATION's pause
+    engine.pause(engine.states[1])
+    return engine, log
+
+
+def test_a_stale_completion_cannot_resume_a_replayed_request():
+    # test_stale_completion_cannot_finish_a_replayed_allocation: request 1's synchronous load
+    # (reservation 1, rank 0 reports it 3 iterations late) is followed by a pause (its allocation
+    # destroyed) and a replay that loads asynchronously (reservation 2, reported 5 iterations late).
+    # Reservation 1's retirement says nothing about reservation 2: the request must wait for it.
+    engine, log = paused_between_two_reservations()
     engine.run()
     retired = {e.reservation_id: e.iteration for e in log.of(PrefixLoadRetired)}
     assert retired == {1: 4, 2: 8}

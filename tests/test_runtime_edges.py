@@ -15,7 +15,13 @@ from kvtool.engine.scheduler import SchedulerConfig
 from kvtool.manager import KvCacheManagerConfig
 from kvtool.models import load_model
 from tests.helpers.engines import make_engine, scripted
-from tests.test_prefix_reservations import ReservingScheduler, logged, released_once, reserving
+from tests.test_prefix_reservations import (
+    ReservingScheduler,
+    logged,
+    paused_between_two_reservations,
+    released_once,
+    reserving,
+)
 
 V1, V2, RELEASE = RuntimeName.TRTLLM_V1, RuntimeName.TRTLLM_V2, RuntimeName.TRTLLM_V2_RELEASE
 
@@ -24,15 +30,7 @@ def test_an_abort_waits_for_the_load_the_request_waits_for_not_an_earlier_attemp
     # The first attempt's synchronous load (reservation 1) is reported 3 iterations late; after a
     # pause the replay loads asynchronously (reservation 2, 5 late). An abort while the replay waits
     # keeps the allocation until reservation 2 retires, not until reservation 1 does.
-    attempts = []
-    spec = reserving(lambda request, n: attempts.append(n) or (32, len(attempts) > 1),
-                     lag=lambda rank, rid: {1: 3, 2: 5}[rid])
-    engine = make_engine(spec, num_slots=64, runtime=V2, pause_to_grow=True, local_reuse=False)
-    log = logged(engine)
-    engine.add_request(Request(1, list(range(40)), 6))
-    engine.step()
-    engine.step()
-    engine.pause(engine.states[1])
+    engine, log = paused_between_two_reservations()
     engine.step()                      # the replay reserves anew and parks on reservation 2
     engine.abort(1)
     engine.run()

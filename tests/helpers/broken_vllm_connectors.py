@@ -19,26 +19,6 @@ class ShiftedLoad(KvtoolHostConnector):
         super().load(Transfer(transfer.request_id, rotated), asynchronous)
 
 
-class AskSideEffects(KvtoolHostConnector):
-    """Starts an asynchronous load at the ask (a side effect): an ask vLLM repeats because the
-    allocation failed has its load reported finished before vLLM ever parked the request, so the
-    real load, done a step later, lands after vLLM already scheduled the request."""
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if count:
-            self.meta.async_loads.add(request.request_id)
-        return count, is_async
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HostMetadata)
-        for transfer in getattr(self, "later", []):
-            self.load(transfer, True)
-        self.later = list(meta.loads)
-        self.recved |= meta.async_loads
-
-
 class EarlyRecv(KvtoolHostConnector):
     """Reports an asynchronous load finished when it starts, and copies it a step later."""
 
@@ -49,6 +29,18 @@ class EarlyRecv(KvtoolHostConnector):
             self.load(transfer, True)
         self.later = list(meta.loads)
         self.recved |= meta.async_loads
+
+
+class AskSideEffects(EarlyRecv):
+    """Starts an asynchronous load at the ask (a side effect): an ask vLLM repeats because the
+    allocation failed has its load reported finished before vLLM ever parked the request, so the
+    real load, done a step later (EarlyRecv's copy), lands after vLLM already scheduled the request."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count:
+            self.meta.async_loads.add(request.request_id)
+        return count, is_async
 
 
 class SilentLoadFailure(KvtoolHostConnector):
